@@ -1,0 +1,21 @@
+//! Tycho's wire protocol.
+//!
+//! - [`ErrorCode`]: stable numbers (Mooncake's where Mooncake has one) and the
+//!   [`RetryClass`] a client applies to each.
+//! - [`Request`] / [`Response`]: every master RPC.
+//! - [`frame`]: the length-prefixed frame that carries them, with a decoder that rejects
+//!   oversized, truncated and malformed input with an error.
+
+mod error;
+pub mod frame;
+mod message;
+mod types;
+
+pub use error::{ErrorCode, RetryClass, WireResult};
+pub use message::*;
+pub use types::*;
+
+/// Longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 4096;
+/// Longest tenant name accepted, in bytes.
+pub const MAX_TENANT_LEN: usize = 255;

@@ -1,0 +1,342 @@
+//! Every master RPC: one [`Request`] variant per call and the [`Response`] variant that
+//! answers it. Batch calls answer one result per key, in request order.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ErrorCode, WireResult};
+use crate::types::*;
+
+#[cfg(test)]
+use proptest_derive::Arbitrary;
+
+/// Start a write (PutStart or UpsertStart) of one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct WriteStart {
+    /// The writer.
+    pub client: ClientId,
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+    /// Object size in bytes.
+    pub size: u64,
+    /// Placement and pinning.
+    pub config: ReplicateConfig,
+}
+
+/// Start writes of several keys with one placement config.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct BatchWriteStart {
+    /// The writer.
+    pub client: ClientId,
+    /// Tenant namespace of the keys.
+    pub tenant: String,
+    /// Keys with their sizes.
+    pub items: Vec<(KeyRef, u64)>,
+    /// Placement and pinning for every key.
+    pub config: ReplicateConfig,
+}
+
+/// End or revoke a write of one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct WriteFinish {
+    /// The writer; must be the client that started the write.
+    pub client: ClientId,
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+}
+
+/// End or revoke writes of several keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct BatchWriteFinish {
+    /// The writer.
+    pub client: ClientId,
+    /// Tenant namespace of the keys.
+    pub tenant: String,
+    /// Keys and routes.
+    pub keys: Vec<KeyRef>,
+}
+
+/// A read-side call on one key (GetReplicaList, ExistKey).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct KeyQuery {
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+}
+
+/// A read-side call on several keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct BatchKeyQuery {
+    /// Tenant namespace of the keys.
+    pub tenant: String,
+    /// Keys and routes.
+    pub keys: Vec<KeyRef>,
+}
+
+/// Remove one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct RemoveKey {
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+    /// Remove even while a read lease is held.
+    pub force: bool,
+}
+
+/// Remove several keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct BatchRemoveKeys {
+    /// Tenant namespace of the keys.
+    pub tenant: String,
+    /// Keys and routes.
+    pub keys: Vec<KeyRef>,
+    /// Remove even while read leases are held.
+    pub force: bool,
+}
+
+/// Every call a client can make to a master.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum Request {
+    /// Liveness heartbeat; never takes a metadata shard lock.
+    Ping {
+        /// The caller.
+        client: ClientId,
+    },
+    /// Whether the master accepts data-plane calls.
+    ServiceReady,
+    /// Contribute a segment.
+    MountSegment {
+        /// The owner.
+        client: ClientId,
+        /// The segment.
+        segment: SegmentDesc,
+    },
+    /// Re-contribute every segment after NEED_REMOUNT.
+    ReMountSegment {
+        /// The owner.
+        client: ClientId,
+        /// All its segments.
+        segments: Vec<SegmentDesc>,
+    },
+    /// Withdraw a segment; its replicas are dropped.
+    UnmountSegment {
+        /// The owner.
+        client: ClientId,
+        /// The segment.
+        segment: SegmentId,
+    },
+    /// Begin a put-if-absent.
+    PutStart(WriteStart),
+    /// Commit a put.
+    PutEnd(WriteFinish),
+    /// Abandon a put.
+    PutRevoke(WriteFinish),
+    /// Batch form of PutStart.
+    BatchPutStart(BatchWriteStart),
+    /// Batch form of PutEnd.
+    BatchPutEnd(BatchWriteFinish),
+    /// Batch form of PutRevoke.
+    BatchPutRevoke(BatchWriteFinish),
+    /// Begin a write that replaces any existing value.
+    UpsertStart(WriteStart),
+    /// Commit an upsert.
+    UpsertEnd(WriteFinish),
+    /// Abandon an upsert; the old value stays.
+    UpsertRevoke(WriteFinish),
+    /// Batch form of UpsertStart.
+    BatchUpsertStart(BatchWriteStart),
+    /// Batch form of UpsertEnd.
+    BatchUpsertEnd(BatchWriteFinish),
+    /// Batch form of UpsertRevoke.
+    BatchUpsertRevoke(BatchWriteFinish),
+    /// Where to read a key; grants a read lease.
+    GetReplicaList(KeyQuery),
+    /// Batch form of GetReplicaList.
+    BatchGetReplicaList(BatchKeyQuery),
+    /// Whether a complete object exists; extends its lease.
+    ExistKey(KeyQuery),
+    /// Batch form of ExistKey.
+    BatchExistKey(BatchKeyQuery),
+    /// Remove one object.
+    Remove(RemoveKey),
+    /// Remove several objects.
+    BatchRemove(BatchRemoveKeys),
+    /// Remove every object of a tenant whose key matches a regular expression.
+    RemoveByRegex {
+        /// Tenant namespace.
+        tenant: String,
+        /// Regular expression (Rust `regex` syntax) matched against whole keys.
+        regex: String,
+        /// Remove leased objects too.
+        force: bool,
+    },
+    /// Remove every object.
+    RemoveAll {
+        /// Remove leased objects too.
+        force: bool,
+    },
+    /// Mounted segments and their usage.
+    ListSegments,
+    /// Keys, optionally filtered by tenant and regex, at most `limit`.
+    ListKeys {
+        /// Tenant filter; `None` lists all tenants.
+        tenant: Option<String>,
+        /// Regex filter on the key.
+        regex: Option<String>,
+        /// Maximum number of keys returned.
+        limit: u32,
+    },
+    /// Whole-master figures.
+    Stats,
+}
+
+/// The answer to a [`Request`]; each variant answers the request of the same name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum Response {
+    /// The request failed as a whole (malformed, unknown client, routing, ...).
+    Error(ErrorCode),
+    /// Answer to Ping.
+    Ping(PingReply),
+    /// Answer to ServiceReady.
+    ServiceReady(bool),
+    /// Answer to MountSegment, ReMountSegment and UnmountSegment.
+    Done,
+    /// Answer to PutStart / UpsertStart: one range per placed replica.
+    WriteStarted(Vec<ReplicaDesc>),
+    /// Answer to BatchPutStart / BatchUpsertStart.
+    BatchWriteStarted(Vec<WireResult<Vec<ReplicaDesc>>>),
+    /// Per-key answers to batch end, revoke and remove calls.
+    BatchDone(Vec<WireResult<()>>),
+    /// Answer to GetReplicaList.
+    Replicas(ReplicaList),
+    /// Answer to BatchGetReplicaList.
+    BatchReplicas(Vec<WireResult<ReplicaList>>),
+    /// Answer to ExistKey.
+    Exists(bool),
+    /// Answer to BatchExistKey.
+    BatchExists(Vec<WireResult<bool>>),
+    /// Answer to RemoveByRegex and RemoveAll: objects removed.
+    Removed(u64),
+    /// Answer to ListSegments.
+    Segments(Vec<SegmentStatus>),
+    /// Answer to ListKeys.
+    Keys(Vec<KeyInfo>),
+    /// Answer to Stats.
+    Stats(MasterStats),
+}
+
+impl Request {
+    /// The RPC's name, for metrics and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Ping { .. } => "ping",
+            Request::ServiceReady => "service_ready",
+            Request::MountSegment { .. } => "mount_segment",
+            Request::ReMountSegment { .. } => "remount_segment",
+            Request::UnmountSegment { .. } => "unmount_segment",
+            Request::PutStart(_) => "put_start",
+            Request::PutEnd(_) => "put_end",
+            Request::PutRevoke(_) => "put_revoke",
+            Request::BatchPutStart(_) => "batch_put_start",
+            Request::BatchPutEnd(_) => "batch_put_end",
+            Request::BatchPutRevoke(_) => "batch_put_revoke",
+            Request::UpsertStart(_) => "upsert_start",
+            Request::UpsertEnd(_) => "upsert_end",
+            Request::UpsertRevoke(_) => "upsert_revoke",
+            Request::BatchUpsertStart(_) => "batch_upsert_start",
+            Request::BatchUpsertEnd(_) => "batch_upsert_end",
+            Request::BatchUpsertRevoke(_) => "batch_upsert_revoke",
+            Request::GetReplicaList(_) => "get_replica_list",
+            Request::BatchGetReplicaList(_) => "batch_get_replica_list",
+            Request::ExistKey(_) => "exist_key",
+            Request::BatchExistKey(_) => "batch_exist_key",
+            Request::Remove(_) => "remove",
+            Request::BatchRemove(_) => "batch_remove",
+            Request::RemoveByRegex { .. } => "remove_by_regex",
+            Request::RemoveAll { .. } => "remove_all",
+            Request::ListSegments => "list_segments",
+            Request::ListKeys { .. } => "list_keys",
+            Request::Stats => "stats",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn every_request_round_trips(req: Request, id: u64) {
+            let mut buf = Vec::new();
+            encode_frame(&mut buf, FrameKind::Request, id, &req).unwrap();
+            let (h, payload, used) = split_frame(&buf, DEFAULT_MAX_FRAME).unwrap().unwrap();
+            prop_assert_eq!(used, buf.len());
+            prop_assert_eq!(h.request_id, id);
+            prop_assert_eq!(h.kind, FrameKind::Request);
+            prop_assert_eq!(decode_payload::<Request>(payload).unwrap(), req);
+        }
+
+        #[test]
+        fn every_response_round_trips(resp: Response, id: u64) {
+            let mut buf = Vec::new();
+            encode_frame(&mut buf, FrameKind::Response, id, &resp).unwrap();
+            let (h, payload, _) = split_frame(&buf, DEFAULT_MAX_FRAME).unwrap().unwrap();
+            prop_assert_eq!(h.kind, FrameKind::Response);
+            prop_assert_eq!(decode_payload::<Response>(payload).unwrap(), resp);
+        }
+
+        /// Random bytes never panic the decoder: they are a frame, "need more", or an error.
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            if let Ok(Some((_, payload, _))) = split_frame(&bytes, 1 << 20) {
+                let _ = decode_payload::<Request>(payload);
+                let _ = decode_payload::<Response>(payload);
+            }
+            let _ = decode_payload::<Request>(&bytes);
+            let _ = decode_payload::<Response>(&bytes);
+        }
+
+        /// A valid frame with one byte flipped decodes to something or to an error, never a panic.
+        #[test]
+        fn corrupted_frames_never_panic(req: Request, pos: usize, flip: u8) {
+            let mut buf = Vec::new();
+            encode_frame(&mut buf, FrameKind::Request, 1, &req).unwrap();
+            let at = pos % buf.len();
+            buf[at] ^= flip | 1;
+            if let Ok(Some((_, payload, _))) = split_frame(&buf, DEFAULT_MAX_FRAME) {
+                let _ = decode_payload::<Request>(payload);
+            }
+        }
+    }
+
+    #[test]
+    fn huge_announced_vector_is_an_error_not_an_allocation() {
+        // A varint claiming 2^60 elements must fail cleanly.
+        let mut payload = vec![26u8]; // variant index of BatchGetReplicaList is not 26; any index works
+        payload.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(decode_payload::<Request>(&payload).is_err());
+        let mut payload = vec![18u8, 0]; // BatchGetReplicaList, empty tenant
+        payload.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(decode_payload::<Request>(&payload).is_err());
+    }
+}

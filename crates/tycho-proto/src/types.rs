@@ -1,0 +1,235 @@
+//! Identities, descriptors and per-write options shared by all messages.
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(test)]
+use proptest_derive::Arbitrary;
+
+/// A store client (a process that mounts segments or calls the master). Random, chosen by
+/// the client once per process life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+#[serde(transparent)]
+pub struct ClientId(pub u128);
+
+/// A mounted segment: a contiguous range of memory one client contributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+#[serde(transparent)]
+pub struct SegmentId(pub u128);
+
+impl std::fmt::Display for ClientId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl std::fmt::Display for SegmentId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// The route a key-addressed request was sent under: the key's partition and the epoch of
+/// the partition's KVPT group as the client believes it. The master checks both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct RouteTag {
+    /// `crc32c(tenant ‖ key) mod 16384`.
+    pub partition_id: u16,
+    /// Ownership epoch of the key's KVPT group.
+    pub epoch: u64,
+}
+
+/// One key of a request, with the route it was sent under.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct KeyRef {
+    /// The object key.
+    pub key: String,
+    /// Partition and epoch the client computed for it.
+    pub route: RouteTag,
+}
+
+/// A segment as a client describes it when mounting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct SegmentDesc {
+    /// Stable identity of this segment.
+    pub id: SegmentId,
+    /// Human-readable name; preferred-segment lists refer to it (`host:port` by convention).
+    pub name: String,
+    /// Address in the owner's address space where the segment starts; used for overlap checks.
+    pub base: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Address of the transfer server that serves this segment (`ip:port`).
+    pub endpoint: String,
+    /// Identity of the host; peers on the same host may map the segment directly.
+    pub host: String,
+    /// Shared-memory file backing the segment, empty when it cannot be mapped by peers.
+    pub shm_path: String,
+}
+
+/// Where one replica of an object lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct ReplicaDesc {
+    /// The segment holding the bytes.
+    pub segment: SegmentId,
+    /// Offset of the bytes inside the segment.
+    pub offset: u64,
+    /// Length in bytes (the object size).
+    pub len: u64,
+    /// Transfer server of the segment.
+    pub endpoint: String,
+    /// Host identity of the segment's owner.
+    pub host: String,
+    /// Shared-memory file of the segment, empty if none.
+    pub shm_path: String,
+}
+
+/// How a write treats the soft pin (Mooncake's `SoftPinAction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum SoftPinAction {
+    /// No soft pin (an upsert clears an existing one).
+    #[default]
+    Disable,
+    /// Soft-pin the object for `soft_pin_ttl_ms` or the default TTL.
+    Enable,
+    /// Keep whatever pin state the object had (for upserts; a new object gets none).
+    Preserve,
+}
+
+/// How the master picks segments for the replicas of a new object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum AllocStrategy {
+    /// Uniformly random among segments with room (Mooncake's default).
+    #[default]
+    Random,
+    /// The segments with the largest free fraction first.
+    FreeRatioFirst,
+    /// A segment on the writer's host first, then random.
+    LocalFirst,
+}
+
+/// Per-write placement and pinning options (Mooncake's `ReplicateConfig`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct ReplicateConfig {
+    /// Replicas wanted; placement is best effort, at least one.
+    pub replica_num: u32,
+    /// Soft-pin handling.
+    pub soft_pin_action: SoftPinAction,
+    /// Soft-pin TTL; only valid with [`SoftPinAction::Enable`].
+    pub soft_pin_ttl_ms: Option<u64>,
+    /// Never evict this object.
+    pub hard_pin: bool,
+    /// Segment names to place replicas on first, in order.
+    pub preferred_segments: Vec<String>,
+    /// Place the first replica on the writer's host when possible.
+    pub prefer_alloc_in_same_node: bool,
+    /// Placement strategy; `None` uses the master's default.
+    pub strategy: Option<AllocStrategy>,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        ReplicateConfig {
+            replica_num: 1,
+            soft_pin_action: SoftPinAction::Disable,
+            soft_pin_ttl_ms: None,
+            hard_pin: false,
+            preferred_segments: Vec::new(),
+            prefer_alloc_in_same_node: false,
+            strategy: None,
+        }
+    }
+}
+
+/// Answer to Ping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum ClientStatus {
+    /// The master knows this client.
+    Ok,
+    /// The master does not know this client (it expired or the master restarted):
+    /// remount every segment.
+    NeedRemount,
+}
+
+/// Answer to Ping.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct PingReply {
+    /// Whether the client must remount.
+    pub status: ClientStatus,
+    /// Identity of the master process; changes when the master restarts.
+    pub master_instance: u64,
+}
+
+/// Answer to GetReplicaList: where to read, and for how long the read lease holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct ReplicaList {
+    /// Object size in bytes.
+    pub size: u64,
+    /// Complete replicas.
+    pub replicas: Vec<ReplicaDesc>,
+    /// The lease granted with this answer; a read finishing later must fail.
+    pub lease_ttl_ms: u64,
+}
+
+/// A mounted segment with its usage, for admin listings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct SegmentStatus {
+    /// The segment as mounted.
+    pub desc: SegmentDesc,
+    /// The client that mounted it.
+    pub client: ClientId,
+    /// Bytes allocated to replicas.
+    pub used: u64,
+}
+
+/// One object in an admin key listing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct KeyInfo {
+    /// Tenant the key belongs to.
+    pub tenant: String,
+    /// The key.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Number of replicas.
+    pub replicas: u32,
+    /// Whether the write has completed.
+    pub complete: bool,
+    /// Remaining read lease in milliseconds (0 when none).
+    pub lease_remaining_ms: u64,
+    /// Whether a soft pin is in force.
+    pub soft_pinned: bool,
+    /// Whether the object is hard-pinned.
+    pub hard_pinned: bool,
+}
+
+/// Whole-master figures for `tycho stat`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct MasterStats {
+    /// Sum of mounted segment sizes.
+    pub capacity_bytes: u64,
+    /// Bytes allocated to replicas.
+    pub used_bytes: u64,
+    /// Objects (complete and in progress).
+    pub objects: u64,
+    /// Live clients.
+    pub clients: u64,
+    /// Mounted segments.
+    pub segments: u64,
+    /// Objects the liveness sweep has visited since the master started.
+    pub sweep_progress: u64,
+}
