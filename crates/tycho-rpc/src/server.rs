@@ -1,0 +1,203 @@
+//! The serving side: accept loop and one task per connection.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameError, FrameKind, DEFAULT_MAX_FRAME};
+
+/// A handler's answer: ready now, or a future to be driven off the connection's task.
+pub enum Reply<R> {
+    /// The response, computed inline.
+    Ready(R),
+    /// The response will come from this future; it is spawned so that the connection keeps
+    /// serving other requests meanwhile.
+    Later(Pin<Box<dyn Future<Output = R> + Send + 'static>>),
+}
+
+/// What a server does with requests.
+pub trait Service: Send + Sync + 'static {
+    /// The request message.
+    type Request: DeserializeOwned + Send + 'static;
+    /// The response message.
+    type Response: Serialize + Send + 'static;
+    /// Handles one request. Must not block: long work goes into [`Reply::Later`].
+    fn call(&self, req: Self::Request) -> Reply<Self::Response>;
+    /// The response to a request whose frame was valid but whose payload did not decode.
+    fn malformed(&self, err: &FrameError) -> Self::Response;
+}
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Largest request frame accepted; a larger one closes the connection.
+    pub max_frame: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { max_frame: DEFAULT_MAX_FRAME }
+    }
+}
+
+/// A running server.
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    connections: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ServerHandle {
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Connections currently open.
+    pub fn open_connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Stops accepting and closes every connection.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Serves `service` on `listener` until the handle is shut down.
+pub fn serve<S: Service>(listener: TcpListener, service: Arc<S>, config: ServerConfig) -> std::io::Result<ServerHandle> {
+    let local_addr = listener.local_addr()?;
+    let (stop, stop_rx) = watch::channel(false);
+    let connections = Arc::new(AtomicU64::new(0));
+    let open = connections.clone();
+    let task = tokio::spawn(async move {
+        let mut stop_rx = stop_rx;
+        loop {
+            tokio::select! {
+                _ = stop_rx.changed() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        let svc = service.clone();
+                        let cfg = config.clone();
+                        let stop = stop_rx.clone();
+                        let open = open.clone();
+                        open.fetch_add(1, Ordering::Relaxed);
+                        tokio::spawn(async move {
+                            if let Err(e) = serve_connection(stream, svc, cfg, stop).await {
+                                tracing::debug!(%peer, error = %e, "connection closed");
+                            }
+                            open.fetch_sub(1, Ordering::Relaxed);
+                        });
+                    }
+                    Err(e) => {
+                        // Out of file descriptors and similar: keep serving existing
+                        // connections, try again shortly.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                },
+            }
+        }
+    });
+    Ok(ServerHandle { local_addr, stop, connections, task })
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+async fn serve_connection<S: Service>(
+    stream: TcpStream,
+    service: Arc<S>,
+    config: ServerConfig,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), ConnError> {
+    stream.set_nodelay(true)?;
+    let (mut rd, mut wr) = stream.into_split();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, S::Response)>();
+    let mut rbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    loop {
+        // Handle every whole frame already buffered, then write all their answers at once.
+        let mut used = 0;
+        while let Some((header, payload, n)) = split_frame(&rbuf[used..], config.max_frame)? {
+            used += n;
+            if header.kind != FrameKind::Request {
+                return Err(FrameError::BadKind(header.kind as u8).into());
+            }
+            let id = header.request_id;
+            let reply = match decode_payload::<S::Request>(payload) {
+                Ok(req) => service.call(req),
+                Err(e) => Reply::Ready(service.malformed(&e)),
+            };
+            match reply {
+                Reply::Ready(resp) => encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?,
+                Reply::Later(fut) => {
+                    if let Some(resp) = poll_once(fut, &done_tx, id) {
+                        encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+                    }
+                }
+            }
+        }
+        rbuf.drain(..used);
+        while let Ok((id, resp)) = done_rx.try_recv() {
+            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+        }
+        if !wbuf.is_empty() {
+            wr.write_all(&wbuf).await?;
+            wbuf.clear();
+            if wbuf.capacity() > 1 << 20 {
+                wbuf.shrink_to(64 * 1024);
+            }
+        }
+        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+            rbuf.reserve(64 * 1024);
+        }
+        tokio::select! {
+            biased;
+            read = rd.read_buf(&mut rbuf) => {
+                if read? == 0 {
+                    return Ok(());
+                }
+            }
+            Some((id, resp)) = done_rx.recv() => {
+                encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+            }
+            _ = stop.changed() => return Ok(()),
+        }
+    }
+}
+
+/// Polls a handler future once on the connection's task; if it is not ready, spawns it and
+/// has it deliver its response through `done`.
+fn poll_once<R: Send + 'static>(
+    mut fut: Pin<Box<dyn Future<Output = R> + Send + 'static>>,
+    done: &mpsc::UnboundedSender<(u64, R)>,
+    id: u64,
+) -> Option<R> {
+    let mut cx = Context::from_waker(Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        Poll::Ready(r) => Some(r),
+        Poll::Pending => {
+            let done = done.clone();
+            tokio::spawn(async move {
+                let r = fut.await;
+                let _ = done.send((id, r));
+            });
+            None
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! The RPC layer over real loopback TCP.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tycho_proto::frame::FrameError;
+use tycho_rpc::{serve, ClientConfig, Reply, RpcClient, RpcError, RpcPool, ServerConfig, Service};
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Req {
+    Echo(u64),
+    SleepMs(u64, u64),
+    Blob(Vec<u8>),
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+enum Resp {
+    Echo(u64),
+    Len(usize),
+    Bad(String),
+}
+
+#[derive(Default)]
+struct TestService {
+    calls: AtomicU64,
+}
+
+impl Service for TestService {
+    type Request = Req;
+    type Response = Resp;
+    fn call(&self, req: Req) -> Reply<Resp> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        match req {
+            Req::Echo(n) => Reply::Ready(Resp::Echo(n)),
+            Req::SleepMs(ms, n) => Reply::Later(Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Resp::Echo(n)
+            })),
+            Req::Blob(b) => Reply::Ready(Resp::Len(b.len())),
+        }
+    }
+    fn malformed(&self, err: &FrameError) -> Resp {
+        Resp::Bad(err.to_string())
+    }
+}
+
+async fn start(max_frame: u32) -> (tycho_rpc::ServerHandle, Arc<TestService>, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let svc = Arc::new(TestService::default());
+    let h = serve(listener, svc.clone(), ServerConfig { max_frame }).unwrap();
+    let addr = h.local_addr().to_string();
+    (h, svc, addr)
+}
+
+const T: Duration = Duration::from_secs(5);
+
+#[tokio::test]
+async fn many_calls_in_flight_on_one_connection_are_matched_by_id() {
+    let (_h, _svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..500u64 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            // Every third call is slow, so answers come back out of order.
+            let req = if i % 3 == 0 { Req::SleepMs(20 - (i % 20), i) } else { Req::Echo(i) };
+            let r: Resp = c.call(&req, T).await.unwrap();
+            assert_eq!(r, Resp::Echo(i));
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn slow_call_does_not_block_fast_calls_behind_it() {
+    let (_h, _svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let slow = {
+        let c = c.clone();
+        tokio::spawn(async move { c.call::<_, Resp>(&Req::SleepMs(2_000, 1), T).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Completes while the slow one is still outstanding.
+    let fast: Resp = c.call(&Req::Echo(2), Duration::from_secs(1)).await.unwrap();
+    assert_eq!(fast, Resp::Echo(2));
+    assert!(!slow.is_finished());
+    assert_eq!(slow.await.unwrap().unwrap(), Resp::Echo(1));
+}
+
+#[tokio::test]
+async fn deadline_expires_and_connection_stays_usable() {
+    let (_h, _svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let err = c.call::<_, Resp>(&Req::SleepMs(500, 1), Duration::from_millis(50)).await.unwrap_err();
+    assert!(matches!(err, RpcError::Timeout(_)), "{err:?}");
+    assert_eq!(err.code(), tycho_proto::ErrorCode::RPC_TIMEOUT);
+    let r: Resp = c.call(&Req::Echo(9), T).await.unwrap();
+    assert_eq!(r, Resp::Echo(9));
+}
+
+#[tokio::test]
+async fn silent_peer_times_out() {
+    // A listener that accepts and never answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let _keep = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(s);
+    });
+    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let err = c.call::<_, Resp>(&Req::Echo(1), Duration::from_millis(100)).await.unwrap_err();
+    assert!(matches!(err, RpcError::Timeout(_)));
+}
+
+#[tokio::test]
+async fn dead_peer_fails_calls_and_pool_reconnects() {
+    let (h, _svc, addr) = start(1 << 20).await;
+    let pool = RpcPool::new(ClientConfig::default());
+    let c = pool.get(&addr).await.unwrap();
+    let _: Resp = c.call(&Req::Echo(1), T).await.unwrap();
+    h.shutdown().await;
+    let err = c.call::<_, Resp>(&Req::Echo(2), T).await.unwrap_err();
+    assert!(matches!(err, RpcError::Closed(_)), "{err:?}");
+    assert!(c.is_closed());
+    // Nothing listens now: connecting fails with a typed error.
+    assert!(matches!(pool.get(&addr).await, Err(RpcError::Connect { .. })));
+}
+
+#[tokio::test]
+async fn garbage_peer_is_disconnected_and_others_are_unaffected() {
+    let (h, svc, addr) = start(1 << 20).await;
+    let good = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let _: Resp = good.call(&Req::Echo(1), T).await.unwrap();
+
+    let mut bad = TcpStream::connect(&addr).await.unwrap();
+    bad.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut sink = Vec::new();
+    // The server closes the connection: read returns EOF.
+    let n = tokio::time::timeout(T, bad.read_to_end(&mut sink)).await.unwrap().unwrap();
+    assert_eq!(n, 0);
+
+    let r: Resp = good.call(&Req::Echo(2), T).await.unwrap();
+    assert_eq!(r, Resp::Echo(2));
+    assert_eq!(svc.calls.load(Ordering::Relaxed), 2);
+    // The count drops just after the socket closes; give the task a moment to finish.
+    for _ in 0..100 {
+        if h.open_connections() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.open_connections(), 1);
+}
+
+#[tokio::test]
+async fn oversized_frame_closes_only_that_connection() {
+    let (_h, _svc, addr) = start(4096).await;
+    let good = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let big = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let err = big.call::<_, Resp>(&Req::Blob(vec![7; 10_000]), T).await.unwrap_err();
+    assert!(matches!(err, RpcError::Closed(_)), "{err:?}");
+    let ok: Resp = good.call(&Req::Blob(vec![7; 1000]), T).await.unwrap();
+    assert_eq!(ok, Resp::Len(1000));
+}
+
+#[tokio::test]
+async fn malformed_payload_gets_an_error_reply_and_connection_survives() {
+    #[derive(Serialize)]
+    enum Wrong {
+        #[allow(dead_code)]
+        A,
+        B,
+        C,
+        D,
+        E(String),
+    }
+    let _ = (Wrong::B, Wrong::C, Wrong::D);
+    let (_h, _svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let r: Resp = c.call(&Wrong::E("x".into()), T).await.unwrap();
+    assert!(matches!(r, Resp::Bad(_)), "{r:?}");
+    let r: Resp = c.call(&Req::Echo(3), T).await.unwrap();
+    assert_eq!(r, Resp::Echo(3));
+}
