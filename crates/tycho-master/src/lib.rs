@@ -1,1 +1,34 @@
-//! placeholder
+//! The Tycho master: object metadata of the KVPT groups it owns.
+//!
+//! [`Master`] holds the logic of every RPC and is independent of the transport;
+//! [`MasterRpc`] serves it over `tycho-rpc`; [`run_housekeeping`] drives its timers.
+
+mod clock;
+mod config;
+mod master;
+mod object;
+mod rpc;
+mod segment;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use config::*;
+pub use master::{Counters, Master, WriteMode};
+pub use object::SHARD_COUNT;
+pub use rpc::MasterRpc;
+
+/// Calls [`Master::tick`] every `interval` on a dedicated thread until `stop` is set.
+pub fn run_housekeeping(master: Arc<Master>, interval: Duration, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name("tycho-housekeeping".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                master.tick();
+                std::thread::sleep(interval);
+            }
+        })
+        .expect("spawn housekeeping thread")
+}

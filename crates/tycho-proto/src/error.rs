@@ -207,8 +207,7 @@ impl Serialize for ErrorCode {
 impl<'de> Deserialize<'de> for ErrorCode {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let n = i32::deserialize(d)?;
-        ErrorCode::from_i32(n)
-            .ok_or_else(|| serde::de::Error::custom(format_args!("unknown error code {n}")))
+        ErrorCode::from_i32(n).ok_or_else(|| serde::de::Error::custom(format_args!("unknown error code {n}")))
     }
 }
 

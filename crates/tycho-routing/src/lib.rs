@@ -12,6 +12,9 @@ use tycho_proto::{ErrorCode, RouteTag, MAX_KEY_LEN, MAX_TENANT_LEN};
 /// Number of fixed KV partitions (spec 01).
 pub const PARTITION_COUNT: u32 = 16384;
 
+/// Epoch of a KVPT group before its first ownership change.
+pub const INITIAL_GROUP_EPOCH: u64 = 1;
+
 /// The bytes a key is identified by: length-prefixed tenant followed by the key.
 /// The master stores objects under these bytes, and the partition is their CRC32C.
 pub fn encode_object_key(tenant: &str, key: &str) -> Vec<u8> {

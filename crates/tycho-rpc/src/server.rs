@@ -74,7 +74,11 @@ impl ServerHandle {
 }
 
 /// Serves `service` on `listener` until the handle is shut down.
-pub fn serve<S: Service>(listener: TcpListener, service: Arc<S>, config: ServerConfig) -> std::io::Result<ServerHandle> {
+pub fn serve<S: Service>(
+    listener: TcpListener,
+    service: Arc<S>,
+    config: ServerConfig,
+) -> std::io::Result<ServerHandle> {
     let local_addr = listener.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);
     let connections = Arc::new(AtomicU64::new(0));

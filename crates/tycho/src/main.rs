@@ -1,1 +1,62 @@
-fn main(){}
+//! The `tycho` binary: every role and tool behind one command.
+
+mod admin;
+mod bench_master;
+mod master_client;
+mod master_cmd;
+
+use clap::{Parser, Subcommand};
+
+/// Tycho: a distributed KV-cache store for LLM inference.
+#[derive(Parser)]
+#[command(name = "tycho", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a master (object metadata service).
+    Master(master_cmd::MasterArgs),
+    /// Run everything a first user needs in one process (today: the master on loopback).
+    Up(master_cmd::UpArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Whole-master figures: capacity, used, objects, clients, segments.
+    Stat(admin::Target),
+    /// List keys.
+    Ls(admin::LsArgs),
+    /// Whether a key exists.
+    Exist(admin::KeyArgs),
+    /// Remove a key, the keys matching a regex, or everything.
+    Rm(admin::RmArgs),
+    /// List mounted segments.
+    Segments(admin::Target),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Metadata-only load against a master (fake segments, no data moved).
+    Master(bench_master::BenchMasterArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Command::Master(a) => master_cmd::run_master(a),
+        Command::Up(a) => master_cmd::run_up(a),
+        Command::Bench(BenchCmd::Master(a)) => bench_master::run(a),
+        Command::Stat(t) => admin::stat(t),
+        Command::Ls(a) => admin::ls(a),
+        Command::Exist(a) => admin::exist(a),
+        Command::Rm(a) => admin::rm(a),
+        Command::Segments(t) => admin::segments(t),
+    };
+    std::process::exit(code);
+}

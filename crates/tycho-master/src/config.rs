@@ -1,0 +1,63 @@
+//! Master settings. Defaults are Mooncake Store's (see `shared/reference/mooncake-facts.md`).
+
+use tycho_proto::AllocStrategy;
+
+/// Default read-lease TTL granted by GetReplicaList / ExistKey (Mooncake: 10 s).
+pub const DEFAULT_KV_LEASE_TTL_MS: u64 = 10_000;
+/// Default soft-pin TTL (Mooncake: 30 min).
+pub const DEFAULT_SOFT_PIN_TTL_MS: u64 = 30 * 60 * 1000;
+/// Longest soft-pin TTL a write may ask for (Mooncake: 24 h).
+pub const MAX_SOFT_PIN_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+/// A client silent this long is expired (Mooncake: 10 s).
+pub const DEFAULT_CLIENT_TTL_MS: u64 = 10_000;
+/// After this, an unfinished PutStart may be pre-empted by another writer (Mooncake: 30 s).
+pub const DEFAULT_PUT_START_DISCARD_MS: u64 = 30_000;
+/// After this, the space of an unfinished PutStart is reclaimed (Mooncake: 600 s).
+pub const DEFAULT_PUT_START_RELEASE_MS: u64 = 600_000;
+/// Objects touched under one shard write lock by background sweeps; bounds how long any RPC
+/// can wait behind a sweep.
+pub const SWEEP_BATCH: usize = 64;
+/// Most replicas one object may ask for.
+pub const MAX_REPLICA_NUM: u32 = 16;
+
+/// Everything an operator can tune on a master.
+#[derive(Debug, Clone)]
+pub struct MasterConfig {
+    /// Read-lease TTL in ms.
+    pub default_kv_lease_ttl_ms: u64,
+    /// Soft-pin TTL used when a write enables the pin without a TTL, in ms.
+    pub default_kv_soft_pin_ttl_ms: u64,
+    /// Liveness TTL of clients in ms.
+    pub client_ttl_ms: u64,
+    /// Eviction starts above this used/total ratio.
+    pub eviction_high_watermark_ratio: f64,
+    /// Fraction of evictable objects one eviction round removes.
+    pub eviction_ratio: f64,
+    /// Pre-emption age of an unfinished write, ms.
+    pub put_start_discard_timeout_ms: u64,
+    /// Reclaim age of an unfinished write, ms.
+    pub put_start_release_timeout_ms: u64,
+    /// Placement strategy when a write does not name one.
+    pub default_strategy: AllocStrategy,
+    /// Number of KVPT groups in the cluster (G). 1 today.
+    pub group_count: u32,
+    /// Ownership epoch of the groups this master serves.
+    pub group_epoch: u64,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            default_kv_lease_ttl_ms: DEFAULT_KV_LEASE_TTL_MS,
+            default_kv_soft_pin_ttl_ms: DEFAULT_SOFT_PIN_TTL_MS,
+            client_ttl_ms: DEFAULT_CLIENT_TTL_MS,
+            eviction_high_watermark_ratio: 0.90,
+            eviction_ratio: 0.05,
+            put_start_discard_timeout_ms: DEFAULT_PUT_START_DISCARD_MS,
+            put_start_release_timeout_ms: DEFAULT_PUT_START_RELEASE_MS,
+            default_strategy: AllocStrategy::Random,
+            group_count: 1,
+            group_epoch: tycho_routing::INITIAL_GROUP_EPOCH,
+        }
+    }
+}

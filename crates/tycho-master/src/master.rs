@@ -1,0 +1,943 @@
+//! The master's object metadata service: every RPC's logic, independent of transport.
+//!
+//! Lock discipline: a shard lock is never held while taking another shard's lock, and
+//! allocation happens before the shard write lock is taken (an allocation failure may run
+//! eviction, which visits every shard). Ping only touches the client table.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use tycho_proto::*;
+use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partition_of_encoded, validate_key};
+
+use crate::clock::Clock;
+use crate::config::{MasterConfig, MAX_REPLICA_NUM, MAX_SOFT_PIN_TTL_MS, SWEEP_BATCH};
+use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
+use crate::segment::{Placement, Replica, SegmentTable};
+
+/// Put (put-if-absent) or upsert (replace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Put-if-absent.
+    Put,
+    /// Insert or replace.
+    Upsert,
+}
+
+/// Counters of background work, read by stats and metrics.
+#[derive(Default)]
+pub struct Counters {
+    /// Objects the liveness/unmount sweep has visited.
+    pub sweep_visited: AtomicU64,
+    /// Replicas the sweep dropped.
+    pub sweep_replicas_dropped: AtomicU64,
+    /// Objects the sweep removed because no replica was left.
+    pub sweep_objects_removed: AtomicU64,
+    /// Sweeps in progress.
+    pub sweeps_running: AtomicU64,
+    /// Clients expired for silence.
+    pub clients_expired: AtomicU64,
+    /// Eviction rounds run.
+    pub eviction_rounds: AtomicU64,
+    /// Objects evicted.
+    pub evicted_objects: AtomicU64,
+    /// Bytes evicted.
+    pub evicted_bytes: AtomicU64,
+    /// Unfinished writes pre-empted after the discard timeout.
+    pub writes_discarded: AtomicU64,
+    /// Unfinished writes reclaimed after the release timeout.
+    pub writes_released: AtomicU64,
+}
+
+struct ClientEntry {
+    last_ping: AtomicU64,
+    host: Mutex<Option<String>>,
+    segments: Mutex<Vec<SegmentId>>,
+}
+
+/// Ranges waiting to be freed: a reader may still hold a lease on them, or an old writer may
+/// still be writing into them.
+struct Deferred {
+    release_at: u64,
+    replicas: Vec<Replica>,
+}
+
+/// One key after its route was checked.
+struct Routed {
+    key: ObjectKey,
+    shard: usize,
+}
+
+/// The metadata service of one master.
+pub struct Master {
+    cfg: MasterConfig,
+    clock: Arc<dyn Clock>,
+    instance: u64,
+    epoch: AtomicU64,
+    owned_ranks: Vec<bool>,
+    shards: Shards,
+    segments: SegmentTable,
+    clients: RwLock<HashMap<ClientId, Arc<ClientEntry>>>,
+    deferred: Mutex<Vec<Deferred>>,
+    last_abandon_scan: AtomicU64,
+    /// Background-work counters.
+    pub counters: Counters,
+}
+
+impl Master {
+    /// A master owning every KVPT group of a `cfg.group_count`-group cluster.
+    pub fn new(cfg: MasterConfig, clock: Arc<dyn Clock>) -> Master {
+        let groups = cfg.group_count.max(1) as usize;
+        Master {
+            epoch: AtomicU64::new(cfg.group_epoch),
+            owned_ranks: vec![true; groups],
+            cfg,
+            clock,
+            instance: rand::random(),
+            shards: Shards::default(),
+            segments: SegmentTable::default(),
+            clients: RwLock::new(HashMap::new()),
+            deferred: Mutex::new(Vec::new()),
+            last_abandon_scan: AtomicU64::new(0),
+            counters: Counters::default(),
+        }
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &MasterConfig {
+        &self.cfg
+    }
+
+    /// The mounted segments.
+    pub fn segments(&self) -> &SegmentTable {
+        &self.segments
+    }
+
+    /// The metadata shards (for health checks and tests).
+    pub fn shards(&self) -> &Shards {
+        &self.shards
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    // ---- routing -------------------------------------------------------------------------
+
+    fn route(&self, tenant: &str, k: &KeyRef) -> WireResult<Routed> {
+        validate_key(tenant, &k.key)?;
+        let key = encode_object_key(tenant, &k.key);
+        let pid = partition_of_encoded(&key);
+        // The partition is a pure function of the key: a mismatch means the client hashed
+        // differently (another tenant, a stale library); it must recompute its route.
+        if pid != k.route.partition_id {
+            return Err(ErrorCode::STALE_ROUTE);
+        }
+        let rank = kvpt_to_rank(pid, self.cfg.group_count.max(1)) as usize;
+        if !self.owned_ranks.get(rank).copied().unwrap_or(false) {
+            return Err(ErrorCode::KVPT_NOT_OWNED);
+        }
+        // Epoch fence: an older epoch is a stale route; a newer one means the client has
+        // seen an owner change this master has not, so it must not serve the key.
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if k.route.epoch < epoch {
+            return Err(ErrorCode::STALE_EPOCH);
+        }
+        if k.route.epoch > epoch {
+            return Err(ErrorCode::KVPT_NOT_OWNED);
+        }
+        Ok(Routed { key: key.into_boxed_slice(), shard: Shards::index_of(pid) })
+    }
+
+    /// Routes every key; keys that fail carry their error. Returns the routed keys in an order
+    /// that groups them by shard, so that batch calls lock each shard once.
+    fn route_batch<'a, I>(&self, tenant: &str, keys: I) -> (Vec<Option<ErrorCode>>, Vec<(usize, Routed)>)
+    where
+        I: Iterator<Item = &'a KeyRef>,
+    {
+        let mut errors = Vec::new();
+        let mut routed = Vec::new();
+        for (i, k) in keys.enumerate() {
+            match self.route(tenant, k) {
+                Ok(r) => {
+                    errors.push(None);
+                    routed.push((i, r));
+                }
+                Err(e) => errors.push(Some(e)),
+            }
+        }
+        routed.sort_by_key(|(_, r)| r.shard);
+        (errors, routed)
+    }
+
+    // ---- clients and segments ------------------------------------------------------------
+
+    /// Heartbeat. Touches only the client table.
+    pub fn ping(&self, client: ClientId) -> PingReply {
+        let status = match self.clients.read().get(&client) {
+            Some(c) => {
+                c.last_ping.store(self.now(), Ordering::Relaxed);
+                ClientStatus::Ok
+            }
+            None => ClientStatus::NeedRemount,
+        };
+        PingReply { status, master_instance: self.instance }
+    }
+
+    fn register_client(&self, client: ClientId) -> Arc<ClientEntry> {
+        let now = self.now();
+        if let Some(c) = self.clients.read().get(&client) {
+            c.last_ping.store(now, Ordering::Relaxed);
+            return c.clone();
+        }
+        self.clients
+            .write()
+            .entry(client)
+            .or_insert_with(|| {
+                Arc::new(ClientEntry {
+                    last_ping: AtomicU64::new(now),
+                    host: Mutex::new(None),
+                    segments: Mutex::new(Vec::new()),
+                })
+            })
+            .clone()
+    }
+
+    /// Mounts a segment for `client` (idempotent) and registers the client.
+    pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
+        let (id, host) = (desc.id, desc.host.clone());
+        self.segments.mount(client, desc)?;
+        let entry = self.register_client(client);
+        entry.host.lock().get_or_insert(host);
+        let mut segs = entry.segments.lock();
+        if !segs.contains(&id) {
+            segs.push(id);
+        }
+        Ok(())
+    }
+
+    /// Registers `client` and mounts all its segments; used after NEED_REMOUNT. An empty list
+    /// registers a client that contributes no memory.
+    pub fn remount_segments(&self, client: ClientId, descs: Vec<SegmentDesc>) -> WireResult<()> {
+        self.register_client(client);
+        for d in descs {
+            self.mount_segment(client, d)?;
+        }
+        Ok(())
+    }
+
+    /// Unmounts a segment and drops its replicas; unmounting an unknown segment succeeds.
+    /// Runs the sweep before returning: call from a thread that may block.
+    pub fn unmount_segment(&self, client: ClientId, id: SegmentId) -> WireResult<()> {
+        match self.segments.get(id) {
+            None => return Ok(()),
+            Some(seg) if seg.client != client => return Err(ErrorCode::ILLEGAL_CLIENT),
+            Some(_) => {}
+        }
+        self.segments.unmount(id);
+        if let Some(c) = self.clients.read().get(&client) {
+            c.segments.lock().retain(|s| *s != id);
+        }
+        self.sweep_dead_segments();
+        Ok(())
+    }
+
+    fn client_host(&self, client: ClientId) -> WireResult<Option<String>> {
+        let clients = self.clients.read();
+        let c = clients.get(&client).ok_or(ErrorCode::CLIENT_NOT_FOUND)?;
+        let host = c.host.lock().clone();
+        Ok(host)
+    }
+
+    // ---- writes --------------------------------------------------------------------------
+
+    fn pins_of(&self, cfg: &ReplicateConfig) -> WireResult<Pins> {
+        let soft_pin_ttl_ms = match (cfg.soft_pin_action, cfg.soft_pin_ttl_ms) {
+            (SoftPinAction::Enable, None) => Some(self.cfg.default_kv_soft_pin_ttl_ms),
+            (SoftPinAction::Enable, Some(ttl)) if ttl == 0 || ttl > MAX_SOFT_PIN_TTL_MS => {
+                return Err(ErrorCode::INVALID_PARAMS)
+            }
+            (SoftPinAction::Enable, Some(ttl)) => Some(ttl),
+            // A TTL only makes sense when the write enables the pin.
+            (_, Some(_)) => return Err(ErrorCode::INVALID_PARAMS),
+            (_, None) => None,
+        };
+        if cfg.replica_num == 0 || cfg.replica_num > MAX_REPLICA_NUM {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        Ok(Pins {
+            soft_pin_ttl_ms,
+            preserve_soft_pin: cfg.soft_pin_action == SoftPinAction::Preserve,
+            hard_pin: cfg.hard_pin,
+        })
+    }
+
+    fn placement<'a>(&self, cfg: &'a ReplicateConfig, host: Option<&'a str>) -> Placement<'a> {
+        let mut strategy = cfg.strategy.unwrap_or(self.cfg.default_strategy);
+        if cfg.prefer_alloc_in_same_node {
+            strategy = AllocStrategy::LocalFirst;
+        }
+        Placement { replicas: cfg.replica_num, strategy, preferred: &cfg.preferred_segments, local_host: host }
+    }
+
+    /// Allocates replicas, running one eviction round and retrying once if nothing fits.
+    fn allocate(&self, size: u64, p: &Placement<'_>) -> WireResult<Vec<Replica>> {
+        match self.segments.place(size, p) {
+            Err(ErrorCode::NO_AVAILABLE_HANDLE) => {
+                if self.evict().0 > 0 {
+                    self.segments.place(size, p)
+                } else {
+                    Err(ErrorCode::NO_AVAILABLE_HANDLE)
+                }
+            }
+            r => r,
+        }
+    }
+
+    fn is_put_conflict(map: &ShardMap, key: &ObjectKey) -> bool {
+        map.get(key).is_some_and(|o| o.is_complete())
+    }
+
+    /// Records a new write of `key` in `map`. On error the caller still owns `replicas`.
+    #[allow(clippy::too_many_arguments)]
+    fn install_write(
+        &self,
+        map: &mut ShardMap,
+        key: ObjectKey,
+        mode: WriteMode,
+        writer: ClientId,
+        size: u64,
+        pins: Pins,
+        replicas: Vec<Replica>,
+        now: u64,
+    ) -> Result<(), (ErrorCode, Vec<Replica>)> {
+        // A segment may have died since allocation; the check is under the shard lock, which
+        // the sweep also takes after marking segments dead, so nothing dead slips in.
+        if replicas.iter().any(|r| !r.seg.is_alive()) {
+            return Err((ErrorCode::NO_AVAILABLE_HANDLE, replicas));
+        }
+        let pending = PendingWrite { writer, started_ms: now, size, replicas, pins };
+        match map.get_mut(&key) {
+            None => {
+                map.insert(
+                    key,
+                    ObjectMeta {
+                        size,
+                        replicas: Vec::new(),
+                        pending: Some(pending),
+                        lease_until: AtomicU64::new(0),
+                        soft_pin_until: 0,
+                        hard_pin: false,
+                        writer,
+                    },
+                );
+                Ok(())
+            }
+            Some(obj) => {
+                if mode == WriteMode::Put && obj.is_complete() {
+                    return Err((ErrorCode::OBJECT_ALREADY_EXISTS, pending.replicas));
+                }
+                if let Some(old) = &obj.pending {
+                    if now < old.started_ms + self.cfg.put_start_discard_timeout_ms {
+                        return Err((ErrorCode::REPLICA_IS_NOT_READY, pending.replicas));
+                    }
+                    // Pre-empt the stale write. Its writer may still be copying into its
+                    // ranges, so they stay reserved until the release timeout.
+                    let old = obj.pending.take().expect("checked above");
+                    self.counters.writes_discarded.fetch_add(1, Ordering::Relaxed);
+                    self.defer(old.replicas, old.started_ms + self.cfg.put_start_release_timeout_ms, now);
+                }
+                obj.pending = Some(pending);
+                Ok(())
+            }
+        }
+    }
+
+    /// PutStart / UpsertStart.
+    pub fn write_start(&self, mode: WriteMode, req: &WriteStart) -> WireResult<Vec<ReplicaDesc>> {
+        let r = self.route(&req.tenant, &req.key)?;
+        if req.size == 0 {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let pins = self.pins_of(&req.config)?;
+        let host = self.client_host(req.client)?;
+        let shard = self.shards.shard(r.shard);
+        if mode == WriteMode::Put && Self::is_put_conflict(&shard.read(), &r.key) {
+            return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
+        }
+        let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()))?;
+        let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size)).collect();
+        let now = self.now();
+        let res = self.install_write(&mut shard.write(), r.key, mode, req.client, req.size, pins, replicas, now);
+        match res {
+            Ok(()) => Ok(descs),
+            Err((code, replicas)) => {
+                replicas.into_iter().for_each(Replica::release);
+                Err(code)
+            }
+        }
+    }
+
+    /// BatchPutStart / BatchUpsertStart: one result per item, each shard locked once for the
+    /// existence check and once for the install.
+    pub fn batch_write_start(&self, mode: WriteMode, req: &BatchWriteStart) -> Vec<WireResult<Vec<ReplicaDesc>>> {
+        let n = req.items.len();
+        let fail_all = |e| vec![Err(e); n];
+        let pins = match self.pins_of(&req.config) {
+            Ok(p) => p,
+            Err(e) => return fail_all(e),
+        };
+        let host = match self.client_host(req.client) {
+            Ok(h) => h,
+            Err(e) => return fail_all(e),
+        };
+        let (errors, routed) = self.route_batch(&req.tenant, req.items.iter().map(|(k, _)| k));
+        let mut out: Vec<WireResult<Vec<ReplicaDesc>>> =
+            errors.into_iter().map(|e| e.map_or(Ok(Vec::new()), Err)).collect();
+        let placement = self.placement(&req.config, host.as_deref());
+        // Allocate for every key that is not already complete (for puts).
+        let mut staged: Vec<(usize, Routed, Vec<Replica>)> = Vec::with_capacity(routed.len());
+        for run in group_by_shard(routed) {
+            let conflicts: Vec<bool> = if mode == WriteMode::Put {
+                let map = self.shards.shard(run[0].1.shard).read();
+                run.iter().map(|(_, r)| Self::is_put_conflict(&map, &r.key)).collect()
+            } else {
+                vec![false; run.len()]
+            };
+            for ((i, r), conflict) in run.into_iter().zip(conflicts) {
+                let size = req.items[i].1;
+                if conflict {
+                    out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
+                } else if size == 0 {
+                    out[i] = Err(ErrorCode::INVALID_PARAMS);
+                } else {
+                    match self.allocate(size, &placement) {
+                        Ok(reps) => staged.push((i, r, reps)),
+                        Err(e) => out[i] = Err(e),
+                    }
+                }
+            }
+        }
+        let now = self.now();
+        let mut staged = staged.into_iter().peekable();
+        while let Some(first) = staged.next() {
+            let shard = first.1.shard;
+            let mut map = self.shards.shard(shard).write();
+            let mut next = Some(first);
+            while let Some((i, r, reps)) = next.take() {
+                let size = req.items[i].1;
+                let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size)).collect();
+                match self.install_write(&mut map, r.key, mode, req.client, size, pins, reps, now) {
+                    Ok(()) => out[i] = Ok(descs),
+                    Err((code, reps)) => {
+                        reps.into_iter().for_each(Replica::release);
+                        out[i] = Err(code);
+                    }
+                }
+                if staged.peek().is_some_and(|n| n.1.shard == shard) {
+                    next = staged.next();
+                }
+            }
+        }
+        out
+    }
+
+    fn commit(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, now: u64) -> WireResult<()> {
+        let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+        let Some(p) = &obj.pending else {
+            // A retried end of a write that already committed is harmless.
+            return if obj.is_complete() && obj.writer == client { Ok(()) } else { Err(ErrorCode::INVALID_WRITE) };
+        };
+        if p.writer != client {
+            return Err(ErrorCode::ILLEGAL_CLIENT);
+        }
+        let p = obj.pending.take().expect("checked above");
+        let mut replicas = p.replicas;
+        replicas.retain(|r| r.seg.is_alive());
+        if replicas.is_empty() {
+            // Every segment written to died meanwhile: nothing to commit.
+            if !obj.is_complete() {
+                map.remove(key);
+            }
+            return Err(ErrorCode::REPLICA_IS_GONE);
+        }
+        let old = std::mem::replace(&mut obj.replicas, replicas);
+        obj.size = p.size;
+        obj.writer = client;
+        obj.hard_pin = p.pins.hard_pin;
+        if !p.pins.preserve_soft_pin {
+            obj.soft_pin_until = p.pins.soft_pin_ttl_ms.map_or(0, |ttl| now + ttl);
+        }
+        // Readers holding a lease may still be copying the old value.
+        let lease = obj.lease();
+        self.defer(old, lease, now);
+        Ok(())
+    }
+
+    fn revoke(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId) -> WireResult<()> {
+        let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+        match &obj.pending {
+            None => return Err(ErrorCode::INVALID_WRITE),
+            Some(p) if p.writer != client => return Err(ErrorCode::ILLEGAL_CLIENT),
+            Some(_) => {}
+        }
+        let p = obj.pending.take().expect("checked above");
+        // The writer says it stopped writing: its ranges are free at once.
+        p.replicas.into_iter().for_each(Replica::release);
+        if !obj.is_complete() {
+            map.remove(key);
+        }
+        Ok(())
+    }
+
+    /// PutEnd / UpsertEnd (`end = true`) or PutRevoke / UpsertRevoke.
+    pub fn write_finish(&self, req: &WriteFinish, end: bool) -> WireResult<()> {
+        let r = self.route(&req.tenant, &req.key)?;
+        let now = self.now();
+        let mut map = self.shards.shard(r.shard).write();
+        if end {
+            self.commit(&mut map, &r.key, req.client, now)
+        } else {
+            self.revoke(&mut map, &r.key, req.client)
+        }
+    }
+
+    /// Batch forms of [`Master::write_finish`].
+    pub fn batch_write_finish(&self, req: &BatchWriteFinish, end: bool) -> Vec<WireResult<()>> {
+        let now = self.now();
+        self.batch_write(&req.tenant, &req.keys, |map, key| {
+            if end {
+                self.commit(map, key, req.client, now)
+            } else {
+                self.revoke(map, key, req.client)
+            }
+        })
+    }
+
+    fn batch_write<F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<()>>
+    where
+        F: FnMut(&mut ShardMap, &ObjectKey) -> WireResult<()>,
+    {
+        let (errors, routed) = self.route_batch(tenant, keys.iter());
+        let mut out: Vec<WireResult<()>> = errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect();
+        for run in group_by_shard(routed) {
+            let mut map = self.shards.shard(run[0].1.shard).write();
+            for (i, r) in run {
+                out[i] = f(&mut map, &r.key);
+            }
+        }
+        out
+    }
+
+    fn batch_read<T, F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<T>>
+    where
+        F: FnMut(&ShardMap, &ObjectKey) -> WireResult<T>,
+    {
+        let (errors, routed) = self.route_batch(tenant, keys.iter());
+        let mut out: Vec<Option<WireResult<T>>> = errors.into_iter().map(|e| e.map(Err)).collect();
+        for run in group_by_shard(routed) {
+            let map = self.shards.shard(run[0].1.shard).read();
+            for (i, r) in run {
+                out[i] = Some(f(&map, &r.key));
+            }
+        }
+        out.into_iter().map(|o| o.expect("every key has a result")).collect()
+    }
+
+    // ---- reads ---------------------------------------------------------------------------
+
+    fn replica_list(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> WireResult<ReplicaList> {
+        let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+        if !obj.is_complete() {
+            return Err(ErrorCode::REPLICA_IS_NOT_READY);
+        }
+        let replicas: Vec<ReplicaDesc> =
+            obj.replicas.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, obj.size)).collect();
+        if replicas.is_empty() {
+            // Its only segments are being swept.
+            return Err(ErrorCode::OBJECT_NOT_FOUND);
+        }
+        let ttl = self.cfg.default_kv_lease_ttl_ms;
+        obj.extend_lease(now + ttl);
+        Ok(ReplicaList { size: obj.size, replicas, lease_ttl_ms: ttl })
+    }
+
+    /// GetReplicaList: where to read, with a read lease. Takes only the shard's read lock.
+    pub fn get_replica_list(&self, q: &KeyQuery) -> WireResult<ReplicaList> {
+        let r = self.route(&q.tenant, &q.key)?;
+        let now = self.now();
+        self.replica_list(&self.shards.shard(r.shard).read(), &r.key, now)
+    }
+
+    /// BatchGetReplicaList.
+    pub fn batch_get_replica_list(&self, q: &BatchKeyQuery) -> Vec<WireResult<ReplicaList>> {
+        let now = self.now();
+        self.batch_read(&q.tenant, &q.keys, |map, key| self.replica_list(map, key, now))
+    }
+
+    fn exists(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> bool {
+        match map.get(key) {
+            Some(o) if o.replicas.iter().any(|r| r.seg.is_alive()) => {
+                o.extend_lease(now + self.cfg.default_kv_lease_ttl_ms);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// ExistKey: true for a complete object; extends its lease.
+    pub fn exist_key(&self, q: &KeyQuery) -> WireResult<bool> {
+        let r = self.route(&q.tenant, &q.key)?;
+        let now = self.now();
+        Ok(self.exists(&self.shards.shard(r.shard).read(), &r.key, now))
+    }
+
+    /// BatchExistKey.
+    pub fn batch_exist_key(&self, q: &BatchKeyQuery) -> Vec<WireResult<bool>> {
+        let now = self.now();
+        self.batch_read(&q.tenant, &q.keys, |map, key| Ok(self.exists(map, key, now)))
+    }
+
+    // ---- removal -------------------------------------------------------------------------
+
+    /// Frees `replicas` now, or when `until` passes.
+    fn defer(&self, replicas: Vec<Replica>, until: u64, now: u64) {
+        if replicas.is_empty() {
+            return;
+        }
+        if until <= now {
+            replicas.into_iter().for_each(Replica::release);
+        } else {
+            self.deferred.lock().push(Deferred { release_at: until, replicas });
+        }
+    }
+
+    /// Drops an object removed from its shard, keeping ranges reserved while they may still be
+    /// read (lease) or written (unfinished write).
+    fn dispose(&self, obj: ObjectMeta, now: u64) {
+        let lease = obj.lease();
+        self.defer(obj.replicas, lease, now);
+        if let Some(p) = obj.pending {
+            self.defer(p.replicas, p.started_ms + self.cfg.put_start_release_timeout_ms, now);
+        }
+    }
+
+    fn remove_one(&self, map: &mut ShardMap, key: &ObjectKey, force: bool, now: u64) -> WireResult<()> {
+        let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+        if !force {
+            if !obj.is_complete() {
+                return Err(ErrorCode::REPLICA_IS_NOT_READY);
+            }
+            if obj.is_leased(now) {
+                return Err(ErrorCode::OBJECT_HAS_LEASE);
+            }
+        }
+        let obj = map.remove(key).expect("present");
+        self.dispose(obj, now);
+        Ok(())
+    }
+
+    /// Remove one object; a leased or unfinished one only with `force`.
+    pub fn remove(&self, req: &RemoveKey) -> WireResult<()> {
+        let r = self.route(&req.tenant, &req.key)?;
+        let now = self.now();
+        self.remove_one(&mut self.shards.shard(r.shard).write(), &r.key, req.force, now)
+    }
+
+    /// BatchRemove.
+    pub fn batch_remove(&self, req: &BatchRemoveKeys) -> Vec<WireResult<()>> {
+        let now = self.now();
+        self.batch_write(&req.tenant, &req.keys, |map, key| self.remove_one(map, key, req.force, now))
+    }
+
+    /// Removes every object for which `pick` holds, shard by shard, in bounded batches; leased
+    /// and unfinished objects are skipped unless `force`. Returns the number removed.
+    fn remove_matching<F>(&self, force: bool, pick: F) -> u64
+    where
+        F: Fn(&[u8]) -> bool,
+    {
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let keys: Vec<ObjectKey> = shard.read().keys().filter(|k| pick(k)).cloned().collect();
+            for chunk in keys.chunks(SWEEP_BATCH) {
+                let now = self.now();
+                let mut map = shard.write();
+                for k in chunk {
+                    if self.remove_one(&mut map, k, force, now).is_ok() {
+                        removed += 1;
+                    }
+                }
+            }
+        }
+        removed
+    }
+
+    /// RemoveByRegex: objects of `tenant` whose whole key matches `regex`.
+    pub fn remove_by_regex(&self, tenant: &str, regex: &str, force: bool) -> WireResult<u64> {
+        let re = regex::Regex::new(&format!("^(?:{regex})$")).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+        Ok(self
+            .remove_matching(force, |k| decode_object_key(k).is_some_and(|(t, key)| t == tenant && re.is_match(key))))
+    }
+
+    /// RemoveAll.
+    pub fn remove_all(&self, force: bool) -> u64 {
+        self.remove_matching(force, |_| true)
+    }
+
+    // ---- admin ---------------------------------------------------------------------------
+
+    /// Mounted segments with usage.
+    pub fn list_segments(&self) -> Vec<SegmentStatus> {
+        self.segments
+            .live()
+            .iter()
+            .map(|s| SegmentStatus { desc: s.desc.clone(), client: s.client, used: s.used() })
+            .collect()
+    }
+
+    /// Keys matching the filters, at most `limit`.
+    pub fn list_keys(&self, tenant: Option<&str>, regex: Option<&str>, limit: u32) -> WireResult<Vec<KeyInfo>> {
+        let re = regex
+            .map(|r| regex::Regex::new(&format!("^(?:{r})$")).map_err(|_| ErrorCode::INVALID_PARAMS))
+            .transpose()?;
+        let now = self.now();
+        let mut out = Vec::new();
+        'shards: for shard in self.shards.iter() {
+            let map = shard.read();
+            for (k, o) in map.iter() {
+                let Some((t, key)) = decode_object_key(k) else { continue };
+                if tenant.is_some_and(|want| want != t) || re.as_ref().is_some_and(|re| !re.is_match(key)) {
+                    continue;
+                }
+                if out.len() >= limit as usize {
+                    break 'shards;
+                }
+                out.push(KeyInfo {
+                    tenant: t.to_string(),
+                    key: key.to_string(),
+                    size: o.pending.as_ref().filter(|_| !o.is_complete()).map_or(o.size, |p| p.size),
+                    replicas: o.replicas.len() as u32,
+                    complete: o.is_complete(),
+                    lease_remaining_ms: o.lease().saturating_sub(now),
+                    soft_pinned: o.is_soft_pinned(now),
+                    hard_pinned: o.hard_pin,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whole-master figures.
+    pub fn stats(&self) -> MasterStats {
+        let (capacity_bytes, used_bytes) = self.segments.usage();
+        MasterStats {
+            capacity_bytes,
+            used_bytes,
+            objects: self.shards.iter().map(|s| s.read().len() as u64).sum(),
+            clients: self.clients.read().len() as u64,
+            segments: self.segments.live().len() as u64,
+            sweep_progress: self.counters.sweep_visited.load(Ordering::Relaxed),
+        }
+    }
+
+    // ---- background work -----------------------------------------------------------------
+
+    /// One round of housekeeping: expire silent clients, free deferred ranges, reclaim
+    /// abandoned writes, evict above the high watermark. Production calls it every ~100 ms;
+    /// tests call it after moving a manual clock.
+    pub fn tick(&self) {
+        self.expire_clients();
+        self.free_deferred();
+        self.reclaim_abandoned_writes();
+        let (total, used) = self.segments.usage();
+        if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {
+            self.evict();
+        }
+    }
+
+    fn expire_clients(&self) {
+        let now = self.now();
+        let ttl = self.cfg.client_ttl_ms;
+        let silent: Vec<ClientId> = self
+            .clients
+            .read()
+            .iter()
+            .filter(|(_, c)| c.last_ping.load(Ordering::Relaxed) + ttl <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        if silent.is_empty() {
+            return;
+        }
+        for id in silent {
+            let entry = {
+                let mut clients = self.clients.write();
+                // It may have pinged since the read above.
+                match clients.get(&id) {
+                    Some(c) if c.last_ping.load(Ordering::Relaxed) + ttl <= now => clients.remove(&id),
+                    _ => None,
+                }
+            };
+            if let Some(entry) = entry {
+                self.counters.clients_expired.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(client = %id, "client expired; unmounting its segments");
+                for seg in entry.segments.lock().drain(..) {
+                    self.segments.unmount(seg);
+                }
+            }
+        }
+        self.sweep_dead_segments();
+    }
+
+    /// Drops every replica on a dead segment and every object left with none, holding each
+    /// shard's write lock for at most [`SWEEP_BATCH`] objects at a time.
+    pub fn sweep_dead_segments(&self) {
+        self.counters.sweeps_running.fetch_add(1, Ordering::Relaxed);
+        for shard in self.shards.iter() {
+            let keys: Vec<ObjectKey> =
+                shard.read().iter().filter(|(_, o)| o.touches_dead_segment()).map(|(k, _)| k.clone()).collect();
+            for chunk in keys.chunks(SWEEP_BATCH) {
+                let mut map = shard.write();
+                for k in chunk {
+                    let Some(obj) = map.get_mut(k) else { continue };
+                    let before = obj.replicas.len();
+                    obj.replicas.retain(|r| r.seg.is_alive());
+                    let mut dropped = before - obj.replicas.len();
+                    if let Some(p) = &mut obj.pending {
+                        let n = p.replicas.len();
+                        p.replicas.retain(|r| r.seg.is_alive());
+                        dropped += n - p.replicas.len();
+                        if p.replicas.is_empty() {
+                            obj.pending = None;
+                        }
+                    }
+                    self.counters.sweep_replicas_dropped.fetch_add(dropped as u64, Ordering::Relaxed);
+                    if obj.replicas.is_empty() && obj.pending.is_none() {
+                        map.remove(k);
+                        self.counters.sweep_objects_removed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                drop(map);
+                self.counters.sweep_visited.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            }
+        }
+        self.counters.sweeps_running.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn free_deferred(&self) {
+        let now = self.now();
+        let due: Vec<Deferred> = {
+            let mut d = self.deferred.lock();
+            let (due, keep): (Vec<_>, Vec<_>) = d.drain(..).partition(|x| x.release_at <= now);
+            *d = keep;
+            due
+        };
+        for d in due {
+            d.replicas.into_iter().for_each(Replica::release);
+        }
+    }
+
+    /// Reclaims writes unfinished for longer than the release timeout: their writer is gone.
+    fn reclaim_abandoned_writes(&self) {
+        let now = self.now();
+        // A full scan costs a read lock per shard; once a second is plenty for a 600 s timeout.
+        let last = self.last_abandon_scan.load(Ordering::Relaxed);
+        if now < last + 1000 {
+            return;
+        }
+        self.last_abandon_scan.store(now, Ordering::Relaxed);
+        let release = self.cfg.put_start_release_timeout_ms;
+        let stale = |o: &ObjectMeta| o.pending.as_ref().is_some_and(|p| p.started_ms + release <= now);
+        for shard in self.shards.iter() {
+            let keys: Vec<ObjectKey> = shard.read().iter().filter(|(_, o)| stale(o)).map(|(k, _)| k.clone()).collect();
+            for chunk in keys.chunks(SWEEP_BATCH) {
+                let mut map = shard.write();
+                for k in chunk {
+                    let Some(obj) = map.get_mut(k) else { continue };
+                    if !stale(obj) {
+                        continue;
+                    }
+                    let p = obj.pending.take().expect("stale implies pending");
+                    p.replicas.into_iter().for_each(Replica::release);
+                    self.counters.writes_released.fetch_add(1, Ordering::Relaxed);
+                    if !obj.is_complete() {
+                        map.remove(k);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One eviction round: removes `eviction_ratio` of the evictable objects (complete, not
+    /// leased, not being rewritten, not hard-pinned), oldest lease first; soft-pinned objects
+    /// only in a second pass when the first found too few. Returns (objects, bytes) evicted.
+    pub fn evict(&self) -> (u64, u64) {
+        let now = self.now();
+        let mut plain: Vec<(u64, usize, ObjectKey)> = Vec::new();
+        let mut pinned: Vec<(u64, usize, ObjectKey)> = Vec::new();
+        for (si, shard) in self.shards.iter().enumerate() {
+            let map = shard.read();
+            for (k, o) in map.iter() {
+                if !o.is_complete() || o.pending.is_some() || o.hard_pin || o.is_leased(now) {
+                    continue;
+                }
+                let list = if o.is_soft_pinned(now) { &mut pinned } else { &mut plain };
+                list.push((o.lease(), si, k.clone()));
+            }
+        }
+        let evictable = plain.len() + pinned.len();
+        if evictable == 0 {
+            return (0, 0);
+        }
+        let target = ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1);
+        let mut victims = take_oldest(plain, target);
+        if victims.len() < target {
+            let more = take_oldest(pinned, target - victims.len());
+            victims.extend(more);
+        }
+        victims.sort_by_key(|(_, si, _)| *si);
+        let (mut objects, mut bytes) = (0, 0);
+        for run in victims.chunk_by(|a, b| a.1 == b.1) {
+            for chunk in run.chunks(SWEEP_BATCH) {
+                let mut map = self.shards.shard(chunk[0].1).write();
+                for (_, _, k) in chunk {
+                    // Re-check: a reader or writer may have arrived since the scan.
+                    let ok = map
+                        .get(k)
+                        .is_some_and(|o| o.is_complete() && o.pending.is_none() && !o.hard_pin && !o.is_leased(now));
+                    if ok {
+                        let obj = map.remove(k).expect("present");
+                        bytes += obj.size * obj.replicas.len() as u64;
+                        objects += 1;
+                        self.dispose(obj, now);
+                    }
+                }
+            }
+        }
+        self.counters.eviction_rounds.fetch_add(1, Ordering::Relaxed);
+        self.counters.evicted_objects.fetch_add(objects, Ordering::Relaxed);
+        self.counters.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
+        (objects, bytes)
+    }
+}
+
+fn take_oldest(mut list: Vec<(u64, usize, ObjectKey)>, n: usize) -> Vec<(u64, usize, ObjectKey)> {
+    if list.len() > n {
+        list.select_nth_unstable_by_key(n, |(lease, _, _)| *lease);
+        list.truncate(n);
+    }
+    list
+}
+
+/// Splits routed keys (already sorted by shard) into runs of one shard each.
+fn group_by_shard(routed: Vec<(usize, Routed)>) -> Vec<Vec<(usize, Routed)>> {
+    let mut runs: Vec<Vec<(usize, Routed)>> = Vec::new();
+    for item in routed {
+        match runs.last_mut() {
+            Some(run) if run[0].1.shard == item.1.shard => run.push(item),
+            _ => runs.push(vec![item]),
+        }
+    }
+    runs
+}

@@ -1,0 +1,123 @@
+//! Per-object metadata and the 1024 shards that hold it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::RwLock;
+use tycho_proto::ClientId;
+
+use crate::segment::Replica;
+
+/// Number of metadata shards (Mooncake: 1024), each behind its own reader/writer lock.
+pub const SHARD_COUNT: usize = 1024;
+
+/// Storage key: length-prefixed tenant followed by the key (`tycho_routing::encode_object_key`).
+pub type ObjectKey = Box<[u8]>;
+
+/// One shard's map.
+pub type ShardMap = HashMap<ObjectKey, ObjectMeta, foldhash::fast::RandomState>;
+
+/// The shards.
+pub struct Shards {
+    shards: Box<[RwLock<ShardMap>]>,
+}
+
+impl Default for Shards {
+    fn default() -> Self {
+        Shards { shards: (0..SHARD_COUNT).map(|_| RwLock::new(ShardMap::default())).collect() }
+    }
+}
+
+impl Shards {
+    /// The shard that holds keys of `partition_id`.
+    pub fn index_of(partition_id: u16) -> usize {
+        partition_id as usize % SHARD_COUNT
+    }
+
+    /// Shard `i`.
+    pub fn shard(&self, i: usize) -> &RwLock<ShardMap> {
+        &self.shards[i]
+    }
+
+    /// All shards in index order.
+    pub fn iter(&self) -> impl Iterator<Item = &RwLock<ShardMap>> {
+        self.shards.iter()
+    }
+}
+
+/// A write that has not been committed.
+pub struct PendingWrite {
+    /// The client that started it; only it may end or revoke it.
+    pub writer: ClientId,
+    /// When it started (clock ms).
+    pub started_ms: u64,
+    /// Size of the new value.
+    pub size: u64,
+    /// The ranges being written.
+    pub replicas: Vec<Replica>,
+    /// Pin state the object takes on commit.
+    pub pins: Pins,
+}
+
+/// Pin state of an object.
+#[derive(Clone, Copy, Default)]
+pub struct Pins {
+    /// Soft-pin TTL to apply on commit, ms; `None` for no soft pin.
+    pub soft_pin_ttl_ms: Option<u64>,
+    /// Keep the object's current soft pin (upsert with PRESERVE).
+    pub preserve_soft_pin: bool,
+    /// Never evict.
+    pub hard_pin: bool,
+}
+
+/// Metadata of one object.
+pub struct ObjectMeta {
+    /// Committed value size; meaningful once `committed` holds replicas.
+    pub size: u64,
+    /// Replicas of the committed value; empty while the first write is in progress.
+    pub replicas: Vec<Replica>,
+    /// The write in progress: the first write of the key, or an upsert of a committed value.
+    pub pending: Option<PendingWrite>,
+    /// Read lease: the object may not be removed or evicted before this time (ms).
+    /// Atomic so that readers extend it under the shard's read lock.
+    pub lease_until: AtomicU64,
+    /// Soft pin in force until this time (ms); 0 for none.
+    pub soft_pin_until: u64,
+    /// Never evicted.
+    pub hard_pin: bool,
+    /// The client whose write created the current value.
+    pub writer: ClientId,
+}
+
+impl ObjectMeta {
+    /// True once a value has been committed.
+    pub fn is_complete(&self) -> bool {
+        !self.replicas.is_empty()
+    }
+
+    /// Current lease deadline.
+    pub fn lease(&self) -> u64 {
+        self.lease_until.load(Ordering::Relaxed)
+    }
+
+    /// Whether a read lease is in force at `now`.
+    pub fn is_leased(&self, now: u64) -> bool {
+        self.lease() > now
+    }
+
+    /// Extends the lease to at least `until`.
+    pub fn extend_lease(&self, until: u64) {
+        self.lease_until.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// Whether a soft pin is in force at `now`.
+    pub fn is_soft_pinned(&self, now: u64) -> bool {
+        self.soft_pin_until > now
+    }
+
+    /// Whether any replica (committed or pending) lies on a dead segment.
+    pub fn touches_dead_segment(&self) -> bool {
+        self.replicas.iter().any(|r| !r.seg.is_alive())
+            || self.pending.as_ref().is_some_and(|p| p.replicas.iter().any(|r| !r.seg.is_alive()))
+    }
+}

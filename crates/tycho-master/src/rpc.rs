@@ -1,0 +1,95 @@
+//! The master behind the RPC server: maps each [`Request`] to the service call.
+
+use std::sync::Arc;
+
+use tycho_proto::frame::FrameError;
+use tycho_proto::{ErrorCode, Request, Response, WireResult};
+use tycho_rpc::{Reply, Service};
+
+use crate::master::{Master, WriteMode};
+
+/// Adapts a [`Master`] to [`tycho_rpc::Service`].
+pub struct MasterRpc {
+    master: Arc<Master>,
+}
+
+impl MasterRpc {
+    /// Serves `master`.
+    pub fn new(master: Arc<Master>) -> MasterRpc {
+        MasterRpc { master }
+    }
+}
+
+fn done(r: WireResult<()>) -> Response {
+    r.map_or_else(Response::Error, |()| Response::Done)
+}
+
+impl MasterRpc {
+    /// Runs work that walks many shards (sweeps, bulk removal) on the blocking pool, so the
+    /// connection keeps serving other calls.
+    fn blocking<F>(&self, f: F) -> Reply<Response>
+    where
+        F: FnOnce(&Master) -> Response + Send + 'static,
+    {
+        let master = self.master.clone();
+        Reply::Later(Box::pin(async move {
+            tokio::task::spawn_blocking(move || f(&master)).await.unwrap_or(Response::Error(ErrorCode::INTERNAL_ERROR))
+        }))
+    }
+}
+
+impl Service for MasterRpc {
+    type Request = Request;
+    type Response = Response;
+
+    fn call(&self, req: Request) -> Reply<Response> {
+        let m = &*self.master;
+        let resp = match req {
+            Request::Ping { client } => Response::Ping(m.ping(client)),
+            Request::ServiceReady => Response::ServiceReady(true),
+            Request::MountSegment { client, segment } => done(m.mount_segment(client, segment)),
+            Request::ReMountSegment { client, segments } => done(m.remount_segments(client, segments)),
+            Request::UnmountSegment { client, segment } => {
+                return self.blocking(move |m| done(m.unmount_segment(client, segment)))
+            }
+            Request::PutStart(r) => {
+                m.write_start(WriteMode::Put, &r).map_or_else(Response::Error, Response::WriteStarted)
+            }
+            Request::UpsertStart(r) => {
+                m.write_start(WriteMode::Upsert, &r).map_or_else(Response::Error, Response::WriteStarted)
+            }
+            Request::PutEnd(r) | Request::UpsertEnd(r) => done(m.write_finish(&r, true)),
+            Request::PutRevoke(r) | Request::UpsertRevoke(r) => done(m.write_finish(&r, false)),
+            Request::BatchPutStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Put, &r)),
+            Request::BatchUpsertStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Upsert, &r)),
+            Request::BatchPutEnd(r) | Request::BatchUpsertEnd(r) => Response::BatchDone(m.batch_write_finish(&r, true)),
+            Request::BatchPutRevoke(r) | Request::BatchUpsertRevoke(r) => {
+                Response::BatchDone(m.batch_write_finish(&r, false))
+            }
+            Request::GetReplicaList(q) => m.get_replica_list(&q).map_or_else(Response::Error, Response::Replicas),
+            Request::BatchGetReplicaList(q) => Response::BatchReplicas(m.batch_get_replica_list(&q)),
+            Request::ExistKey(q) => m.exist_key(&q).map_or_else(Response::Error, Response::Exists),
+            Request::BatchExistKey(q) => Response::BatchExists(m.batch_exist_key(&q)),
+            Request::Remove(r) => done(m.remove(&r)),
+            Request::BatchRemove(r) => Response::BatchDone(m.batch_remove(&r)),
+            Request::RemoveByRegex { tenant, regex, force } => {
+                return self.blocking(move |m| {
+                    m.remove_by_regex(&tenant, &regex, force).map_or_else(Response::Error, Response::Removed)
+                })
+            }
+            Request::RemoveAll { force } => return self.blocking(move |m| Response::Removed(m.remove_all(force))),
+            Request::ListSegments => Response::Segments(m.list_segments()),
+            Request::ListKeys { tenant, regex, limit } => {
+                return self.blocking(move |m| {
+                    m.list_keys(tenant.as_deref(), regex.as_deref(), limit).map_or_else(Response::Error, Response::Keys)
+                })
+            }
+            Request::Stats => Response::Stats(m.stats()),
+        };
+        Reply::Ready(resp)
+    }
+
+    fn malformed(&self, _err: &FrameError) -> Response {
+        Response::Error(ErrorCode::INVALID_PARAMS)
+    }
+}

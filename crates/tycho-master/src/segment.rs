@@ -1,0 +1,345 @@
+//! Mounted segments and the offset allocator over each.
+//!
+//! Each segment has its own allocator (the same two-level bin algorithm Mooncake uses, from
+//! the `offset-allocator` crate) behind its own mutex, so writers placing replicas on
+//! different segments never contend. With G KVPT groups a segment is split into G ranges and
+//! a master allocates only in the ranges of the groups it owns; with G = 1 the single range
+//! is the whole segment.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use offset_allocator::{Allocation, Allocator};
+use parking_lot::{Mutex, RwLock};
+use rand::Rng;
+use tycho_proto::{AllocStrategy, ClientId, ErrorCode, ReplicaDesc, SegmentDesc, SegmentId, WireResult};
+
+/// Smallest allocation unit in bytes; also the alignment of every replica.
+const MIN_UNIT: u64 = 64;
+/// Bytes of segment per allocator node: bounds allocator memory (32 B a node) at 1/512 of
+/// 16 KiB, while allowing as many objects as a segment of 16 KiB values holds.
+const BYTES_PER_NODE: u64 = 16 * 1024;
+/// Bounds on the node count of one segment's allocator.
+const MIN_NODES: u64 = 4096;
+const MAX_NODES: u64 = 1 << 22;
+
+/// A range handed out by a segment allocator.
+#[derive(Clone, Copy)]
+pub struct SegAlloc {
+    /// Byte offset inside the segment.
+    pub offset: u64,
+    /// Bytes actually reserved (the allocator rounds up to its bins).
+    pub reserved: u64,
+    handle: Allocation,
+}
+
+/// One mounted segment.
+pub struct MountedSegment {
+    /// As the client described it.
+    pub desc: SegmentDesc,
+    /// The client that mounted it.
+    pub client: ClientId,
+    alive: AtomicBool,
+    used: AtomicU64,
+    unit: u64,
+    alloc: Mutex<Allocator>,
+}
+
+impl MountedSegment {
+    fn new(desc: SegmentDesc, client: ClientId) -> MountedSegment {
+        let mut unit = MIN_UNIT;
+        while desc.size / unit >= u32::MAX as u64 {
+            unit *= 2;
+        }
+        let units = (desc.size / unit) as u32;
+        let nodes = (desc.size / BYTES_PER_NODE).clamp(MIN_NODES, MAX_NODES) as u32;
+        MountedSegment {
+            desc,
+            client,
+            alive: AtomicBool::new(true),
+            used: AtomicU64::new(0),
+            unit,
+            alloc: Mutex::new(Allocator::with_max_allocs(units, nodes)),
+        }
+    }
+
+    /// False once the segment is unmounted or its client expired; replicas on it are dead.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Bytes reserved by replicas.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Free fraction of the segment.
+    fn free_ratio(&self) -> f64 {
+        1.0 - self.used() as f64 / self.desc.size.max(1) as f64
+    }
+
+    /// Reserves `size` bytes, or `None` if no free range is large enough.
+    pub fn allocate(&self, size: u64) -> Option<SegAlloc> {
+        if !self.is_alive() {
+            return None;
+        }
+        let units = size.div_ceil(self.unit);
+        let units = u32::try_from(units).ok()?;
+        let mut a = self.alloc.lock();
+        let handle = a.allocate(units)?;
+        let reserved = a.allocation_size(handle) as u64 * self.unit;
+        drop(a);
+        self.used.fetch_add(reserved, Ordering::Relaxed);
+        Some(SegAlloc { offset: handle.offset as u64 * self.unit, reserved, handle })
+    }
+
+    /// Returns a range to the allocator. A dead segment's allocator is gone with it.
+    pub fn free(&self, a: SegAlloc) {
+        if !self.is_alive() {
+            return;
+        }
+        self.alloc.lock().free(a.handle);
+        self.used.fetch_sub(a.reserved, Ordering::Relaxed);
+    }
+
+    /// The wire descriptor of a replica at `a` holding `len` bytes.
+    pub fn replica_desc(&self, a: &SegAlloc, len: u64) -> ReplicaDesc {
+        ReplicaDesc {
+            segment: self.desc.id,
+            offset: a.offset,
+            len,
+            endpoint: self.desc.endpoint.clone(),
+            host: self.desc.host.clone(),
+            shm_path: self.desc.shm_path.clone(),
+        }
+    }
+}
+
+/// Where one replica lives: its segment and its range.
+#[derive(Clone)]
+pub struct Replica {
+    /// The segment; dead once unmounted.
+    pub seg: Arc<MountedSegment>,
+    /// The range.
+    pub alloc: SegAlloc,
+}
+
+impl Replica {
+    /// Frees the replica's range.
+    pub fn release(self) {
+        self.seg.free(self.alloc);
+    }
+}
+
+/// Where the replicas of a new object may go.
+pub struct Placement<'a> {
+    /// Replicas wanted.
+    pub replicas: u32,
+    /// Strategy.
+    pub strategy: AllocStrategy,
+    /// Segment names to use first.
+    pub preferred: &'a [String],
+    /// Host of the writer, for local-first placement.
+    pub local_host: Option<&'a str>,
+}
+
+/// All mounted segments.
+#[derive(Default)]
+pub struct SegmentTable {
+    by_id: RwLock<HashMap<SegmentId, Arc<MountedSegment>>>,
+    /// The live segments as an immutable list, swapped on every mount and unmount so that
+    /// placement reads it without holding the table lock.
+    live: RwLock<Arc<Vec<Arc<MountedSegment>>>>,
+}
+
+impl SegmentTable {
+    /// Mounts `desc` for `client`; mounting the same segment again is a no-op.
+    pub fn mount(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
+        if desc.size == 0 || desc.base.checked_add(desc.size).is_none() || desc.endpoint.is_empty() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let mut by_id = self.by_id.write();
+        if let Some(existing) = by_id.get(&desc.id) {
+            if existing.client == client && existing.desc == desc {
+                return Ok(());
+            }
+            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+        }
+        // Two segments served by one transfer server must not share bytes.
+        let end = desc.base + desc.size;
+        if by_id
+            .values()
+            .any(|s| s.desc.endpoint == desc.endpoint && s.desc.base < end && desc.base < s.desc.base + s.desc.size)
+        {
+            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+        }
+        by_id.insert(desc.id, Arc::new(MountedSegment::new(desc, client)));
+        self.publish(&by_id);
+        Ok(())
+    }
+
+    /// Unmounts a segment: marks it dead and removes it from placement. Returns it so that the
+    /// caller can sweep its replicas; `None` if it was not mounted.
+    pub fn unmount(&self, id: SegmentId) -> Option<Arc<MountedSegment>> {
+        let mut by_id = self.by_id.write();
+        let seg = by_id.remove(&id)?;
+        seg.alive.store(false, Ordering::Release);
+        self.publish(&by_id);
+        Some(seg)
+    }
+
+    fn publish(&self, by_id: &HashMap<SegmentId, Arc<MountedSegment>>) {
+        let mut list: Vec<_> = by_id.values().cloned().collect();
+        list.sort_by_key(|s| s.desc.id);
+        *self.live.write() = Arc::new(list);
+    }
+
+    /// The segment with this id, if mounted.
+    pub fn get(&self, id: SegmentId) -> Option<Arc<MountedSegment>> {
+        self.by_id.read().get(&id).cloned()
+    }
+
+    /// Snapshot of the live segments.
+    pub fn live(&self) -> Arc<Vec<Arc<MountedSegment>>> {
+        self.live.read().clone()
+    }
+
+    /// Sum of sizes and of used bytes over live segments.
+    pub fn usage(&self) -> (u64, u64) {
+        let live = self.live();
+        live.iter().fold((0, 0), |(t, u), s| (t + s.desc.size, u + s.used()))
+    }
+
+    /// Places up to `p.replicas` replicas of `size` bytes on distinct segments, best effort.
+    /// Returns NO_AVAILABLE_HANDLE when not even one fits.
+    pub fn place(&self, size: u64, p: &Placement<'_>) -> WireResult<Vec<Replica>> {
+        let live = self.live();
+        let want = p.replicas as usize;
+        let mut out: Vec<Replica> = Vec::with_capacity(want);
+        let try_seg = |seg: &Arc<MountedSegment>, out: &mut Vec<Replica>| {
+            if out.len() < want && !out.iter().any(|r| Arc::ptr_eq(&r.seg, seg)) {
+                if let Some(alloc) = seg.allocate(size) {
+                    out.push(Replica { seg: seg.clone(), alloc });
+                }
+            }
+        };
+        for name in p.preferred {
+            if let Some(seg) = live.iter().find(|s| &s.desc.name == name) {
+                try_seg(seg, &mut out);
+            }
+        }
+        if out.len() < want {
+            if let Some(host) = p.local_host.filter(|_| p.strategy == AllocStrategy::LocalFirst) {
+                for seg in live.iter().filter(|s| s.desc.host == host) {
+                    try_seg(seg, &mut out);
+                }
+            }
+        }
+        if out.len() < want && !live.is_empty() {
+            match p.strategy {
+                AllocStrategy::FreeRatioFirst => {
+                    let mut order: Vec<_> = live.iter().collect();
+                    order.sort_by(|a, b| b.free_ratio().total_cmp(&a.free_ratio()));
+                    for seg in order {
+                        try_seg(seg, &mut out);
+                    }
+                }
+                AllocStrategy::Random | AllocStrategy::LocalFirst => {
+                    let start = rand::thread_rng().gen_range(0..live.len());
+                    for i in 0..live.len() {
+                        try_seg(&live[(start + i) % live.len()], &mut out);
+                        if out.len() == want {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if out.is_empty() {
+            return Err(ErrorCode::NO_AVAILABLE_HANDLE);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(id: u128, endpoint: &str, base: u64, size: u64) -> SegmentDesc {
+        SegmentDesc {
+            id: SegmentId(id),
+            name: format!("seg{id}"),
+            base,
+            size,
+            endpoint: endpoint.into(),
+            host: "h".into(),
+            shm_path: String::new(),
+        }
+    }
+
+    #[test]
+    fn allocator_reuses_freed_space_and_counts_bytes() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20)).unwrap();
+        let seg = t.get(SegmentId(1)).unwrap();
+        let a = seg.allocate(1000).unwrap();
+        assert!(a.reserved >= 1000 && a.offset % MIN_UNIT == 0);
+        assert_eq!(seg.used(), a.reserved);
+        assert!(seg.allocate(2 << 20).is_none());
+        seg.free(a);
+        assert_eq!(seg.used(), 0);
+        assert!(seg.allocate(1 << 20).is_some());
+    }
+
+    #[test]
+    fn mount_is_idempotent_and_rejects_conflicts() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 4096)).unwrap();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 4096)).unwrap();
+        assert_eq!(t.mount(ClientId(2), desc(1, "e:1", 0, 4096)), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
+        assert_eq!(t.mount(ClientId(1), desc(2, "e:1", 4000, 4096)), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
+        t.mount(ClientId(1), desc(3, "e:1", 4096, 4096)).unwrap();
+        t.mount(ClientId(1), desc(4, "e:2", 0, 4096)).unwrap();
+        assert_eq!(t.mount(ClientId(1), desc(5, "e:3", 0, 0)), Err(ErrorCode::INVALID_PARAMS));
+        assert_eq!(t.live().len(), 3);
+    }
+
+    #[test]
+    fn replicas_go_to_distinct_segments_best_effort() {
+        let t = SegmentTable::default();
+        for i in 0..3 {
+            t.mount(ClientId(1), desc(i, &format!("e:{i}"), 0, 1 << 20)).unwrap();
+        }
+        let p = Placement { replicas: 5, strategy: AllocStrategy::Random, preferred: &[], local_host: None };
+        let r = t.place(1000, &p).unwrap();
+        assert_eq!(r.len(), 3);
+        let mut ids: Vec<_> = r.iter().map(|r| r.seg.desc.id).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), 3);
+        let pref = vec!["seg2".to_string()];
+        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &pref, local_host: None };
+        assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
+        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None };
+        assert_eq!(t.place(2 << 20, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
+    }
+
+    #[test]
+    fn free_ratio_first_picks_emptiest() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20)).unwrap();
+        t.mount(ClientId(1), desc(2, "e:2", 0, 1 << 20)).unwrap();
+        t.get(SegmentId(1)).unwrap().allocate(500_000).unwrap();
+        let p = Placement { replicas: 1, strategy: AllocStrategy::FreeRatioFirst, preferred: &[], local_host: None };
+        assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
+    }
+
+    #[test]
+    fn huge_segments_scale_the_unit() {
+        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1));
+        assert!(s.unit > MIN_UNIT);
+        let a = s.allocate(1 << 30).unwrap();
+        assert!(a.reserved >= 1 << 30);
+    }
+}

@@ -1,0 +1,1078 @@
+//! Tests of the master service through its public API only. Time moves only through
+//! [`ManualClock`]; background work runs only when a test calls `tick()` or `evict()`.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tycho_master::{
+    ManualClock, Master, MasterConfig, WriteMode, DEFAULT_CLIENT_TTL_MS, DEFAULT_KV_LEASE_TTL_MS,
+    DEFAULT_PUT_START_DISCARD_MS, DEFAULT_PUT_START_RELEASE_MS, DEFAULT_SOFT_PIN_TTL_MS, MAX_SOFT_PIN_TTL_MS,
+};
+use tycho_proto::*;
+use tycho_routing::route_for;
+
+// ---- helpers -------------------------------------------------------------------------------
+
+const T: &str = "tenant-a";
+const A: ClientId = ClientId(0xA);
+const B: ClientId = ClientId(0xB);
+const C: ClientId = ClientId(0xC);
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+const LEASE: u64 = DEFAULT_KV_LEASE_TTL_MS;
+
+struct Env {
+    m: Master,
+    clock: Arc<ManualClock>,
+}
+
+impl Env {
+    fn new() -> Env {
+        Env::with(MasterConfig::default())
+    }
+
+    fn with(cfg: MasterConfig) -> Env {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let m = Master::new(cfg, clock.clone());
+        Env { m, clock }
+    }
+
+    fn advance(&self, ms: u64) {
+        self.clock.advance(ms);
+    }
+
+    /// Pings `alive` (so they are not expired) and runs one housekeeping round.
+    fn tick_alive(&self, alive: &[ClientId]) {
+        for c in alive {
+            assert_eq!(self.m.ping(*c).status, ClientStatus::Ok, "client {c} should be known");
+        }
+        self.m.tick();
+    }
+}
+
+fn seg_desc(id: u128, size: u64) -> SegmentDesc {
+    SegmentDesc {
+        id: SegmentId(id),
+        name: format!("seg-{id}"),
+        base: 0,
+        size,
+        endpoint: format!("10.0.0.{id}:17000"),
+        host: format!("host-{id}"),
+        shm_path: String::new(),
+    }
+}
+
+/// Mounts segment `id` of `size` bytes for `client` and returns its descriptor.
+fn mount(m: &Master, client: ClientId, id: u128, size: u64) -> SegmentDesc {
+    let d = seg_desc(id, size);
+    m.mount_segment(client, d.clone()).expect("mount");
+    d
+}
+
+fn kref_in(tenant: &str, key: &str) -> KeyRef {
+    KeyRef { key: key.to_string(), route: route_for(tenant, key, 1) }
+}
+
+fn kref(key: &str) -> KeyRef {
+    kref_in(T, key)
+}
+
+fn ws(client: ClientId, key: &str, size: u64, config: ReplicateConfig) -> WriteStart {
+    WriteStart { client, tenant: T.into(), key: kref(key), size, config }
+}
+
+fn wf(client: ClientId, key: &str) -> WriteFinish {
+    WriteFinish { client, tenant: T.into(), key: kref(key) }
+}
+
+fn q(key: &str) -> KeyQuery {
+    KeyQuery { tenant: T.into(), key: kref(key) }
+}
+
+fn start(m: &Master, client: ClientId, key: &str, size: u64) -> WireResult<Vec<ReplicaDesc>> {
+    m.write_start(WriteMode::Put, &ws(client, key, size, ReplicateConfig::default()))
+}
+
+fn start_cfg(m: &Master, client: ClientId, key: &str, size: u64, cfg: ReplicateConfig) -> WireResult<Vec<ReplicaDesc>> {
+    m.write_start(WriteMode::Put, &ws(client, key, size, cfg))
+}
+
+fn finish(m: &Master, client: ClientId, key: &str, end: bool) -> WireResult<()> {
+    m.write_finish(&wf(client, key), end)
+}
+
+/// PutStart + PutEnd; returns the replicas placed.
+fn put_cfg(m: &Master, client: ClientId, key: &str, size: u64, cfg: ReplicateConfig) -> Vec<ReplicaDesc> {
+    let d = start_cfg(m, client, key, size, cfg).unwrap_or_else(|e| panic!("PutStart {key}: {e:?}"));
+    finish(m, client, key, true).unwrap_or_else(|e| panic!("PutEnd {key}: {e:?}"));
+    d
+}
+
+fn put(m: &Master, client: ClientId, key: &str, size: u64) -> Vec<ReplicaDesc> {
+    put_cfg(m, client, key, size, ReplicateConfig::default())
+}
+
+fn get(m: &Master, key: &str) -> WireResult<ReplicaList> {
+    m.get_replica_list(&q(key))
+}
+
+fn exists(m: &Master, key: &str) -> WireResult<bool> {
+    m.exist_key(&q(key))
+}
+
+fn remove(m: &Master, key: &str, force: bool) -> WireResult<()> {
+    m.remove(&RemoveKey { tenant: T.into(), key: kref(key), force })
+}
+
+/// Bytes reserved over all mounted segments, as the admin listing reports them.
+fn used(m: &Master) -> u64 {
+    m.list_segments().iter().map(|s| s.used).sum()
+}
+
+fn used_of(m: &Master, id: u128) -> Option<u64> {
+    m.list_segments().iter().find(|s| s.desc.id == SegmentId(id)).map(|s| s.used)
+}
+
+fn objects(m: &Master) -> u64 {
+    m.stats().objects
+}
+
+/// Keys of tenant `T` present (complete or not); does not touch leases.
+fn keys(m: &Master) -> BTreeSet<String> {
+    m.list_keys(Some(T), None, u32::MAX).unwrap().into_iter().map(|k| k.key).collect()
+}
+
+fn key_info(m: &Master, key: &str) -> KeyInfo {
+    let re = regex_escape(key);
+    let mut v = m.list_keys(Some(T), Some(&re), u32::MAX).unwrap();
+    assert_eq!(v.len(), 1, "key {key} should be listed once");
+    v.pop().unwrap()
+}
+
+fn regex_escape(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| if c.is_ascii_alphanumeric() { vec![c] } else { vec!['\\', c] })
+        .collect()
+}
+
+fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn soft(ttl: Option<u64>) -> ReplicateConfig {
+    ReplicateConfig { soft_pin_action: SoftPinAction::Enable, soft_pin_ttl_ms: ttl, ..Default::default() }
+}
+
+// ---- 1. put-if-absent ----------------------------------------------------------------------
+
+#[test]
+fn put_is_put_if_absent_single_and_batch() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    mount(m, B, 2, MIB);
+
+    let first = start(m, A, "k", 4096).unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].len, 4096);
+    finish(m, A, "k", true).unwrap();
+    let before = get(m, "k").unwrap();
+    assert_eq!(before.size, 4096);
+    assert_eq!(before.replicas, first);
+    let used_before = used(m);
+    assert!(used_before >= 4096);
+
+    // Another client, and the same client, both see the existing object; nothing changes.
+    assert_eq!(start(m, B, "k", 8192), Err(ErrorCode::OBJECT_ALREADY_EXISTS));
+    assert_eq!(start(m, A, "k", 4096), Err(ErrorCode::OBJECT_ALREADY_EXISTS));
+    let after = get(m, "k").unwrap();
+    assert_eq!(after.size, 4096);
+    assert_eq!(after.replicas, before.replicas);
+    assert_eq!(used(m), used_before);
+    assert_eq!(objects(m), 1);
+
+    // Batch form: one result per item, in request order.
+    let req = BatchWriteStart {
+        client: B,
+        tenant: T.into(),
+        items: vec![
+            (kref("new-1"), 1000),
+            (kref("k"), 2000),
+            (kref(""), 3000),
+            (kref("new-2"), 4000),
+            (kref("zero"), 0),
+        ],
+        config: ReplicateConfig::default(),
+    };
+    let res = m.batch_write_start(WriteMode::Put, &req);
+    assert_eq!(res.len(), 5);
+    let r0 = res[0].as_ref().expect("new-1 starts");
+    assert_eq!(r0.len(), 1);
+    assert_eq!(r0[0].len, 1000);
+    assert_eq!(res[1], Err(ErrorCode::OBJECT_ALREADY_EXISTS));
+    assert_eq!(res[2], Err(ErrorCode::INVALID_KEY));
+    let r3 = res[3].as_ref().expect("new-2 starts");
+    assert_eq!(r3[0].len, 4000);
+    assert_eq!(res[4], Err(ErrorCode::INVALID_PARAMS));
+    assert_ne!((r0[0].segment, r0[0].offset), (r3[0].segment, r3[0].offset));
+
+    // Started but not ended: invisible.
+    assert_eq!(get(m, "new-1").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
+    assert_eq!(objects(m), 3);
+
+    let fin = m.batch_write_finish(
+        &BatchWriteFinish { client: B, tenant: T.into(), keys: vec![kref("new-1"), kref("k"), kref("new-2")] },
+        true,
+    );
+    assert_eq!(fin.len(), 3);
+    assert_eq!(fin[0], Ok(()));
+    // "k" was committed by A and has no write in progress: B cannot end it.
+    assert_eq!(fin[1], Err(ErrorCode::INVALID_WRITE));
+    assert_eq!(fin[2], Ok(()));
+    assert_eq!(get(m, "new-1").unwrap().size, 1000);
+    assert_eq!(get(m, "new-2").unwrap().size, 4000);
+    let k = get(m, "k").unwrap();
+    assert_eq!((k.size, k.replicas), (4096, before.replicas));
+}
+
+// ---- 2. upsert -----------------------------------------------------------------------------
+
+#[test]
+fn upsert_replaces_revoke_keeps_old_and_missing_key_is_created() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    put(m, A, "k", 4096);
+    assert_eq!(used(m), 4096);
+
+    // A reader takes a lease on the old value.
+    let old = get(m, "k").unwrap();
+    let d = m.write_start(WriteMode::Upsert, &ws(A, "k", 8192, ReplicateConfig::default())).unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].len, 8192);
+    assert_eq!(used(m), 4096 + 8192);
+    // While the upsert is in flight, readers still see the old value and a put still conflicts.
+    assert_eq!(get(m, "k").unwrap(), old);
+    assert_eq!(start(m, A, "k", 100), Err(ErrorCode::OBJECT_ALREADY_EXISTS));
+    // UpsertEnd.
+    m.write_finish(&wf(A, "k"), true).unwrap();
+    let new = get(m, "k").unwrap();
+    assert_eq!(new.size, 8192);
+    assert_eq!(new.replicas, d);
+    assert_eq!(objects(m), 1);
+    // The old range stays reserved while the lease taken on it holds, then is freed.
+    assert_eq!(used(m), 4096 + 8192);
+    e.advance(LEASE + 1);
+    e.tick_alive(&[A]);
+    assert_eq!(used(m), 8192);
+
+    // UpsertRevoke: the old value stays, the new range is freed at once.
+    let d2 = m.write_start(WriteMode::Upsert, &ws(A, "k", 16384, ReplicateConfig::default())).unwrap();
+    assert_eq!(d2[0].len, 16384);
+    assert_eq!(used(m), 8192 + 16384);
+    m.write_finish(&wf(A, "k"), false).unwrap();
+    let still = get(m, "k").unwrap();
+    assert_eq!(still.size, 8192);
+    assert_eq!(still.replicas, d);
+    assert_eq!(used(m), 8192);
+
+    // Upsert of a missing key creates it.
+    assert_eq!(get(m, "fresh").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    m.write_start(WriteMode::Upsert, &ws(A, "fresh", 2048, ReplicateConfig::default())).unwrap();
+    assert_eq!(get(m, "fresh").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
+    m.write_finish(&wf(A, "fresh"), true).unwrap();
+    assert_eq!(get(m, "fresh").unwrap().size, 2048);
+    assert_eq!(objects(m), 2);
+
+    // Upsert of a key whose first write is still in progress (and younger than the discard
+    // timeout) is refused.
+    start(m, A, "busy", 64).unwrap();
+    assert_eq!(
+        m.write_start(WriteMode::Upsert, &ws(A, "busy", 64, ReplicateConfig::default())),
+        Err(ErrorCode::REPLICA_IS_NOT_READY)
+    );
+
+    // Soft pin: PRESERVE keeps the pin, DISABLE clears it.
+    put_cfg(m, A, "pinned", 64, soft(None));
+    assert!(key_info(m, "pinned").soft_pinned);
+    let preserve = ReplicateConfig { soft_pin_action: SoftPinAction::Preserve, ..Default::default() };
+    m.write_start(WriteMode::Upsert, &ws(A, "pinned", 128, preserve)).unwrap();
+    m.write_finish(&wf(A, "pinned"), true).unwrap();
+    assert!(key_info(m, "pinned").soft_pinned);
+    m.write_start(WriteMode::Upsert, &ws(A, "pinned", 64, ReplicateConfig::default())).unwrap();
+    m.write_finish(&wf(A, "pinned"), true).unwrap();
+    assert!(!key_info(m, "pinned").soft_pinned);
+}
+
+// ---- 3. writer identity, in-progress reads, revoke frees ----------------------------------
+
+#[test]
+fn only_the_writer_ends_or_revokes_and_revoke_frees_space() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    m.remount_segments(B, vec![]).unwrap();
+
+    start(m, A, "k", 4096).unwrap();
+    assert_eq!(used(m), 4096);
+    assert_eq!(finish(m, B, "k", true), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(finish(m, B, "k", false), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(get(m, "k").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
+    let batch = m.batch_get_replica_list(&BatchKeyQuery { tenant: T.into(), keys: vec![kref("k")] });
+    assert_eq!(batch, vec![Err(ErrorCode::REPLICA_IS_NOT_READY)]);
+    assert_eq!(exists(m, "k"), Ok(false));
+    assert_eq!(remove(m, "k", false), Err(ErrorCode::REPLICA_IS_NOT_READY));
+    assert_eq!(objects(m), 1);
+    assert_eq!(used(m), 4096);
+
+    finish(m, A, "k", false).unwrap();
+    let segs = m.list_segments();
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].used, 0);
+    assert_eq!(get(m, "k").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(objects(m), 0);
+    assert_eq!(finish(m, A, "k", true), Err(ErrorCode::OBJECT_NOT_FOUND));
+
+    // The writer can still end its write after others tried.
+    start(m, A, "k2", 512).unwrap();
+    assert_eq!(finish(m, B, "k2", true), Err(ErrorCode::ILLEGAL_CLIENT));
+    finish(m, A, "k2", true).unwrap();
+    assert_eq!(get(m, "k2").unwrap().size, 512);
+    // A retried end of a committed write is harmless.
+    assert_eq!(finish(m, A, "k2", true), Ok(()));
+}
+
+// ---- 4. read leases and removal -------------------------------------------------------------
+
+#[test]
+fn read_lease_blocks_remove_until_expiry_or_force() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+
+    put(m, A, "k", 4096);
+    let r = get(m, "k").unwrap();
+    assert_eq!(r.lease_ttl_ms, LEASE);
+    assert_eq!(remove(m, "k", false), Err(ErrorCode::OBJECT_HAS_LEASE));
+    e.advance(LEASE - 1);
+    assert_eq!(remove(m, "k", false), Err(ErrorCode::OBJECT_HAS_LEASE));
+    e.advance(2);
+    assert_eq!(remove(m, "k", false), Ok(()));
+    assert_eq!(get(m, "k").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(used(m), 0);
+
+    // Force removes a leased object at once; its range stays reserved until the lease ends.
+    put(m, A, "f", 4096);
+    get(m, "f").unwrap();
+    assert_eq!(remove(m, "f", true), Ok(()));
+    assert_eq!(get(m, "f").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(objects(m), 0);
+    assert_eq!(used(m), 4096);
+    e.advance(LEASE + 1);
+    e.tick_alive(&[A]);
+    assert_eq!(used(m), 0);
+
+    // ExistKey grants a lease too.
+    put(m, A, "x", 64);
+    assert_eq!(exists(m, "x"), Ok(true));
+    assert_eq!(exists(m, "nope"), Ok(false));
+    assert_eq!(remove(m, "x", false), Err(ErrorCode::OBJECT_HAS_LEASE));
+    let be = m.batch_exist_key(&BatchKeyQuery { tenant: T.into(), keys: vec![kref("x")] });
+    assert_eq!(be, vec![Ok(true)]);
+    e.advance(LEASE + 1);
+    assert_eq!(remove(m, "x", false), Ok(()));
+}
+
+#[test]
+fn remove_all_and_remove_by_regex() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    const T2: &str = "tenant-b";
+
+    put(m, A, "a", 64);
+    put(m, A, "b", 64);
+    put(m, A, "c", 64);
+    get(m, "a").unwrap();
+    assert_eq!(m.remove_all(false), 2);
+    assert_eq!(keys(m), set(&["a"]));
+    assert_eq!(m.remove_all(true), 1);
+    assert_eq!(objects(m), 0);
+
+    // remove_by_regex: tenant-scoped, whole-key match, bad regex changes nothing.
+    for k in ["kv/1", "kv/2", "kv/x/3", "other"] {
+        put(m, A, k, 64);
+        // The same keys in another tenant.
+        let d = m
+            .write_start(
+                WriteMode::Put,
+                &WriteStart { client: A, tenant: T2.into(), key: kref_in(T2, k), size: 64, config: Default::default() },
+            )
+            .unwrap();
+        assert_eq!(d.len(), 1);
+        m.write_finish(&WriteFinish { client: A, tenant: T2.into(), key: kref_in(T2, k) }, true).unwrap();
+    }
+    assert_eq!(objects(m), 8);
+    for bad in ["(", "kv/[", "a)|(b", "*"] {
+        assert_eq!(m.remove_by_regex(T, bad, true), Err(ErrorCode::INVALID_PARAMS), "regex {bad:?}");
+        assert_eq!(objects(m), 8, "regex {bad:?} removed something");
+    }
+    // Partial matches do not count: "kv" matches no whole key.
+    assert_eq!(m.remove_by_regex(T, "kv", false), Ok(0));
+    // A leased matching key is skipped unless forced.
+    get(m, "kv/2").unwrap();
+    assert_eq!(m.remove_by_regex(T, "kv/[0-9]+", false), Ok(1));
+    assert_eq!(keys(m), set(&["kv/2", "kv/x/3", "other"]));
+    assert_eq!(m.remove_by_regex(T, "kv/.*", true), Ok(2));
+    assert_eq!(keys(m), set(&["other"]));
+    // The other tenant is untouched.
+    let t2: BTreeSet<String> = m.list_keys(Some(T2), None, 100).unwrap().into_iter().map(|k| k.key).collect();
+    assert_eq!(t2, set(&["kv/1", "kv/2", "kv/x/3", "other"]));
+    assert_eq!(objects(m), 5);
+}
+
+// ---- 5. parameter validation ---------------------------------------------------------------
+
+#[test]
+fn invalid_writes_are_rejected_and_change_nothing() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    put(m, A, "existing", 4096);
+    let (objs, used0) = (objects(m), used(m));
+
+    let long_key = "x".repeat(MAX_KEY_LEN + 1);
+    let cases: Vec<(&str, String, u64, ReplicateConfig, ErrorCode)> = vec![
+        ("enable ttl 0", "k".into(), 64, soft(Some(0)), ErrorCode::INVALID_PARAMS),
+        ("enable ttl > 24h", "k".into(), 64, soft(Some(MAX_SOFT_PIN_TTL_MS + 1)), ErrorCode::INVALID_PARAMS),
+        (
+            "disable with ttl",
+            "k".into(),
+            64,
+            ReplicateConfig { soft_pin_action: SoftPinAction::Disable, soft_pin_ttl_ms: Some(1000), ..Default::default() },
+            ErrorCode::INVALID_PARAMS,
+        ),
+        (
+            "preserve with ttl",
+            "k".into(),
+            64,
+            ReplicateConfig { soft_pin_action: SoftPinAction::Preserve, soft_pin_ttl_ms: Some(1000), ..Default::default() },
+            ErrorCode::INVALID_PARAMS,
+        ),
+        ("replica_num 0", "k".into(), 64, ReplicateConfig { replica_num: 0, ..Default::default() }, ErrorCode::INVALID_PARAMS),
+        ("replica_num 17", "k".into(), 64, ReplicateConfig { replica_num: 17, ..Default::default() }, ErrorCode::INVALID_PARAMS),
+        ("size 0", "k".into(), 0, ReplicateConfig::default(), ErrorCode::INVALID_PARAMS),
+        ("empty key", String::new(), 64, ReplicateConfig::default(), ErrorCode::INVALID_KEY),
+        ("key of 4097 bytes", long_key, 64, ReplicateConfig::default(), ErrorCode::INVALID_KEY),
+        // Validation comes before the existence check.
+        ("existing key, size 0", "existing".into(), 0, ReplicateConfig::default(), ErrorCode::INVALID_PARAMS),
+    ];
+    for (what, key, size, cfg, want) in &cases {
+        for mode in [WriteMode::Put, WriteMode::Upsert] {
+            let got = m.write_start(mode, &ws(A, key, *size, cfg.clone()));
+            assert_eq!(got, Err(*want), "{what} ({mode:?})");
+            assert_eq!(objects(m), objs, "{what} ({mode:?}) changed the object count");
+            assert_eq!(used(m), used0, "{what} ({mode:?}) changed used bytes");
+        }
+        // The batch form rejects the same items.
+        let req = BatchWriteStart { client: A, tenant: T.into(), items: vec![(kref(key), *size)], config: cfg.clone() };
+        assert_eq!(m.batch_write_start(WriteMode::Put, &req), vec![Err(*want)], "{what} (batch)");
+        assert_eq!(objects(m), objs);
+        assert_eq!(used(m), used0);
+    }
+    assert_eq!(get(m, "existing").unwrap().size, 4096);
+
+    // Accepted forms.
+    put_cfg(m, A, "soft-default", 64, soft(None));
+    let info = key_info(m, "soft-default");
+    assert!(info.soft_pinned);
+    put_cfg(m, A, "soft-max", 64, soft(Some(MAX_SOFT_PIN_TTL_MS)));
+    put(m, A, &"y".repeat(MAX_KEY_LEN), 64);
+    assert_eq!(objects(m), objs + 3);
+    // The default soft-pin TTL is 30 min.
+    e.advance(DEFAULT_SOFT_PIN_TTL_MS - 1);
+    assert!(key_info(m, "soft-default").soft_pinned);
+    e.advance(1);
+    assert!(!key_info(m, "soft-default").soft_pinned);
+    assert!(key_info(m, "soft-max").soft_pinned);
+}
+
+// ---- 6. eviction ---------------------------------------------------------------------------
+
+const OBJ: u64 = 64 * KIB;
+
+#[test]
+fn eviction_takes_oldest_lease_first_and_respects_pins_leases_and_writes() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    for k in ["o0", "o1", "o2", "o3", "o4", "leased"] {
+        put(m, A, k, OBJ);
+    }
+    put_cfg(m, A, "hard", OBJ, ReplicateConfig { hard_pin: true, ..Default::default() });
+    put_cfg(m, A, "soft", OBJ, soft(None));
+    start(m, A, "pending", OBJ).unwrap();
+    assert_eq!(used(m), 9 * OBJ);
+
+    // Reads at different times; the pinned objects get the oldest leases of all.
+    for k in ["hard", "soft", "leased"] {
+        get(m, k).unwrap();
+    }
+    let order = ["o3", "o1", "o4", "o0", "o2"];
+    for k in order {
+        e.advance(1000);
+        get(m, k).unwrap();
+    }
+    e.advance(LEASE + 1);
+    // Only this one is leased now.
+    get(m, "leased").unwrap();
+
+    let mut left = keys(m);
+    for victim in order {
+        assert_eq!(m.evict(), (1, OBJ), "evicting {victim}");
+        left.remove(victim);
+        assert_eq!(keys(m), left, "expected {victim} to be evicted");
+    }
+    assert_eq!(used(m), 4 * OBJ);
+    // Only the soft-pinned object is left among the evictable ones.
+    assert_eq!(m.evict(), (1, OBJ));
+    left.remove("soft");
+    assert_eq!(keys(m), set(&["hard", "leased", "pending"]));
+    // Leased, hard-pinned and in-progress objects stay.
+    assert_eq!(m.evict(), (0, 0));
+    assert_eq!(keys(m), left);
+    e.advance(LEASE + 1);
+    assert_eq!(m.evict(), (1, OBJ));
+    assert_eq!(keys(m), set(&["hard", "pending"]));
+    e.advance(DEFAULT_PUT_START_DISCARD_MS);
+    assert_eq!(m.evict(), (0, 0));
+    assert_eq!(keys(m), set(&["hard", "pending"]));
+    assert_eq!(used(m), 2 * OBJ);
+    assert_eq!(m.counters.evicted_objects.load(Ordering::Relaxed), 7);
+    assert_eq!(m.counters.evicted_bytes.load(Ordering::Relaxed), 7 * OBJ);
+}
+
+#[test]
+fn allocation_failure_evicts_then_succeeds() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    let names: Vec<String> = (0..16).map(|i| format!("f{i:02}")).collect();
+    for k in &names {
+        put(m, A, k, OBJ);
+    }
+    assert_eq!(used(m), MIB, "segment should be exactly full");
+
+    // All leased: nothing can be evicted, so the write fails and nothing is lost.
+    for k in &names {
+        get(m, k).unwrap();
+    }
+    assert_eq!(start(m, A, "extra", OBJ), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    assert_eq!(objects(m), 16);
+    assert_eq!(m.counters.evicted_objects.load(Ordering::Relaxed), 0);
+
+    // Leases taken in order f05, f00, f01, ... so f05 is the oldest once all expire.
+    e.advance(LEASE + 1);
+    get(m, "f05").unwrap();
+    for k in names.iter().filter(|k| *k != "f05") {
+        e.advance(10);
+        get(m, k).unwrap();
+    }
+    e.advance(LEASE + 1);
+    put(m, A, "extra", OBJ);
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 1);
+    assert_eq!(m.counters.evicted_objects.load(Ordering::Relaxed), 1);
+    let mut want: BTreeSet<String> = names.iter().cloned().collect();
+    want.remove("f05");
+    want.insert("extra".into());
+    assert_eq!(keys(m), want);
+    assert_eq!(used(m), MIB);
+}
+
+#[test]
+fn tick_evicts_above_high_watermark() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    for i in 0..14 {
+        put(m, A, &format!("w{i}"), OBJ);
+    }
+    // 14/16 = 87.5 %: below the watermark.
+    e.tick_alive(&[A]);
+    assert_eq!(objects(m), 14);
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 0);
+    put(m, A, "w14", OBJ);
+    // 15/16 = 93.75 % > 90 %.
+    e.tick_alive(&[A]);
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 1);
+    assert_eq!(objects(m), 14);
+    assert_eq!(used(m), 14 * OBJ);
+    e.tick_alive(&[A]);
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 1);
+    assert_eq!(objects(m), 14);
+}
+
+// ---- 7. abandoned writes -------------------------------------------------------------------
+
+#[test]
+fn stale_write_is_preempted_after_discard_and_its_space_released_later() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, C, 1, MIB);
+    m.remount_segments(A, vec![]).unwrap();
+    m.remount_segments(B, vec![]).unwrap();
+    let all = [A, B, C];
+
+    let a = start(m, A, "k", OBJ).unwrap();
+    assert_eq!(used(m), OBJ);
+    e.advance(DEFAULT_PUT_START_DISCARD_MS - 1);
+    assert_eq!(start(m, B, "k", OBJ), Err(ErrorCode::REPLICA_IS_NOT_READY));
+    assert_eq!(used(m), OBJ, "a refused PutStart must not keep its allocation");
+    e.advance(1);
+    let b = start(m, B, "k", OBJ).unwrap();
+    assert_ne!(a[0].offset, b[0].offset, "A may still be writing into its range");
+    assert_eq!(m.counters.writes_discarded.load(Ordering::Relaxed), 1);
+    assert_eq!(used(m), 2 * OBJ);
+    // A lost the write; B owns it now.
+    assert!(finish(m, A, "k", true).is_err());
+    assert_eq!(get(m, "k").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
+    finish(m, B, "k", true).unwrap();
+    assert_eq!(get(m, "k").unwrap().replicas, b);
+    assert_eq!(used(m), 2 * OBJ);
+
+    // A's range stays reserved until 600 s after A's start.
+    let until_release = DEFAULT_PUT_START_RELEASE_MS - DEFAULT_PUT_START_DISCARD_MS;
+    e.advance(until_release - 1);
+    e.tick_alive(&all);
+    assert_eq!(used(m), 2 * OBJ);
+    e.advance(1);
+    e.tick_alive(&all);
+    assert_eq!(used(m), OBJ);
+    assert_eq!(get(m, "k").unwrap().replicas, b);
+}
+
+#[test]
+fn unfinished_write_is_reclaimed_after_release_timeout() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    put(m, A, "done", 4096);
+    start(m, A, "abandoned", OBJ).unwrap();
+    // An upsert left unfinished: the old value must survive the reclaim.
+    m.write_start(WriteMode::Upsert, &ws(A, "done", 8192, ReplicateConfig::default())).unwrap();
+    assert_eq!(used(m), 4096 + OBJ + 8192);
+    assert_eq!(objects(m), 2);
+
+    e.advance(DEFAULT_PUT_START_RELEASE_MS - 1);
+    e.tick_alive(&[A]);
+    assert_eq!(objects(m), 2);
+    assert_eq!(get(m, "abandoned").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
+    assert_eq!(used(m), 4096 + OBJ + 8192);
+
+    // The reclaim scan runs at most once a second.
+    e.advance(1000);
+    e.tick_alive(&[A]);
+    assert_eq!(get(m, "abandoned").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(objects(m), 1);
+    assert_eq!(used(m), 4096);
+    assert_eq!(get(m, "done").unwrap().size, 4096);
+    assert_eq!(m.counters.writes_released.load(Ordering::Relaxed), 2);
+    // The writer's late end finds nothing.
+    assert_eq!(finish(m, A, "abandoned", true), Err(ErrorCode::OBJECT_NOT_FOUND));
+}
+
+// ---- 8. ping -------------------------------------------------------------------------------
+
+#[test]
+fn ping_unknown_client_needs_remount() {
+    let e = Env::new();
+    let m = &e.m;
+    let r = m.ping(A);
+    assert_eq!(r.status, ClientStatus::NeedRemount);
+    assert_eq!(start(m, A, "k", 64), Err(ErrorCode::CLIENT_NOT_FOUND));
+    let batch = BatchWriteStart { client: A, tenant: T.into(), items: vec![(kref("k"), 64)], config: Default::default() };
+    assert_eq!(m.batch_write_start(WriteMode::Put, &batch), vec![Err(ErrorCode::CLIENT_NOT_FOUND)]);
+    assert_eq!(objects(m), 0);
+
+    m.remount_segments(A, vec![seg_desc(1, MIB), seg_desc(2, MIB)]).unwrap();
+    let r2 = m.ping(A);
+    assert_eq!(r2.status, ClientStatus::Ok);
+    assert_eq!(r2.master_instance, r.master_instance);
+    assert_eq!(m.list_segments().len(), 2);
+    assert_eq!(m.stats().clients, 1);
+    put(m, A, "k", 64);
+    // Remounting again is idempotent.
+    m.remount_segments(A, vec![seg_desc(1, MIB), seg_desc(2, MIB)]).unwrap();
+    assert_eq!(m.list_segments().len(), 2);
+    assert_eq!(get(m, "k").unwrap().size, 64);
+}
+
+// ---- 9. client expiry ----------------------------------------------------------------------
+
+#[test]
+fn silent_client_expires_and_its_replicas_are_dropped() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    mount(m, B, 2, MIB);
+    let on_a = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
+    let on_both = ReplicateConfig { replica_num: 2, ..Default::default() };
+    for i in 0..10 {
+        let d = put_cfg(m, B, &format!("both{i}"), 4096, on_both.clone());
+        assert_eq!(d.len(), 2);
+        let d = put_cfg(m, if i % 2 == 0 { A } else { B }, &format!("only-a{i}"), 4096, on_a.clone());
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].segment, SegmentId(1));
+    }
+    let used_b = used_of(m, 2).unwrap();
+    assert_eq!(used_b, 10 * 4096);
+
+    // B keeps pinging; A falls silent.
+    let mut waited = 0;
+    while waited < DEFAULT_CLIENT_TTL_MS - 1000 {
+        e.advance(1000);
+        waited += 1000;
+        e.tick_alive(&[B]);
+        assert_eq!(m.list_segments().len(), 2, "A expired early, after {waited} ms");
+    }
+    assert_eq!(m.counters.sweep_visited.load(Ordering::Relaxed), 0);
+    e.advance(1000);
+    e.tick_alive(&[B]);
+
+    let segs = m.list_segments();
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].desc.id, SegmentId(2));
+    assert_eq!(segs[0].client, B);
+    assert_eq!(segs[0].used, used_b);
+    for i in 0..10 {
+        assert_eq!(get(m, &format!("only-a{i}")).err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+        let r = get(m, &format!("both{i}")).unwrap();
+        assert_eq!(r.replicas.len(), 1);
+        assert_eq!(r.replicas[0].segment, SegmentId(2));
+        assert_eq!(r.size, 4096);
+    }
+    assert_eq!(objects(m), 10);
+    assert_eq!(m.counters.clients_expired.load(Ordering::Relaxed), 1);
+    assert_eq!(m.counters.sweep_visited.load(Ordering::Relaxed), 20);
+    assert_eq!(m.counters.sweep_objects_removed.load(Ordering::Relaxed), 10);
+    assert_eq!(m.counters.sweep_replicas_dropped.load(Ordering::Relaxed), 20);
+    assert_eq!(m.counters.sweeps_running.load(Ordering::Relaxed), 0);
+    assert_eq!(m.stats().clients, 1);
+    assert_eq!(m.ping(B).status, ClientStatus::Ok);
+    assert_eq!(m.ping(A).status, ClientStatus::NeedRemount);
+    assert_eq!(start(m, A, "late", 64), Err(ErrorCode::CLIENT_NOT_FOUND));
+}
+
+// ---- 10. routing ---------------------------------------------------------------------------
+
+#[test]
+fn wrong_routes_are_refused_and_change_nothing() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    put(m, A, "k", 4096);
+    let (objs, used0) = (objects(m), used(m));
+
+    let good = route_for(T, "k", 1);
+    let routes = [
+        (RouteTag { partition_id: (good.partition_id + 1) % 16384, epoch: 1 }, ErrorCode::STALE_ROUTE),
+        // A route computed for another tenant.
+        (route_for("other-tenant", "k", 1), ErrorCode::STALE_ROUTE),
+        (RouteTag { epoch: 0, ..good }, ErrorCode::STALE_EPOCH),
+        (RouteTag { epoch: 2, ..good }, ErrorCode::KVPT_NOT_OWNED),
+    ];
+    for key in ["k", "new"] {
+        let good = route_for(T, key, 1);
+        for (route, want) in routes {
+            let route = RouteTag { partition_id: route.partition_id ^ good.partition_id ^ route_for(T, "k", 1).partition_id, ..route };
+            let kr = KeyRef { key: key.into(), route };
+            let wst = WriteStart { client: A, tenant: T.into(), key: kr.clone(), size: 64, config: Default::default() };
+            let wfi = WriteFinish { client: A, tenant: T.into(), key: kr.clone() };
+            let kq = KeyQuery { tenant: T.into(), key: kr.clone() };
+            assert_eq!(m.write_start(WriteMode::Put, &wst), Err(want), "{key} {route:?}");
+            assert_eq!(m.write_start(WriteMode::Upsert, &wst), Err(want));
+            assert_eq!(m.write_finish(&wfi, true), Err(want));
+            assert_eq!(m.write_finish(&wfi, false), Err(want));
+            assert_eq!(m.get_replica_list(&kq).err(), Some(want));
+            assert_eq!(m.exist_key(&kq), Err(want));
+            assert_eq!(m.remove(&RemoveKey { tenant: T.into(), key: kr.clone(), force: true }), Err(want));
+            let bq = BatchKeyQuery { tenant: T.into(), keys: vec![kr.clone(), kref(key)] };
+            let bg = m.batch_get_replica_list(&bq);
+            assert_eq!(bg[0].as_ref().err(), Some(&want));
+            assert_eq!(bg[1].is_ok(), key == "k");
+            let br = m.batch_remove(&BatchRemoveKeys { tenant: T.into(), keys: vec![kr.clone()], force: true });
+            assert_eq!(br, vec![Err(want)]);
+            let bw = BatchWriteStart { client: A, tenant: T.into(), items: vec![(kr.clone(), 64)], config: Default::default() };
+            assert_eq!(m.batch_write_start(WriteMode::Upsert, &bw), vec![Err(want)]);
+            assert_eq!(objects(m), objs);
+            assert_eq!(used(m), used0);
+        }
+    }
+    let r = get(m, "k").unwrap();
+    assert_eq!(r.size, 4096);
+    assert_eq!(keys(m), set(&["k"]));
+}
+
+// ---- 11. mount / unmount -------------------------------------------------------------------
+
+#[test]
+fn mount_and_unmount_rules() {
+    let e = Env::new();
+    let m = &e.m;
+    let d1 = mount(m, A, 1, MIB);
+    // Idempotent.
+    m.mount_segment(A, d1.clone()).unwrap();
+    assert_eq!(m.list_segments().len(), 1);
+    // Same id by another client.
+    assert_eq!(m.mount_segment(B, d1.clone()), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
+    // Same id, different description.
+    assert_eq!(m.mount_segment(A, SegmentDesc { size: 2 * MIB, ..d1.clone() }), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
+    // Overlapping range on the same endpoint, another id.
+    let overlap = SegmentDesc { id: SegmentId(9), name: "seg-9".into(), base: MIB / 2, ..d1.clone() };
+    assert_eq!(m.mount_segment(A, overlap), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
+    assert_eq!(m.list_segments().len(), 1);
+    // Adjacent range on the same endpoint is fine.
+    let adjacent = SegmentDesc { id: SegmentId(3), name: "seg-3".into(), base: MIB, ..d1.clone() };
+    m.mount_segment(A, adjacent).unwrap();
+    mount(m, B, 2, MIB);
+    assert_eq!(m.list_segments().len(), 3);
+
+    // Unmounting an unknown segment succeeds; another client's segment is refused.
+    assert_eq!(m.unmount_segment(A, SegmentId(77)), Ok(()));
+    assert_eq!(m.unmount_segment(B, SegmentId(1)), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(m.list_segments().len(), 3);
+
+    let on = |name: &str| ReplicateConfig { preferred_segments: vec![name.into()], ..Default::default() };
+    let d = put_cfg(m, A, "only-1", 4096, on("seg-1"));
+    assert_eq!(d[0].segment, SegmentId(1));
+    let d = put_cfg(m, A, "only-2", 4096, on("seg-2"));
+    assert_eq!(d[0].segment, SegmentId(2));
+    let both = ReplicateConfig { replica_num: 2, preferred_segments: vec!["seg-1".into(), "seg-2".into()], ..Default::default() };
+    let d = put_cfg(m, A, "both", 4096, both);
+    assert_eq!(d.len(), 2);
+    start_cfg(m, A, "pending-1", 4096, on("seg-1")).unwrap();
+
+    assert_eq!(m.unmount_segment(A, SegmentId(1)), Ok(()));
+    assert_eq!(used_of(m, 1), None);
+    assert_eq!(get(m, "only-1").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(get(m, "pending-1").err(), Some(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(get(m, "only-2").unwrap().replicas[0].segment, SegmentId(2));
+    let b = get(m, "both").unwrap();
+    assert_eq!(b.replicas.len(), 1);
+    assert_eq!(b.replicas[0].segment, SegmentId(2));
+    assert_eq!(keys(m), set(&["only-2", "both"]));
+    assert_eq!(used_of(m, 2), Some(2 * 4096));
+    // Unmounting again is a no-op.
+    assert_eq!(m.unmount_segment(A, SegmentId(1)), Ok(()));
+    assert_eq!(m.list_segments().len(), 2);
+    // The id can be mounted again afterwards, by anyone.
+    m.mount_segment(B, d1).unwrap();
+    assert_eq!(m.list_segments().len(), 3);
+}
+
+// ---- 12. batch RPCs ------------------------------------------------------------------------
+
+#[test]
+fn batch_rpcs_answer_per_key_in_request_order() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, 64 * MIB);
+    m.remount_segments(B, vec![]).unwrap();
+    let n = 200;
+    let name = |i: usize| format!("batch/{i:03}");
+    let size = |i: usize| 64 * (i as u64 + 1);
+    let shards: BTreeSet<u16> = (0..n).map(|i| route_for(T, &name(i), 1).partition_id % 1024).collect();
+    assert!(shards.len() > 150, "keys should spread over many shards, got {}", shards.len());
+
+    // Batch put of 200 keys.
+    let items: Vec<(KeyRef, u64)> = (0..n).map(|i| (kref(&name(i)), size(i))).collect();
+    let started = m.batch_write_start(
+        WriteMode::Put,
+        &BatchWriteStart { client: A, tenant: T.into(), items, config: Default::default() },
+    );
+    assert_eq!(started.len(), n);
+    for (i, r) in started.iter().enumerate() {
+        assert_eq!(r.as_ref().unwrap()[0].len, size(i), "start {i}");
+    }
+    // batch_write_finish in reverse order, mixed with missing and invalid keys and another
+    // writer's keys.
+    let mut fin_keys = Vec::new();
+    let mut fin_want = Vec::new();
+    for i in (0..n).rev() {
+        fin_keys.push(kref(&name(i)));
+        fin_want.push(Ok(()));
+        if i % 10 == 0 {
+            fin_keys.push(kref(&format!("missing/{i}")));
+            fin_want.push(Err(ErrorCode::OBJECT_NOT_FOUND));
+        }
+        if i % 50 == 0 {
+            fin_keys.push(kref(""));
+            fin_want.push(Err(ErrorCode::INVALID_KEY));
+        }
+    }
+    // Another client may not end A's writes.
+    let others = m.batch_write_finish(&BatchWriteFinish { client: B, tenant: T.into(), keys: fin_keys.clone() }, true);
+    let want_b: Vec<WireResult<()>> =
+        fin_want.iter().map(|w| if w.is_ok() { Err(ErrorCode::ILLEGAL_CLIENT) } else { *w }).collect();
+    assert_eq!(others, want_b);
+    let fin = m.batch_write_finish(&BatchWriteFinish { client: A, tenant: T.into(), keys: fin_keys }, true);
+    assert_eq!(fin, fin_want);
+    assert_eq!(objects(m), n as u64);
+
+    // batch_get_replica_list / batch_exist_key: a shuffled order with misses interleaved.
+    let order: Vec<usize> = (0..n).map(|j| (j * 37 + 11) % n).collect();
+    let mut qkeys = Vec::new();
+    let mut expect: Vec<Option<u64>> = Vec::new();
+    for (j, &i) in order.iter().enumerate() {
+        qkeys.push(kref(&name(i)));
+        expect.push(Some(size(i)));
+        if j % 7 == 0 {
+            qkeys.push(kref(&format!("absent/{j}")));
+            expect.push(None);
+        }
+    }
+    let bq = BatchKeyQuery { tenant: T.into(), keys: qkeys.clone() };
+    let lists = m.batch_get_replica_list(&bq);
+    assert_eq!(lists.len(), expect.len());
+    for (j, (got, want)) in lists.iter().zip(&expect).enumerate() {
+        match want {
+            Some(sz) => {
+                let l = got.as_ref().unwrap_or_else(|e| panic!("item {j}: {e:?}"));
+                assert_eq!(l.size, *sz, "item {j}");
+                assert_eq!(l.replicas[0].len, *sz);
+                assert_eq!(l.lease_ttl_ms, LEASE);
+            }
+            None => assert_eq!(got.as_ref().err(), Some(&ErrorCode::OBJECT_NOT_FOUND), "item {j}"),
+        }
+    }
+    let ex = m.batch_exist_key(&bq);
+    let want_ex: Vec<WireResult<bool>> = expect.iter().map(|w| Ok(w.is_some())).collect();
+    assert_eq!(ex, want_ex);
+
+    // batch_remove: leased (even) keys refuse, the others go, misses and bad keys say so.
+    e.advance(LEASE + 1);
+    let even: Vec<KeyRef> = (0..n).filter(|i| i % 2 == 0).map(|i| kref(&name(i))).collect();
+    assert!(m.batch_exist_key(&BatchKeyQuery { tenant: T.into(), keys: even }).iter().all(|r| *r == Ok(true)));
+    let mut rkeys = Vec::new();
+    let mut rwant = Vec::new();
+    for &i in &order {
+        rkeys.push(kref(&name(i)));
+        rwant.push(if i % 2 == 0 { Err(ErrorCode::OBJECT_HAS_LEASE) } else { Ok(()) });
+        if i % 40 == 3 {
+            rkeys.push(kref(&format!("gone/{i}")));
+            rwant.push(Err(ErrorCode::OBJECT_NOT_FOUND));
+            rkeys.push(kref_in("someone-else", &name(i)));
+            rwant.push(Err(ErrorCode::STALE_ROUTE));
+        }
+    }
+    let removed = m.batch_remove(&BatchRemoveKeys { tenant: T.into(), keys: rkeys.clone(), force: false });
+    assert_eq!(removed, rwant);
+    assert_eq!(objects(m), n as u64 / 2);
+    // Forced: the leased ones go now; the others are already gone.
+    let removed = m.batch_remove(&BatchRemoveKeys { tenant: T.into(), keys: rkeys, force: true });
+    let want2: Vec<WireResult<()>> =
+        rwant.iter().map(|w| if *w == Ok(()) { Err(ErrorCode::OBJECT_NOT_FOUND) } else if *w == Err(ErrorCode::OBJECT_HAS_LEASE) { Ok(()) } else { *w }).collect();
+    assert_eq!(removed, want2);
+    assert_eq!(objects(m), 0);
+
+    // Batch revoke answers per key too.
+    let items: Vec<(KeyRef, u64)> = (0..n).map(|i| (kref(&name(i)), 64)).collect();
+    let started = m.batch_write_start(
+        WriteMode::Upsert,
+        &BatchWriteStart { client: A, tenant: T.into(), items, config: Default::default() },
+    );
+    assert!(started.iter().all(|r| r.is_ok()));
+    let half: Vec<KeyRef> = (0..n).filter(|i| i % 2 == 1).map(|i| kref(&name(i))).collect();
+    assert!(m.batch_write_finish(&BatchWriteFinish { client: A, tenant: T.into(), keys: half }, true).iter().all(|r| r.is_ok()));
+    let all: Vec<KeyRef> = (0..n).map(|i| kref(&name(i))).collect();
+    let revoked = m.batch_write_finish(&BatchWriteFinish { client: A, tenant: T.into(), keys: all }, false);
+    let want_rev: Vec<WireResult<()>> =
+        (0..n).map(|i| if i % 2 == 0 { Ok(()) } else { Err(ErrorCode::INVALID_WRITE) }).collect();
+    assert_eq!(revoked, want_rev);
+    assert_eq!(objects(m), n as u64 / 2);
+    assert_eq!(used(m), (n as u64 / 2) * 64);
+}
+
+// ---- 13. sweep concurrency -----------------------------------------------------------------
+
+/// A client expiring with 200 000 objects on its segment must not freeze readers of other
+/// segments: the sweep holds each shard lock for a bounded batch only.
+#[test]
+fn sweep_does_not_stall_readers_of_other_segments() {
+    let e = Env::new();
+    let m = &e.m;
+    const TOTAL: u64 = 200_000;
+    const B_KEYS: usize = 512;
+    mount(m, A, 1, 64 * GIB);
+    let cfg = ReplicateConfig::default();
+    for chunk in 0..(TOTAL / 1000) {
+        let items: Vec<(KeyRef, u64)> = (0..1000).map(|i| (kref(&format!("a/{chunk}/{i}")), 4 * KIB)).collect();
+        let keys: Vec<KeyRef> = items.iter().map(|(k, _)| k.clone()).collect();
+        let req = BatchWriteStart { client: A, tenant: T.into(), items, config: cfg.clone() };
+        assert!(m.batch_write_start(WriteMode::Put, &req).iter().all(|r| r.is_ok()));
+        let fin = BatchWriteFinish { client: A, tenant: T.into(), keys };
+        assert!(m.batch_write_finish(&fin, true).iter().all(|r| r.is_ok()));
+    }
+    assert_eq!(objects(m), TOTAL);
+
+    mount(m, B, 2, 64 * MIB);
+    let on_b = ReplicateConfig { preferred_segments: vec!["seg-2".into()], ..Default::default() };
+    let b_keys: Vec<String> = (0..B_KEYS).map(|i| format!("b/{i}")).collect();
+    for k in &b_keys {
+        let d = put_cfg(m, B, k, 4 * KIB, on_b.clone());
+        assert_eq!(d[0].segment, SegmentId(2));
+    }
+
+    let reader_started = AtomicBool::new(false);
+    let sweep_done = AtomicBool::new(false);
+    let (reads, failures, during, distinct_progress) = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let (mut reads, mut failures, mut during) = (0u64, 0u64, 0u64);
+            let mut progress = BTreeSet::new();
+            let mut i = 0;
+            loop {
+                // Check the flag before the read so that at least one read follows the sweep.
+                let finished = sweep_done.load(Ordering::SeqCst);
+                let r = get(m, &b_keys[i % B_KEYS]);
+                i += 1;
+                reads += 1;
+                match r {
+                    Ok(l) if l.replicas.len() == 1 && l.replicas[0].segment == SegmentId(2) => {}
+                    _ => failures += 1,
+                }
+                let running = m.counters.sweeps_running.load(Ordering::SeqCst);
+                let visited = m.counters.sweep_visited.load(Ordering::SeqCst);
+                if running > 0 && visited > 0 && visited < TOTAL {
+                    during += 1;
+                    progress.insert(visited);
+                }
+                reader_started.store(true, Ordering::SeqCst);
+                if finished {
+                    break;
+                }
+            }
+            (reads, failures, during, progress.len())
+        });
+        while !reader_started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        e.advance(DEFAULT_CLIENT_TTL_MS + 1);
+        assert_eq!(m.ping(B).status, ClientStatus::Ok);
+        m.tick();
+        sweep_done.store(true, Ordering::SeqCst);
+        reader.join().unwrap()
+    });
+
+    assert_eq!(failures, 0, "{failures} of {reads} reads failed during the sweep");
+    assert_eq!(m.counters.sweep_visited.load(Ordering::Relaxed), TOTAL);
+    assert_eq!(m.counters.sweep_objects_removed.load(Ordering::Relaxed), TOTAL);
+    assert_eq!(m.counters.sweeps_running.load(Ordering::Relaxed), 0);
+    assert_eq!(objects(m), B_KEYS as u64);
+    assert_eq!(m.list_segments().len(), 1);
+    eprintln!("sweep: {reads} reads, {during} during the sweep at {distinct_progress} distinct progress points");
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+        assert!(during > 0, "no read completed while the sweep was running ({reads} reads in all)");
+    }
+}

@@ -1,0 +1,158 @@
+//! CLI commands that read or change master metadata: `stat`, `ls`, `exist`, `rm`, `segments`.
+
+use clap::Args;
+use tycho_proto::{ErrorCode, KeyQuery, RemoveKey, Request, Response};
+
+use crate::master_client::{key_ref, MasterClient};
+
+/// Which master to talk to.
+#[derive(Args, Debug)]
+pub struct Target {
+    /// Master RPC address.
+    #[arg(long, default_value = "127.0.0.1:50051", env = "MASTER_SERVER")]
+    pub master: String,
+}
+
+/// `tycho ls`.
+#[derive(Args, Debug)]
+pub struct LsArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Only keys matching this regular expression (whole key).
+    #[arg(long)]
+    regex: Option<String>,
+    /// Only keys of this tenant.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// At most this many keys.
+    #[arg(long, default_value_t = 1000)]
+    limit: u32,
+}
+
+/// A command on one key.
+#[derive(Args, Debug)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Tenant of the key.
+    #[arg(long, default_value = "")]
+    tenant: String,
+    /// The key.
+    key: String,
+}
+
+/// `tycho rm`.
+#[derive(Args, Debug)]
+pub struct RmArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Tenant of the key(s).
+    #[arg(long, default_value = "")]
+    tenant: String,
+    /// Remove every key matching this regular expression.
+    #[arg(long, conflicts_with_all = ["all", "key"])]
+    regex: Option<String>,
+    /// Remove every object.
+    #[arg(long, conflicts_with = "key")]
+    all: bool,
+    /// Remove even objects under a read lease.
+    #[arg(long)]
+    force: bool,
+    /// The key to remove.
+    #[arg(required_unless_present_any = ["regex", "all"])]
+    key: Option<String>,
+}
+
+fn report(code: ErrorCode) -> i32 {
+    eprintln!("error: {}: {}", code, code.hint());
+    1
+}
+
+fn with_master<F, Fut>(addr: &str, f: F) -> i32
+where
+    F: FnOnce(MasterClient) -> Fut,
+    Fut: std::future::Future<Output = Result<i32, ErrorCode>>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let client = match MasterClient::connect(addr).await {
+            Ok(c) => c,
+            Err(code) => {
+                eprintln!("error: cannot reach the master at {addr}: {code}; is it running? (--master ADDR)");
+                return 1;
+            }
+        };
+        f(client).await.unwrap_or_else(report)
+    })
+}
+
+/// `tycho stat`.
+pub fn stat(t: Target) -> i32 {
+    with_master(&t.master, |c| async move {
+        let Response::Stats(s) = c.call(&Request::Stats).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
+        let pct = if s.capacity_bytes > 0 { 100.0 * s.used_bytes as f64 / s.capacity_bytes as f64 } else { 0.0 };
+        println!("capacity  {} bytes", s.capacity_bytes);
+        println!("used      {} bytes ({pct:.1}%)", s.used_bytes);
+        println!("objects   {}", s.objects);
+        println!("clients   {}", s.clients);
+        println!("segments  {}", s.segments);
+        Ok(0)
+    })
+}
+
+/// `tycho segments`.
+pub fn segments(t: Target) -> i32 {
+    with_master(&t.master, |c| async move {
+        let Response::Segments(list) = c.call(&Request::ListSegments).await? else {
+            return Err(ErrorCode::INTERNAL_ERROR);
+        };
+        println!("{:<34} {:<24} {:>16} {:>16}", "segment", "name", "size", "used");
+        for s in list {
+            println!("{:<34} {:<24} {:>16} {:>16}", s.desc.id.to_string(), s.desc.name, s.desc.size, s.used);
+        }
+        Ok(0)
+    })
+}
+
+/// `tycho ls`.
+pub fn ls(a: LsArgs) -> i32 {
+    with_master(&a.target.master, |c| async move {
+        let req = Request::ListKeys { tenant: a.tenant, regex: a.regex, limit: a.limit };
+        let Response::Keys(keys) = c.call(&req).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
+        for k in keys {
+            let state = if k.complete { "" } else { " (writing)" };
+            let tenant = if k.tenant.is_empty() { String::new() } else { format!("{}/", k.tenant) };
+            println!("{tenant}{}\t{} bytes\t{} replica(s){state}", k.key, k.size, k.replicas);
+        }
+        Ok(0)
+    })
+}
+
+/// `tycho exist`: prints 1 or 0; exit code 0 if the key exists, 1 if not.
+pub fn exist(a: KeyArgs) -> i32 {
+    with_master(&a.target.master, |c| async move {
+        let req = Request::ExistKey(KeyQuery { key: key_ref(&a.tenant, &a.key), tenant: a.tenant });
+        let Response::Exists(found) = c.call(&req).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
+        println!("{}", u8::from(found));
+        Ok(if found { 0 } else { 1 })
+    })
+}
+
+/// `tycho rm`.
+pub fn rm(a: RmArgs) -> i32 {
+    with_master(&a.target.master, |c| async move {
+        let req = if a.all {
+            Request::RemoveAll { force: a.force }
+        } else if let Some(regex) = a.regex {
+            Request::RemoveByRegex { tenant: a.tenant, regex, force: a.force }
+        } else {
+            let key = a.key.expect("clap requires a key");
+            Request::Remove(RemoveKey { key: key_ref(&a.tenant, &key), tenant: a.tenant, force: a.force })
+        };
+        match c.call(&req).await? {
+            Response::Removed(n) => println!("removed {n}"),
+            _ => println!("removed 1"),
+        }
+        Ok(0)
+    })
+}

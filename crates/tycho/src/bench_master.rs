@@ -1,0 +1,514 @@
+//! `tycho bench master`: metadata-only load against a master, as Mooncake's master_bench.
+//!
+//! Fake segments are mounted (no memory behind them), keys are pre-populated, then each
+//! workload runs N connections × M calls in flight for a fixed time. `--baseline redis`
+//! runs `redis-benchmark` with the same concurrency against a `redis-server` started on a
+//! free loopback port and prints the ratios.
+
+use std::process::{Child, Command, Stdio};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use rand::Rng;
+use tycho_proto::*;
+
+use crate::master_client::{key_ref, MasterClient};
+
+/// `tycho bench master` flags.
+#[derive(Args, Debug, Clone)]
+pub struct BenchMasterArgs {
+    /// Master to load; when absent, one is started on a free loopback port.
+    #[arg(long)]
+    master: Option<String>,
+    /// Connections.
+    #[arg(long, short = 'c', default_value_t = 50)]
+    connections: usize,
+    /// Calls in flight per connection.
+    #[arg(long, short = 'm', default_value_t = 1)]
+    inflight: usize,
+    /// Seconds per workload.
+    #[arg(long, default_value_t = 5.0)]
+    duration: f64,
+    /// Keys pre-populated for the read workloads.
+    #[arg(long, default_value_t = 100_000)]
+    keys: usize,
+    /// Keys per batch call.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Workloads to run (comma-separated): put, get, exist, batch-put, batch-get, batch-exist.
+    #[arg(long, value_delimiter = ',', default_value = "put,get,exist,batch-put,batch-get,batch-exist")]
+    workloads: Vec<String>,
+    /// Also run redis-benchmark at the same concurrency and print the ratios.
+    #[arg(long, value_parser = ["redis"])]
+    baseline: Option<String>,
+    /// Measure GetReplicaList latency while a client holding this many objects expires.
+    #[arg(long)]
+    expire_during: bool,
+    /// Objects held by the expiring client in `--expire-during`.
+    #[arg(long, default_value_t = 1_000_000)]
+    expire_objects: usize,
+}
+
+const VALUE_SIZE: u64 = 4096;
+const FAKE_SEGMENT: u64 = 256 << 30;
+const FAKE_SEGMENTS: u128 = 4;
+
+struct Stats {
+    name: String,
+    ops: u64,
+    keys: u64,
+    secs: f64,
+    lat_us: Vec<u32>,
+    client_cpu: f64,
+    server_cpu: Option<f64>,
+}
+
+impl Stats {
+    fn pct(&self, p: f64) -> u32 {
+        if self.lat_us.is_empty() {
+            return 0;
+        }
+        let i = ((self.lat_us.len() as f64 - 1.0) * p).round() as usize;
+        self.lat_us[i]
+    }
+    fn ops_per_sec(&self) -> f64 {
+        self.ops as f64 / self.secs
+    }
+    fn keys_per_sec(&self) -> f64 {
+        self.keys as f64 / self.secs
+    }
+}
+
+fn cpu_self() -> f64 {
+    // SAFETY: getrusage writes into the struct we pass and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+fn cpu_of(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+/// A child process killed when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for_port(port: u16, what: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("{what} did not start listening on port {port}"))
+}
+
+fn start_master(client_ttl_s: u64) -> Result<(ChildGuard, String), String> {
+    let port = free_port();
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let child = Command::new(exe)
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+        .args(["--client-ttl", &client_ttl_s.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start master: {e}"))?;
+    let guard = ChildGuard(child);
+    wait_for_port(port, "master")?;
+    Ok((guard, format!("127.0.0.1:{port}")))
+}
+
+/// Entry point; returns the exit code.
+pub fn run(args: BenchMasterArgs) -> i32 {
+    match run_inner(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
+    let ttl = if args.expire_during { 2 } else { 10 };
+    let (child, addr) = match &args.master {
+        Some(a) => (None, a.clone()),
+        None => {
+            let (c, a) = start_master(ttl)?;
+            (Some(c), a)
+        }
+    };
+    let server_pid = child.as_ref().map(|c| c.0.id());
+    println!(
+        "tycho bench master: {addr}, {} connections x {} in flight, {}s per workload, {} keys, batch {}",
+        args.connections, args.inflight, args.duration, args.keys, args.batch
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let owner = ClientId(rand::random());
+    let keys: Rc<Vec<KeyRef>> = Rc::new((0..args.keys).map(|i| key_ref("", &format!("bench/key/{i:08}"))).collect());
+    let pinging = Arc::new(AtomicBool::new(true));
+    rt.block_on(async {
+        let c = MasterClient::connect(&addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+        for s in 0..FAKE_SEGMENTS {
+            mount_fake(&c, owner, s).await?;
+        }
+        keep_alive(c.clone(), owner, pinging.clone());
+        populate(&c, owner, &keys, 1000).await?;
+        let mut results = Vec::new();
+        for w in &args.workloads {
+            let st = run_workload(&addr, w, &args, owner, keys.clone(), server_pid).await?;
+            print_row(&st);
+            results.push(st);
+        }
+        if args.expire_during {
+            expire_during(&addr, &args, keys.clone(), server_pid).await?;
+        }
+        if args.baseline.is_some() {
+            redis_baseline(&args, &results)?;
+        }
+        Ok::<(), String>(())
+    })?;
+    pinging.store(false, Ordering::Relaxed);
+    drop(child);
+    Ok(())
+}
+
+async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), String> {
+    let desc = SegmentDesc {
+        id: SegmentId(client.0 ^ (n + 1)),
+        name: format!("bench-{n}"),
+        base: n as u64 * FAKE_SEGMENT,
+        size: FAKE_SEGMENT,
+        endpoint: format!("127.0.0.1:{}", 1 + n),
+        host: "bench".into(),
+        shm_path: String::new(),
+    };
+    c.call(&Request::MountSegment { client, segment: desc }).await.map_err(|e| format!("mount: {e}"))?;
+    Ok(())
+}
+
+fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
+    tokio::task::spawn_local(async move {
+        while on.load(Ordering::Relaxed) {
+            let _ = c.call(&Request::Ping { client }).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+}
+
+async fn populate(c: &MasterClient, client: ClientId, keys: &[KeyRef], batch: usize) -> Result<(), String> {
+    for chunk in keys.chunks(batch) {
+        let items = chunk.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
+        let start = BatchWriteStart { client, tenant: String::new(), items, config: ReplicateConfig::default() };
+        c.call(&Request::BatchPutStart(start)).await.map_err(|e| format!("populate: {e}"))?;
+        let end = BatchWriteFinish { client, tenant: String::new(), keys: chunk.to_vec() };
+        c.call(&Request::BatchPutEnd(end)).await.map_err(|e| format!("populate: {e}"))?;
+    }
+    Ok(())
+}
+
+/// One call of workload `w`; returns the keys it touched.
+async fn one_op(
+    c: &MasterClient,
+    w: &str,
+    owner: ClientId,
+    keys: &[KeyRef],
+    batch: usize,
+    seq: &mut u64,
+    prefix: &str,
+) -> Result<u64, ErrorCode> {
+    let mut rng = rand::thread_rng();
+    let mut pick = || keys[rng.gen_range(0..keys.len())].clone();
+    let tenant = String::new;
+    match w {
+        "get" => {
+            c.call(&Request::GetReplicaList(KeyQuery { tenant: tenant(), key: pick() })).await?;
+            Ok(1)
+        }
+        "exist" => {
+            c.call(&Request::ExistKey(KeyQuery { tenant: tenant(), key: pick() })).await?;
+            Ok(1)
+        }
+        "batch-get" | "batch-exist" => {
+            let q = BatchKeyQuery { tenant: tenant(), keys: (0..batch).map(|_| pick()).collect() };
+            let req = if w == "batch-get" { Request::BatchGetReplicaList(q) } else { Request::BatchExistKey(q) };
+            c.call(&req).await?;
+            Ok(batch as u64)
+        }
+        "put" => {
+            *seq += 1;
+            let key = key_ref("", &format!("{prefix}/{seq}"));
+            let start = WriteStart {
+                client: owner,
+                tenant: tenant(),
+                key: key.clone(),
+                size: VALUE_SIZE,
+                config: ReplicateConfig::default(),
+            };
+            c.call(&Request::PutStart(start)).await?;
+            c.call(&Request::PutEnd(WriteFinish { client: owner, tenant: tenant(), key })).await?;
+            Ok(1)
+        }
+        "batch-put" => {
+            let ks: Vec<KeyRef> = (0..batch)
+                .map(|_| {
+                    *seq += 1;
+                    key_ref("", &format!("{prefix}/{seq}"))
+                })
+                .collect();
+            let items = ks.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
+            let start = BatchWriteStart { client: owner, tenant: tenant(), items, config: ReplicateConfig::default() };
+            c.call(&Request::BatchPutStart(start)).await?;
+            c.call(&Request::BatchPutEnd(BatchWriteFinish { client: owner, tenant: tenant(), keys: ks })).await?;
+            Ok(batch as u64)
+        }
+        _ => Err(ErrorCode::INVALID_PARAMS),
+    }
+}
+
+/// Latency samples with their completion times.
+type Samples = Vec<(Instant, u32)>;
+
+async fn drive(
+    addr: &str,
+    w: &str,
+    args: &BenchMasterArgs,
+    owner: ClientId,
+    keys: Rc<Vec<KeyRef>>,
+    until: Rc<dyn Fn() -> bool>,
+) -> Result<(u64, u64, Samples, u64), String> {
+    let run_id: u32 = rand::random();
+    let mut tasks = Vec::new();
+    for conn in 0..args.connections {
+        let c = MasterClient::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
+        for slot in 0..args.inflight {
+            let (c, keys, until, w) = (c.clone(), keys.clone(), until.clone(), w.to_string());
+            let batch = args.batch;
+            let prefix = format!("bench/{w}/{run_id:08x}/{conn}/{slot}");
+            tasks.push(tokio::task::spawn_local(async move {
+                let (mut ops, mut nkeys, mut errs, mut seq) = (0u64, 0u64, 0u64, 0u64);
+                let mut lat: Samples = Vec::with_capacity(1 << 16);
+                while !until() {
+                    let t0 = Instant::now();
+                    match one_op(&c, &w, owner, &keys, batch, &mut seq, &prefix).await {
+                        Ok(k) => {
+                            let now = Instant::now();
+                            lat.push((now, (now - t0).as_micros() as u32));
+                            ops += 1;
+                            nkeys += k;
+                        }
+                        Err(_) => errs += 1,
+                    }
+                }
+                (ops, nkeys, lat, errs)
+            }));
+        }
+    }
+    let (mut ops, mut nkeys, mut lat, mut errs) = (0, 0, Vec::new(), 0);
+    for t in tasks {
+        let (o, k, l, e) = t.await.map_err(|e| e.to_string())?;
+        ops += o;
+        nkeys += k;
+        errs += e;
+        lat.extend(l);
+    }
+    Ok((ops, nkeys, lat, errs))
+}
+
+async fn run_workload(
+    addr: &str,
+    w: &str,
+    args: &BenchMasterArgs,
+    owner: ClientId,
+    keys: Rc<Vec<KeyRef>>,
+    server_pid: Option<u32>,
+) -> Result<Stats, String> {
+    let local = tokio::task::LocalSet::new();
+    let cpu0 = cpu_self();
+    let srv0 = server_pid.and_then(cpu_of);
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_secs_f64(args.duration);
+    let until: Rc<dyn Fn() -> bool> = Rc::new(move || Instant::now() >= end);
+    let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until)).await?;
+    let secs = t0.elapsed().as_secs_f64();
+    if errs > 0 {
+        return Err(format!("workload {w}: {errs} calls failed"));
+    }
+    let mut lat_us: Vec<u32> = lat.into_iter().map(|(_, l)| l).collect();
+    lat_us.sort_unstable();
+    Ok(Stats {
+        name: w.to_string(),
+        ops,
+        keys: nkeys,
+        secs,
+        lat_us,
+        client_cpu: cpu_self() - cpu0,
+        server_cpu: server_pid.and_then(cpu_of).zip(srv0).map(|(a, b)| a - b),
+    })
+}
+
+fn print_row(s: &Stats) {
+    println!(
+        "{:<12} {:>11.0} ops/s {:>11.0} keys/s  p50 {:>6}us  p99 {:>6}us  p999 {:>6}us  cpu client {:>5.2}s server {}",
+        s.name,
+        s.ops_per_sec(),
+        s.keys_per_sec(),
+        s.pct(0.50),
+        s.pct(0.99),
+        s.pct(0.999),
+        s.client_cpu,
+        s.server_cpu.map_or("n/a".to_string(), |c| format!("{c:.2}s")),
+    );
+}
+
+async fn expire_during(
+    addr: &str,
+    args: &BenchMasterArgs,
+    keys: Rc<Vec<KeyRef>>,
+    _pid: Option<u32>,
+) -> Result<(), String> {
+    let c = MasterClient::connect(addr).await.map_err(|e| e.to_string())?;
+    let victim = ClientId(rand::random());
+    mount_fake(&c, victim, 0).await?;
+    let on = Arc::new(AtomicBool::new(true));
+    keep_alive(c.clone(), victim, on.clone());
+    let vkeys: Vec<KeyRef> = (0..args.expire_objects).map(|i| key_ref("", &format!("bench/victim/{i:08}"))).collect();
+    println!("expire-during: populating {} objects on a second client", vkeys.len());
+    populate(&c, victim, &vkeys, 2000).await?;
+    drop(vkeys);
+    let Response::Stats(s0) = c.call(&Request::Stats).await.map_err(|e| e.to_string())? else {
+        return Err("bad stats reply".into());
+    };
+    // Stop the victim's heartbeats; the master expires it after the client TTL (2 s).
+    on.store(false, Ordering::Relaxed);
+    let target = s0.sweep_progress + args.expire_objects as u64;
+    let window: Rc<std::cell::RefCell<(Option<Instant>, Option<Instant>)>> = Default::default();
+    let w2 = window.clone();
+    let poll = c.clone();
+    let local = tokio::task::LocalSet::new();
+    let until: Rc<dyn Fn() -> bool> = {
+        let w = window.clone();
+        Rc::new(move || w.borrow().1.is_some_and(|end| end.elapsed() > Duration::from_secs(1)))
+    };
+    let owner = ClientId(0);
+    let (_, _, lat, errs) = local
+        .run_until(async move {
+            tokio::task::spawn_local(async move {
+                loop {
+                    if let Ok(Response::Stats(s)) = poll.call(&Request::Stats).await {
+                        let mut w = w2.borrow_mut();
+                        if s.sweep_progress > s0.sweep_progress && w.0.is_none() {
+                            w.0 = Some(Instant::now());
+                        }
+                        if s.sweep_progress >= target {
+                            w.1 = Some(Instant::now());
+                            break;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            });
+            let gets = BenchMasterArgs { inflight: 1, ..args.clone() };
+            drive(addr, "get", &gets, owner, keys, until).await
+        })
+        .await?;
+    let (Some(start), Some(end)) = *window.borrow() else { return Err("sweep was not observed".into()) };
+    let mut during: Vec<u32> = lat.iter().filter(|(t, _)| *t >= start && *t <= end).map(|(_, l)| *l).collect();
+    let mut outside: Vec<u32> = lat.iter().filter(|(t, _)| *t < start || *t > end).map(|(_, l)| *l).collect();
+    during.sort_unstable();
+    outside.sort_unstable();
+    let p99 = |v: &[u32]| if v.is_empty() { 0 } else { v[((v.len() - 1) as f64 * 0.99) as usize] };
+    let max = |v: &[u32]| v.last().copied().unwrap_or(0);
+    println!(
+        "expire-during: sweep of {} objects took {:.0} ms; GetReplicaList during sweep: {} calls, p99 {} us, max {} us; outside: {} calls, p99 {} us; failures {}",
+        args.expire_objects,
+        (end - start).as_secs_f64() * 1000.0,
+        during.len(),
+        p99(&during),
+        max(&during),
+        outside.len(),
+        p99(&outside),
+        errs
+    );
+    Ok(())
+}
+
+fn redis_benchmark(port: u16, extra: &[&str]) -> Result<Vec<(String, f64)>, String> {
+    let out = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "--csv", "-r", "100000", "-d", "64"])
+        .args(extra)
+        .output()
+        .map_err(|e| format!("redis-benchmark: {e} (install Debian redis-tools)"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(',').map(|s| s.trim_matches('"')).collect();
+        if f.len() >= 2 {
+            if let Ok(rps) = f[1].parse::<f64>() {
+                rows.push((f[0].to_string(), rps));
+            }
+        }
+    }
+    if rows.is_empty() {
+        return Err(format!("could not parse redis-benchmark output: {text}"));
+    }
+    Ok(rows)
+}
+
+fn redis_baseline(args: &BenchMasterArgs, results: &[Stats]) -> Result<(), String> {
+    let port = free_port();
+    let child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("redis-server: {e} (install Debian redis-server)"))?;
+    let _guard = ChildGuard(child);
+    wait_for_port(port, "redis-server")?;
+    let c = args.connections.to_string();
+    let n = (args.duration * 100_000.0).max(100_000.0) as u64;
+    let plain = redis_benchmark(port, &["-c", &c, "-n", &n.to_string(), "-t", "set,get"])?;
+    let piped =
+        redis_benchmark(port, &["-c", &c, "-n", &(n * 4).to_string(), "-t", "get", "-P", &args.batch.to_string()])?;
+    let get = plain.iter().find(|r| r.0 == "GET").map(|r| r.1).unwrap_or(0.0);
+    let set = plain.iter().find(|r| r.0 == "SET").map(|r| r.1).unwrap_or(0.0);
+    let pget = piped.iter().find(|r| r.0 == "GET").map(|r| r.1).unwrap_or(0.0);
+    println!("redis baseline (-c {c}): GET {get:.0}/s  SET {set:.0}/s  GET -P {} {pget:.0} keys/s", args.batch);
+    let find = |name: &str| results.iter().find(|s| s.name == name);
+    let ratio = |ours: f64, theirs: f64, goal: f64, what: &str| {
+        let r = ours / theirs;
+        let verdict = if r >= goal { "meets" } else { "BELOW" };
+        println!("  {what:<40} {ours:>10.0} / {theirs:>10.0} = {r:.2}  (goal >= {goal}: {verdict})");
+    };
+    if let Some(s) = find("get") {
+        ratio(s.ops_per_sec(), get, 0.8, "GetReplicaList ops/s vs redis GET");
+    }
+    if let Some(s) = find("put") {
+        ratio(s.ops_per_sec(), set, 0.4, "PutStart+PutEnd ops/s vs redis SET");
+    }
+    if let Some(s) = find("batch-get") {
+        ratio(s.keys_per_sec(), pget, 0.5, "BatchGetReplicaList keys/s vs GET -P");
+    }
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! `tycho master` and `tycho up`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tycho_master::{run_housekeeping, Master, MasterConfig, MasterRpc, SystemClock};
+use tycho_proto::AllocStrategy;
+use tycho_rpc::{serve, ServerConfig};
+
+/// Master flags. Names and defaults are Mooncake's; the underscore spellings Mooncake's
+/// scripts use (`--rpc_port=50051`) are accepted as aliases.
+#[derive(Args, Debug, Clone)]
+pub struct MasterArgs {
+    /// Port of the RPC server.
+    #[arg(long = "rpc-port", alias = "rpc_port", default_value_t = 50051)]
+    pub rpc_port: u16,
+    /// Address the RPC server binds.
+    #[arg(long = "rpc-address", alias = "rpc_address", default_value = "0.0.0.0")]
+    pub rpc_address: String,
+    /// Read-lease TTL granted by reads, in milliseconds.
+    #[arg(long = "default-kv-lease-ttl", alias = "default_kv_lease_ttl", default_value_t = tycho_master::DEFAULT_KV_LEASE_TTL_MS)]
+    pub default_kv_lease_ttl: u64,
+    /// Soft-pin TTL when a write enables the pin without one, in milliseconds.
+    #[arg(long = "default-kv-soft-pin-ttl", alias = "default_kv_soft_pin_ttl", default_value_t = tycho_master::DEFAULT_SOFT_PIN_TTL_MS)]
+    pub default_kv_soft_pin_ttl: u64,
+    /// A client silent for this many seconds is expired and its segments unmounted.
+    #[arg(long = "client-ttl", alias = "client_ttl", default_value_t = 10)]
+    pub client_ttl: u64,
+    /// Eviction starts when used/total exceeds this ratio.
+    #[arg(long = "eviction-high-watermark-ratio", alias = "eviction_high_watermark_ratio", default_value_t = 0.90)]
+    pub eviction_high_watermark_ratio: f64,
+    /// Fraction of evictable objects one eviction round removes.
+    #[arg(long = "eviction-ratio", alias = "eviction_ratio", default_value_t = 0.05)]
+    pub eviction_ratio: f64,
+    /// Seconds after which an unfinished PutStart may be pre-empted.
+    #[arg(long = "put-start-discard-timeout-sec", alias = "put_start_discard_timeout_sec", default_value_t = 30)]
+    pub put_start_discard_timeout_sec: u64,
+    /// Seconds after which the space of an unfinished PutStart is reclaimed.
+    #[arg(long = "put-start-release-timeout-sec", alias = "put_start_release_timeout_sec", default_value_t = 600)]
+    pub put_start_release_timeout_sec: u64,
+    /// Default placement: random, free-ratio-first or local-first.
+    #[arg(long = "allocation-strategy", alias = "allocation_strategy", default_value = "random", value_parser = parse_strategy)]
+    pub allocation_strategy: AllocStrategy,
+    /// Largest request frame accepted, in bytes.
+    #[arg(long = "max-frame-bytes", default_value_t = tycho_proto::frame::DEFAULT_MAX_FRAME)]
+    pub max_frame_bytes: u32,
+    /// Worker threads of the RPC runtime (0: one per core).
+    #[arg(long = "rpc-thread-num", alias = "rpc_thread_num", default_value_t = 0)]
+    pub rpc_thread_num: usize,
+}
+
+fn parse_strategy(s: &str) -> Result<AllocStrategy, String> {
+    match s.replace('_', "-").to_ascii_lowercase().as_str() {
+        "random" => Ok(AllocStrategy::Random),
+        "free-ratio-first" => Ok(AllocStrategy::FreeRatioFirst),
+        "local-first" => Ok(AllocStrategy::LocalFirst),
+        other => Err(format!("unknown allocation strategy {other:?}; use random, free-ratio-first or local-first")),
+    }
+}
+
+impl MasterArgs {
+    fn config(&self) -> Result<MasterConfig, String> {
+        if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio) || !(0.0..=1.0).contains(&self.eviction_ratio) {
+            return Err("eviction ratios must lie in [0, 1]".into());
+        }
+        if self.client_ttl == 0 {
+            return Err("--client-ttl must be at least 1 second".into());
+        }
+        Ok(MasterConfig {
+            default_kv_lease_ttl_ms: self.default_kv_lease_ttl,
+            default_kv_soft_pin_ttl_ms: self.default_kv_soft_pin_ttl,
+            client_ttl_ms: self.client_ttl * 1000,
+            eviction_high_watermark_ratio: self.eviction_high_watermark_ratio,
+            eviction_ratio: self.eviction_ratio,
+            put_start_discard_timeout_ms: self.put_start_discard_timeout_sec * 1000,
+            put_start_release_timeout_ms: self.put_start_release_timeout_sec * 1000,
+            default_strategy: self.allocation_strategy,
+            ..MasterConfig::default()
+        })
+    }
+}
+
+/// `tycho up` flags.
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Port of the master's RPC server (loopback).
+    #[arg(long = "rpc-port", default_value_t = 50051)]
+    pub rpc_port: u16,
+}
+
+fn runtime(threads: usize) -> tokio::runtime::Runtime {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        b.worker_threads(threads);
+    }
+    b.enable_all().thread_name("tycho-rpc").build().expect("tokio runtime")
+}
+
+/// Runs a master until SIGINT or SIGTERM. Returns the process exit code.
+pub fn run_master(args: MasterArgs) -> i32 {
+    let cfg = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let rt = runtime(args.rpc_thread_num);
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.rpc_address, args.rpc_port);
+        match start_master(&addr, cfg, args.max_frame_bytes).await {
+            Ok(running) => {
+                println!("tycho master listening on {}", running.addr);
+                wait_for_signal().await;
+                running.stop().await;
+                0
+            }
+            Err(e) => {
+                eprintln!("error: cannot listen on {addr}: {e}");
+                1
+            }
+        }
+    })
+}
+
+/// Runs the all-in-one: a master on loopback. Returns the process exit code.
+pub fn run_up(args: UpArgs) -> i32 {
+    let rt = runtime(0);
+    rt.block_on(async move {
+        let addr = format!("127.0.0.1:{}", args.rpc_port);
+        match start_master(&addr, MasterConfig::default(), tycho_proto::frame::DEFAULT_MAX_FRAME).await {
+            Ok(running) => {
+                println!("tycho up");
+                println!("  master RPC   {}", running.addr);
+                println!("  try:         tycho stat --master {}", running.addr);
+                wait_for_signal().await;
+                running.stop().await;
+                0
+            }
+            Err(e) => {
+                eprintln!("error: cannot listen on {addr}: {e} (is another master running? pass --rpc-port)");
+                1
+            }
+        }
+    })
+}
+
+struct RunningMaster {
+    addr: SocketAddr,
+    server: tycho_rpc::ServerHandle,
+    stop: Arc<AtomicBool>,
+    housekeeping: std::thread::JoinHandle<()>,
+}
+
+impl RunningMaster {
+    async fn stop(self) {
+        self.server.shutdown().await;
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.housekeeping.join();
+    }
+}
+
+async fn start_master(addr: &str, cfg: MasterConfig, max_frame: u32) -> std::io::Result<RunningMaster> {
+    let master = Arc::new(Master::new(cfg, Arc::new(SystemClock::new())));
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let server = serve(listener, Arc::new(MasterRpc::new(master.clone())), ServerConfig { max_frame })?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let housekeeping = run_housekeeping(master, Duration::from_millis(100), stop.clone());
+    Ok(RunningMaster { addr: server.local_addr(), server, stop, housekeeping })
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
