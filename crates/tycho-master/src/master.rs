@@ -408,10 +408,11 @@ impl Master {
             };
             for ((i, r), conflict) in run.into_iter().zip(conflicts) {
                 let size = req.items[i].1;
-                if conflict {
-                    out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
-                } else if size == 0 {
+                // Parameters first, as in the single-key form.
+                if size == 0 {
                     out[i] = Err(ErrorCode::INVALID_PARAMS);
+                } else if conflict {
+                    out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
                 } else {
                     match self.allocate(size, &placement) {
                         Ok(reps) => staged.push((i, r, reps)),
@@ -676,7 +677,7 @@ impl Master {
 
     /// RemoveByRegex: objects of `tenant` whose whole key matches `regex`.
     pub fn remove_by_regex(&self, tenant: &str, regex: &str, force: bool) -> WireResult<u64> {
-        let re = regex::Regex::new(&format!("^(?:{regex})$")).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+        let re = whole_key_regex(regex)?;
         Ok(self
             .remove_matching(force, |k| decode_object_key(k).is_some_and(|(t, key)| t == tenant && re.is_match(key))))
     }
@@ -699,9 +700,7 @@ impl Master {
 
     /// Keys matching the filters, at most `limit`.
     pub fn list_keys(&self, tenant: Option<&str>, regex: Option<&str>, limit: u32) -> WireResult<Vec<KeyInfo>> {
-        let re = regex
-            .map(|r| regex::Regex::new(&format!("^(?:{r})$")).map_err(|_| ErrorCode::INVALID_PARAMS))
-            .transpose()?;
+        let re = regex.map(whole_key_regex).transpose()?;
         let now = self.now();
         let mut out = Vec::new();
         'shards: for shard in self.shards.iter() {
@@ -920,6 +919,13 @@ impl Master {
         self.counters.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
         (objects, bytes)
     }
+}
+
+/// Compiles `pattern` to match whole keys. The pattern is checked on its own first: wrapped,
+/// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key.
+fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
+    regex::Regex::new(pattern).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+    regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|_| ErrorCode::INVALID_PARAMS)
 }
 
 fn take_oldest(mut list: Vec<(u64, usize, ObjectKey)>, n: usize) -> Vec<(u64, usize, ObjectKey)> {

@@ -120,11 +120,15 @@ pub fn encode_frame<T: serde::Serialize>(
     Ok(())
 }
 
+/// A whole frame found at the front of a buffer: its header, its payload and the number of
+/// bytes it occupies.
+pub type SplitFrame<'a> = (FrameHeader, &'a [u8], usize);
+
 /// Tries to take one whole frame from the front of `buf`.
 ///
 /// Returns `Ok(None)` when more bytes are needed, or the header, the payload and the total
 /// number of bytes the frame occupies.
-pub fn split_frame(buf: &[u8], max_len: u32) -> Result<Option<(FrameHeader, &[u8], usize)>, FrameError> {
+pub fn split_frame(buf: &[u8], max_len: u32) -> Result<Option<SplitFrame<'_>>, FrameError> {
     let Some(head) = buf.first_chunk::<HEADER_LEN>() else {
         return Ok(None);
     };

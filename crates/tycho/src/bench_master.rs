@@ -210,7 +210,7 @@ async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), S
 }
 
 fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
-    tokio::task::spawn_local(async move {
+    tokio::spawn(async move {
         while on.load(Ordering::Relaxed) {
             let _ = c.call(&Request::Ping { client }).await;
             tokio::time::sleep(Duration::from_millis(500)).await;
