@@ -175,7 +175,7 @@ fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
             mount_fake(&c, owner, s).await?;
         }
         keep_alive(c.clone(), owner, pinging.clone());
-        populate(&c, owner, &keys, 1000).await?;
+        populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
         let mut results = Vec::new();
         for w in &args.workloads {
             let st = run_workload(&addr, w, &args, owner, keys.clone(), server_pid).await?;
@@ -195,13 +195,17 @@ fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn fake_segment_name(client: ClientId, n: u128) -> String {
+    format!("bench-{client}-{n}")
+}
+
 async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), String> {
     let desc = SegmentDesc {
         id: SegmentId(client.0 ^ (n + 1)),
-        name: format!("bench-{n}"),
+        name: fake_segment_name(client, n),
         base: n as u64 * FAKE_SEGMENT,
         size: FAKE_SEGMENT,
-        endpoint: format!("127.0.0.1:{}", 1 + n),
+        endpoint: format!("fake-{client}:{n}"),
         host: "bench".into(),
         shm_path: String::new(),
     };
@@ -218,11 +222,24 @@ fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
     });
 }
 
-async fn populate(c: &MasterClient, client: ClientId, keys: &[KeyRef], batch: usize) -> Result<(), String> {
+async fn populate(
+    c: &MasterClient,
+    client: ClientId,
+    keys: &[KeyRef],
+    batch: usize,
+    config: ReplicateConfig,
+) -> Result<(), String> {
     for chunk in keys.chunks(batch) {
         let items = chunk.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
-        let start = BatchWriteStart { client, tenant: String::new(), items, config: ReplicateConfig::default() };
-        c.call(&Request::BatchPutStart(start)).await.map_err(|e| format!("populate: {e}"))?;
+        let start = BatchWriteStart { client, tenant: String::new(), items, config: config.clone() };
+        let Response::BatchWriteStarted(res) =
+            c.call(&Request::BatchPutStart(start)).await.map_err(|e| format!("populate: {e}"))?
+        else {
+            return Err("populate: unexpected reply".into());
+        };
+        if let Some(Err(e)) = res.iter().find(|r| r.is_err()) {
+            return Err(format!("populate: {e}"));
+        }
         let end = BatchWriteFinish { client, tenant: String::new(), keys: chunk.to_vec() };
         c.call(&Request::BatchPutEnd(end)).await.map_err(|e| format!("populate: {e}"))?;
     }
@@ -396,7 +413,9 @@ async fn expire_during(
     keep_alive(c.clone(), victim, on.clone());
     let vkeys: Vec<KeyRef> = (0..args.expire_objects).map(|i| key_ref("", &format!("bench/victim/{i:08}"))).collect();
     println!("expire-during: populating {} objects on a second client", vkeys.len());
-    populate(&c, victim, &vkeys, 2000).await?;
+    // Every object of the victim lives only on its segment, so its expiry sweeps them all.
+    let config = ReplicateConfig { preferred_segments: vec![fake_segment_name(victim, 0)], ..Default::default() };
+    populate(&c, victim, &vkeys, 1000, config).await?;
     drop(vkeys);
     let Response::Stats(s0) = c.call(&Request::Stats).await.map_err(|e| e.to_string())? else {
         return Err("bad stats reply".into());
@@ -410,7 +429,10 @@ async fn expire_during(
     let local = tokio::task::LocalSet::new();
     let until: Rc<dyn Fn() -> bool> = {
         let w = window.clone();
-        Rc::new(move || w.borrow().1.is_some_and(|end| end.elapsed() > Duration::from_secs(1)))
+        let give_up = Instant::now() + Duration::from_secs(300);
+        Rc::new(move || {
+            w.borrow().1.is_some_and(|end| end.elapsed() > Duration::from_secs(1)) || Instant::now() > give_up
+        })
     };
     let owner = ClientId(0);
     let (_, _, lat, errs) = local
