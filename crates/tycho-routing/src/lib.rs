@@ -48,7 +48,7 @@ pub fn partition_of(tenant: &str, key: &str) -> u16 {
 
 /// `KvptToRank`: the KVPT group of a partition when there are `groups` groups.
 pub fn kvpt_to_rank(partition_id: u16, groups: u32) -> u32 {
-    debug_assert!(groups >= 1 && groups <= PARTITION_COUNT);
+    debug_assert!((1..=PARTITION_COUNT).contains(&groups));
     ((partition_id as u64 * groups as u64) / PARTITION_COUNT as u64) as u32
 }
 

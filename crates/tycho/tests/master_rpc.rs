@@ -349,8 +349,7 @@ async fn expiry_sweep_of_a_million_objects_does_not_stall_reads() {
     for chunk in (0..N).collect::<Vec<_>>().chunks(5000) {
         let keys: Vec<KeyRef> = chunk.iter().map(|i| kr(&format!("v/{i}"))).collect();
         let items = keys.iter().map(|k| (k.clone(), 4096)).collect();
-        let mut config = ReplicateConfig::default();
-        config.preferred_segments = vec!["seg-1".into()];
+        let config = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
         let bs = BatchWriteStart { client: victim, tenant: String::new(), items, config };
         let Response::BatchWriteStarted(r) = c.call(Request::BatchPutStart(bs)).await else { panic!() };
         assert!(r.iter().all(|r| r.as_ref().is_ok_and(|d| d[0].segment == SegmentId(1))));
