@@ -9,11 +9,13 @@
 //! and answers are written in batches; a handler that must wait is spawned, so a slow call
 //! does not hold up the calls behind it.
 
+mod blocking;
 mod client;
 mod error;
 mod pool;
 mod server;
 
+pub use blocking::BlockingClient;
 pub use client::{ClientConfig, RpcClient};
 pub use error::RpcError;
 pub use pool::RpcPool;

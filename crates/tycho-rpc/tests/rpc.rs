@@ -189,3 +189,33 @@ async fn malformed_payload_gets_an_error_reply_and_connection_survives() {
     let r: Resp = c.call(&Req::Echo(3), T).await.unwrap();
     assert_eq!(r, Resp::Echo(3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_client_calls_from_plain_threads() {
+    let (_h, _svc, addr) = start(1 << 20).await;
+    let client = Arc::new(tycho_rpc::BlockingClient::new(&addr, ClientConfig::default()));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                for i in 0..200u64 {
+                    let r: Resp = client.call(&Req::Echo(t * 1000 + i), T).unwrap();
+                    assert_eq!(r, Resp::Echo(t * 1000 + i));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // A slow call times out; the next call works on a fresh connection.
+    let c2 = client.clone();
+    let err = tokio::task::spawn_blocking(move || c2.call::<_, Resp>(&Req::SleepMs(500, 1), Duration::from_millis(50)))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, RpcError::Timeout(_)), "{err:?}");
+    let c3 = client.clone();
+    let r: Resp = tokio::task::spawn_blocking(move || c3.call(&Req::Echo(5), T)).await.unwrap().unwrap();
+    assert_eq!(r, Resp::Echo(5));
+}
