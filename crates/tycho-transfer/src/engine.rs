@@ -1,0 +1,284 @@
+//! The requesting side: moves bytes between this process's memory and replicas anywhere.
+//!
+//! For each replica it picks the cheapest transport: the segment is this process's own
+//! (one memcpy), another process's on this host (map it, one memcpy), or remote (TCP).
+//! Large TCP transfers are split into slices moved over several connections at once.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tycho_proto::ReplicaDesc;
+
+use crate::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
+use crate::{Mapping, SegmentRegistry, TransferError};
+
+/// TCP transfers above this size are split into slices of this size.
+pub const SLICE_BYTES: usize = 4 << 20;
+/// Most slices or batch parts in flight at once from one call.
+pub const MAX_PARALLEL: usize = 4;
+/// Below this many bytes in total, a batch runs on the caller's thread alone: starting threads
+/// costs more than it saves.
+const PARALLEL_THRESHOLD: usize = 1 << 20;
+/// Idle connections kept per peer.
+const MAX_IDLE_PER_PEER: usize = 16;
+
+/// How bytes reach a replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// The segment belongs to this process.
+    Local,
+    /// Another process on this host: mapped shared memory.
+    SharedMemory,
+    /// TCP to the segment's transfer server.
+    Tcp,
+}
+
+/// One part of a batch: a read of a replica range into memory or a write of memory into it.
+pub enum Part<'a> {
+    /// Copy `dst.len()` bytes from `replica` at object offset `at` into `dst`.
+    Read {
+        /// Source replica.
+        replica: &'a ReplicaDesc,
+        /// Offset inside the object.
+        at: u64,
+        /// Destination.
+        dst: &'a mut [u8],
+    },
+    /// Copy `src` into `replica` at object offset `at`.
+    Write {
+        /// Destination replica.
+        replica: &'a ReplicaDesc,
+        /// Offset inside the object.
+        at: u64,
+        /// Source.
+        src: &'a [u8],
+    },
+}
+
+impl Part<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Part::Read { dst, .. } => dst.len(),
+            Part::Write { src, .. } => src.len(),
+        }
+    }
+}
+
+/// Moves bytes to and from replicas.
+pub struct TransferEngine {
+    host: String,
+    force_tcp: bool,
+    local: Arc<SegmentRegistry>,
+    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    mapped: Mutex<HashMap<String, Arc<Mapping>>>,
+}
+
+impl TransferEngine {
+    /// An engine for a process on `host` that serves `local`; `force_tcp` disables the
+    /// shared-memory transports (for tests and benchmarks).
+    pub fn new(host: &str, force_tcp: bool, local: Arc<SegmentRegistry>) -> TransferEngine {
+        TransferEngine {
+            host: host.to_string(),
+            force_tcp,
+            local,
+            idle: Mutex::new(HashMap::new()),
+            mapped: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The transport a transfer to `r` would use.
+    pub fn transport_for(&self, r: &ReplicaDesc) -> Transport {
+        if self.force_tcp {
+            Transport::Tcp
+        } else if self.local.get(r.segment).is_some() {
+            Transport::Local
+        } else if r.host == self.host && !r.shm_path.is_empty() {
+            Transport::SharedMemory
+        } else {
+            Transport::Tcp
+        }
+    }
+
+    /// Runs every part; succeeds only if all of them do. Parts run in parallel when the batch
+    /// is large enough to gain from it.
+    pub fn run(&self, parts: Vec<Part<'_>>) -> Result<(), TransferError> {
+        let total: usize = parts.iter().map(Part::len).sum();
+        if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
+            return parts.into_iter().try_for_each(|p| self.run_part(p));
+        }
+        let slots: Vec<Mutex<Option<Part<'_>>>> = parts.into_iter().map(|p| Mutex::new(Some(p))).collect();
+        let next = AtomicUsize::new(0);
+        let worker = || -> Result<(), TransferError> {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(slot) = slots.get(i) else { return Ok(()) };
+                let part = slot.lock().take().expect("each part is taken once");
+                self.run_part(part)?;
+            }
+        };
+        std::thread::scope(|s| {
+            let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
+            let mut result = worker();
+            for h in helpers {
+                let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
+                result = result.and(r);
+            }
+            result
+        })
+    }
+
+    /// Reads `dst.len()` bytes of `replica` starting at object offset `at`.
+    pub fn read(&self, replica: &ReplicaDesc, at: u64, dst: &mut [u8]) -> Result<(), TransferError> {
+        self.run_part(Part::Read { replica, at, dst })
+    }
+
+    /// Writes `src` into `replica` at object offset `at`.
+    pub fn write(&self, replica: &ReplicaDesc, at: u64, src: &[u8]) -> Result<(), TransferError> {
+        self.run_part(Part::Write { replica, at, src })
+    }
+
+    fn run_part(&self, part: Part<'_>) -> Result<(), TransferError> {
+        let (replica, at, len) = match &part {
+            Part::Read { replica, at, dst } => (*replica, *at, dst.len()),
+            Part::Write { replica, at, src } => (*replica, *at, src.len()),
+        };
+        if len == 0 || at.checked_add(len as u64).is_none_or(|end| end > replica.len) {
+            return Err(TransferError::InvalidRange(format!(
+                "{len} bytes at {at} of an object of {} bytes",
+                replica.len
+            )));
+        }
+        let offset = replica.offset + at;
+        match self.transport_for(replica) {
+            Transport::Local => {
+                let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
+                copy_mapped(&m, offset, part)
+            }
+            Transport::SharedMemory => copy_mapped(&*self.map_peer(replica)?, offset, part),
+            Transport::Tcp => self.tcp(replica, offset, part),
+        }
+    }
+
+    fn map_peer(&self, r: &ReplicaDesc) -> Result<Arc<Mapping>, TransferError> {
+        if let Some(m) = self.mapped.lock().get(&r.shm_path) {
+            if m.len() as u64 >= r.offset + r.len {
+                return Ok(m.clone());
+            }
+        }
+        // The descriptor does not carry the segment size: map the whole file.
+        let size = std::fs::metadata(&r.shm_path)?.len() as usize;
+        let m = Arc::new(Mapping::open(&r.shm_path, size)?);
+        self.mapped.lock().insert(r.shm_path.clone(), m.clone());
+        Ok(m)
+    }
+
+    /// Forgets cached peer mappings (a peer restarted and its paths now name other memory).
+    pub fn forget_mappings(&self) {
+        self.mapped.lock().clear();
+    }
+
+    fn tcp(&self, r: &ReplicaDesc, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
+        let len = part.len();
+        if len <= SLICE_BYTES {
+            return self.tcp_one(r, offset, part);
+        }
+        // Split into slices and move them over several connections at once.
+        let mut slices = Vec::new();
+        match part {
+            Part::Read { dst, .. } => {
+                for (i, chunk) in dst.chunks_mut(SLICE_BYTES).enumerate() {
+                    slices.push((offset + (i * SLICE_BYTES) as u64, Part::Read { replica: r, at: 0, dst: chunk }));
+                }
+            }
+            Part::Write { src, .. } => {
+                for (i, chunk) in src.chunks(SLICE_BYTES).enumerate() {
+                    slices.push((offset + (i * SLICE_BYTES) as u64, Part::Write { replica: r, at: 0, src: chunk }));
+                }
+            }
+        }
+        let slots: Vec<Mutex<Option<(u64, Part<'_>)>>> = slices.into_iter().map(|s| Mutex::new(Some(s))).collect();
+        let next = AtomicUsize::new(0);
+        let worker = || -> Result<(), TransferError> {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(slot) = slots.get(i) else { return Ok(()) };
+                let (off, p) = slot.lock().take().expect("each slice is taken once");
+                self.tcp_one(r, off, p)?;
+            }
+        };
+        std::thread::scope(|s| {
+            let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
+            let mut result = worker();
+            for h in helpers {
+                let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
+                result = result.and(r);
+            }
+            result
+        })
+    }
+
+    fn connection(&self, endpoint: &str) -> Result<TcpStream, TransferError> {
+        if let Some(s) = self.idle.lock().get_mut(endpoint).and_then(Vec::pop) {
+            return Ok(s);
+        }
+        let s = TcpStream::connect(endpoint)?;
+        s.set_nodelay(true)?;
+        Ok(s)
+    }
+
+    fn release(&self, endpoint: &str, s: TcpStream) {
+        let mut idle = self.idle.lock();
+        let list = idle.entry(endpoint.to_string()).or_default();
+        if list.len() < MAX_IDLE_PER_PEER {
+            list.push(s);
+        }
+    }
+
+    /// One request on one connection; `offset` is inside the segment.
+    fn tcp_one(&self, r: &ReplicaDesc, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
+        let len = part.len() as u64;
+        debug_assert!(len <= MAX_REQUEST_BYTES);
+        let mut s = self.connection(&r.endpoint)?;
+        let op = if matches!(part, Part::Read { .. }) { XferOp::Read } else { XferOp::Write };
+        let head = XferRequest { op, segment: r.segment, offset, len }.encode();
+        let mut answer = [0u8; ANSWER_LEN];
+        match part {
+            Part::Read { dst, .. } => {
+                s.write_all(&head)?;
+                s.read_exact(&mut answer)?;
+                let n = decode_answer(&answer);
+                match n {
+                    Ok(n) if n == len => s.read_exact(dst)?,
+                    Ok(n) => return Err(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))),
+                    // A refusal leaves the connection in step: keep it.
+                    Err(e) => {
+                        self.release(&r.endpoint, s);
+                        return Err(e);
+                    }
+                }
+            }
+            Part::Write { src, .. } => {
+                s.write_all(&head)?;
+                s.write_all(src)?;
+                s.read_exact(&mut answer)?;
+                if let Err(e) = decode_answer(&answer) {
+                    self.release(&r.endpoint, s);
+                    return Err(e);
+                }
+            }
+        }
+        self.release(&r.endpoint, s);
+        Ok(())
+    }
+}
+
+fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
+    match part {
+        Part::Read { dst, .. } => m.read(offset, dst),
+        Part::Write { src, .. } => m.write(offset, src),
+    }
+}

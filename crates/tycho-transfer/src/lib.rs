@@ -1,0 +1,20 @@
+//! Tycho's data path.
+//!
+//! - [`Mapping`]: shared memory a segment is made of, or a same-host peer's segment mapped here.
+//! - [`SegmentRegistry`]: the segments a process serves.
+//! - [`TransferServer`]: serves reads and writes inside registered segments over TCP.
+//! - [`TransferEngine`]: moves bytes between local memory and replicas, choosing per replica
+//!   between a local copy, mapped shared memory and TCP.
+
+mod engine;
+mod error;
+mod registry;
+mod segment;
+mod server;
+pub mod wire;
+
+pub use engine::{Part, TransferEngine, Transport, MAX_PARALLEL, SLICE_BYTES};
+pub use error::TransferError;
+pub use registry::SegmentRegistry;
+pub use segment::Mapping;
+pub use server::TransferServer;

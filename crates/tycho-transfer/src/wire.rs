@@ -1,0 +1,138 @@
+//! The transfer protocol: a fixed 40-byte request header, then for writes the bytes; a fixed
+//! 16-byte answer, then for reads the bytes. Bulk bytes never pass through a serializer, so
+//! they go from memory to socket and from socket to memory without extra copies.
+//!
+//! ```text
+//! request:  magic "TYXF" (u32) | op (u8) | 0 0 0 | segment (u128) | offset (u64) | len (u64)
+//! answer:   status (i32, 0 or an error code) | 0 (u32) | len (u64)
+//! ```
+
+use tycho_proto::{ErrorCode, SegmentId};
+
+use crate::TransferError;
+
+/// First bytes of every transfer request.
+pub const XFER_MAGIC: u32 = u32::from_le_bytes(*b"TYXF");
+/// Request header size.
+pub const REQUEST_LEN: usize = 40;
+/// Answer header size.
+pub const ANSWER_LEN: usize = 16;
+/// Largest single request; larger transfers are split by the client. A write header announcing
+/// more is treated as garbage and closes the connection.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 30;
+
+/// Transfer direction, seen from the requester.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XferOp {
+    /// Bytes flow from the server's segment to the requester.
+    Read = 1,
+    /// Bytes flow from the requester into the server's segment.
+    Write = 2,
+}
+
+/// A decoded request header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct XferRequest {
+    /// Direction.
+    pub op: XferOp,
+    /// Target segment.
+    pub segment: SegmentId,
+    /// Offset inside the segment.
+    pub offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+impl XferRequest {
+    /// Serializes the header.
+    pub fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut b = [0u8; REQUEST_LEN];
+        b[0..4].copy_from_slice(&XFER_MAGIC.to_le_bytes());
+        b[4] = self.op as u8;
+        b[8..24].copy_from_slice(&self.segment.0.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; anything that is not a request of this protocol is an error.
+    pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<XferRequest, TransferError> {
+        let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+        if magic != XFER_MAGIC {
+            return Err(TransferError::Protocol(format!("bad magic {magic:#010x}")));
+        }
+        let op = match b[4] {
+            1 => XferOp::Read,
+            2 => XferOp::Write,
+            o => return Err(TransferError::Protocol(format!("unknown op {o}"))),
+        };
+        let len = u64::from_le_bytes(b[32..40].try_into().expect("8 bytes"));
+        if len > MAX_REQUEST_BYTES {
+            return Err(TransferError::Protocol(format!("request of {len} bytes exceeds {MAX_REQUEST_BYTES}")));
+        }
+        Ok(XferRequest {
+            op,
+            segment: SegmentId(u128::from_le_bytes(b[8..24].try_into().expect("16 bytes"))),
+            offset: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            len,
+        })
+    }
+}
+
+/// Serializes an answer header.
+pub fn encode_answer(status: Result<u64, ErrorCode>) -> [u8; ANSWER_LEN] {
+    let mut b = [0u8; ANSWER_LEN];
+    let (code, len) = match status {
+        Ok(len) => (0i32, len),
+        Err(c) => (c.as_i32(), 0),
+    };
+    b[0..4].copy_from_slice(&code.to_le_bytes());
+    b[8..16].copy_from_slice(&len.to_le_bytes());
+    b
+}
+
+/// Parses an answer header into the byte count that follows, or the peer's error.
+pub fn decode_answer(b: &[u8; ANSWER_LEN]) -> Result<u64, TransferError> {
+    let code = i32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+    let len = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+    if code == 0 {
+        return Ok(len);
+    }
+    match ErrorCode::from_i32(code) {
+        Some(ErrorCode::SEGMENT_NOT_FOUND) => Err(TransferError::SegmentNotFound),
+        Some(c) => Err(TransferError::Remote(c)),
+        None => Err(TransferError::Protocol(format!("unknown status {code}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_and_garbage_is_refused() {
+        let r = XferRequest { op: XferOp::Write, segment: SegmentId(7 << 100), offset: 12, len: 4096 };
+        assert_eq!(XferRequest::decode(&r.encode()).unwrap(), r);
+        let mut bad = r.encode();
+        bad[0] = b'X';
+        assert!(XferRequest::decode(&bad).is_err());
+        let mut bad = r.encode();
+        bad[4] = 9;
+        assert!(XferRequest::decode(&bad).is_err());
+        let huge = XferRequest { len: MAX_REQUEST_BYTES + 1, ..r };
+        assert!(XferRequest::decode(&huge.encode()).is_err());
+    }
+
+    #[test]
+    fn answers_round_trip() {
+        assert_eq!(decode_answer(&encode_answer(Ok(99))).unwrap(), 99);
+        assert!(matches!(
+            decode_answer(&encode_answer(Err(ErrorCode::SEGMENT_NOT_FOUND))),
+            Err(TransferError::SegmentNotFound)
+        ));
+        assert!(matches!(
+            decode_answer(&encode_answer(Err(ErrorCode::INVALID_PARAMS))),
+            Err(TransferError::Remote(ErrorCode::INVALID_PARAMS))
+        ));
+    }
+}
