@@ -1,1 +1,11 @@
-//! wip
+//! The Tycho store client: contributes memory (segments) to the store, and puts, gets and
+//! removes objects. Bytes move directly between this process and the hosts holding replicas;
+//! the master only hands out ranges.
+
+mod client;
+mod config;
+mod retry;
+
+pub use client::{Client, WriteMode};
+pub use config::{default_host_id, parse_size, ClientConfig, Protocol};
+pub use retry::{call_with_retry, is_idempotent, MAX_ATTEMPTS};

@@ -1,0 +1,650 @@
+//! The store client.
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use tycho_proto::*;
+use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
+use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferServer, Transport};
+
+use crate::config::{ClientConfig, Protocol};
+use crate::retry::call_with_retry;
+
+/// Put (put-if-absent) or upsert (replace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Keep an existing value; report success.
+    Put,
+    /// Replace an existing value.
+    Upsert,
+}
+
+/// Port range a transfer server picks from when the hostname names no port (Mooncake's).
+const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
+
+struct Segment {
+    desc: SegmentDesc,
+    _memory: Arc<Mapping>,
+}
+
+struct Heartbeat {
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+struct Inner {
+    cfg: ClientConfig,
+    id: ClientId,
+    hostname: String,
+    master: BlockingClient,
+    engine: TransferEngine,
+    registry: Arc<SegmentRegistry>,
+    segments: Mutex<Vec<Segment>>,
+    server: Mutex<Option<TransferServer>>,
+    registered: Mutex<Vec<(u64, u64)>>,
+    closed: AtomicBool,
+    heartbeat: Heartbeat,
+}
+
+/// A client of a Tycho store. Cheap to clone; clones share one client. Every call runs on the
+/// caller's thread.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+    heartbeat_thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+fn bind_transfer(hostname: &str) -> Result<(TcpListener, String), ErrorCode> {
+    if hostname.contains(':') {
+        let l = TcpListener::bind(hostname).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+        let port = l.local_addr().map_err(|_| ErrorCode::INTERNAL_ERROR)?.port();
+        let host = hostname.rsplit_once(':').map_or(hostname, |(h, _)| h);
+        return Ok((l, format!("{host}:{port}")));
+    }
+    // Start at a random point so that clients started together do not race for one port.
+    let span = AUTO_PORT_RANGE.end - AUTO_PORT_RANGE.start;
+    let start: u16 = rand::random::<u16>() % span;
+    for i in 0..span {
+        let port = AUTO_PORT_RANGE.start + (start + i) % span;
+        if let Ok(l) = TcpListener::bind((hostname, port)) {
+            return Ok((l, format!("{hostname}:{port}")));
+        }
+    }
+    Err(ErrorCode::INTERNAL_ERROR)
+}
+
+impl Client {
+    /// Connects to the master, creates and mounts this client's segment (if any), starts
+    /// serving it and heartbeating.
+    pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
+        let registry = Arc::new(SegmentRegistry::default());
+        let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
+        let master = BlockingClient::new(&cfg.master_addr, RpcConfig::default());
+        master.check().map_err(|e| e.code())?;
+        let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone());
+        let id = ClientId(rand::random());
+        let mut segments = Vec::new();
+        if cfg.segment_size > 0 {
+            let size = usize::try_from(cfg.segment_size).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+            let memory = Arc::new(Mapping::create("tycho-segment", size).map_err(|e| {
+                tracing::error!(error = %e, "cannot create the segment");
+                ErrorCode::INTERNAL_ERROR
+            })?);
+            let desc = SegmentDesc {
+                id: SegmentId(rand::random()),
+                name: hostname.clone(),
+                base: memory.base(),
+                size: cfg.segment_size,
+                endpoint: hostname.clone(),
+                host: cfg.host_id.clone(),
+                shm_path: memory.peer_path(),
+            };
+            registry.register(desc.id, memory.clone());
+            segments.push(Segment { desc, _memory: memory });
+        }
+        let server = TransferServer::serve(listener, registry.clone()).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        let inner = Arc::new(Inner {
+            cfg,
+            id,
+            hostname,
+            master,
+            engine,
+            registry,
+            segments: Mutex::new(segments),
+            server: Mutex::new(Some(server)),
+            registered: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+            heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
+        });
+        inner.remount()?;
+        let hb = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name("tycho-heartbeat".into())
+            .spawn(move || hb.heartbeat_loop())
+            .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        Ok(Client { inner, heartbeat_thread: Arc::new(Mutex::new(Some(thread))) })
+    }
+
+    /// This client's id.
+    pub fn id(&self) -> ClientId {
+        self.inner.id
+    }
+
+    /// `host:port` of this client's transfer server.
+    pub fn hostname(&self) -> &str {
+        &self.inner.hostname
+    }
+
+    /// Descriptors of the segments this client contributes.
+    pub fn segments(&self) -> Vec<SegmentDesc> {
+        self.inner.segments.lock().iter().map(|s| s.desc.clone()).collect()
+    }
+
+    /// Whether `close()` was called.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
+    /// Whether the master answers.
+    pub fn master_reachable(&self) -> bool {
+        matches!(self.inner.call(&Request::ServiceReady), Ok(Response::ServiceReady(true)))
+    }
+
+    /// Unmounts this client's segments (objects stored only there are dropped), stops serving
+    /// and heartbeating. Idempotent.
+    pub fn close(&self) -> Result<(), ErrorCode> {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        *self.inner.heartbeat.stop.lock() = true;
+        self.inner.heartbeat.wake.notify_all();
+        if let Some(t) = self.heartbeat_thread.lock().take() {
+            let _ = t.join();
+        }
+        let segments: Vec<Segment> = std::mem::take(&mut *self.inner.segments.lock());
+        let mut result = Ok(());
+        for s in &segments {
+            let req = Request::UnmountSegment { client: self.inner.id, segment: s.desc.id };
+            if let Err(e) = self.inner.call(&req) {
+                result = Err(e);
+            }
+            self.inner.registry.unregister(s.desc.id);
+        }
+        self.inner.server.lock().take();
+        result
+    }
+
+    fn check_open(&self) -> Result<(), ErrorCode> {
+        if self.is_closed() {
+            return Err(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS);
+        }
+        Ok(())
+    }
+
+    fn key(&self, key: &str) -> KeyRef {
+        KeyRef {
+            key: key.to_string(),
+            route: tycho_routing::route_for(&self.inner.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH),
+        }
+    }
+
+    fn tenant(&self) -> String {
+        self.inner.cfg.tenant.clone()
+    }
+
+    // ---- writes --------------------------------------------------------------------------
+
+    /// Stores `parts` (concatenated) under `key`. With [`WriteMode::Put`] an existing key is
+    /// left as it is and the call succeeds.
+    pub fn write(
+        &self,
+        mode: WriteMode,
+        key: &str,
+        parts: &[&[u8]],
+        config: &ReplicateConfig,
+    ) -> Result<(), ErrorCode> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total as u64 > self.inner.cfg.staging_buffer_size {
+            return Err(ErrorCode::BUFFER_OVERFLOW);
+        }
+        self.write_unbounded(mode, key, parts, config)
+    }
+
+    fn write_unbounded(
+        &self,
+        mode: WriteMode,
+        key: &str,
+        parts: &[&[u8]],
+        config: &ReplicateConfig,
+    ) -> Result<(), ErrorCode> {
+        self.check_open()?;
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if total == 0 {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let start = WriteStart {
+            client: self.inner.id,
+            tenant: self.tenant(),
+            key: self.key(key),
+            size: total,
+            config: config.clone(),
+        };
+        let req = if mode == WriteMode::Put { Request::PutStart(start) } else { Request::UpsertStart(start) };
+        let replicas = match self.inner.call(&req) {
+            Ok(Response::WriteStarted(r)) => r,
+            Err(ErrorCode::OBJECT_ALREADY_EXISTS) if mode == WriteMode::Put => return Ok(()),
+            Err(e) => return Err(e),
+            Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
+        };
+        let mut work = Vec::with_capacity(replicas.len() * parts.len());
+        for r in &replicas {
+            let mut at = 0u64;
+            for p in parts.iter().filter(|p| !p.is_empty()) {
+                work.push(Part::Write { replica: r, at, src: p });
+                at += p.len() as u64;
+            }
+        }
+        let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key) };
+        if let Err(e) = self.inner.engine.run(work) {
+            tracing::warn!(key, error = %e, "write failed; revoking");
+            let revoke =
+                if mode == WriteMode::Put { Request::PutRevoke(finish) } else { Request::UpsertRevoke(finish) };
+            let _ = self.inner.call(&revoke);
+            return Err(e.code());
+        }
+        let end = if mode == WriteMode::Put { Request::PutEnd(finish) } else { Request::UpsertEnd(finish) };
+        self.inner.call(&end).map(|_| ())
+    }
+
+    /// Put-if-absent of one value.
+    pub fn put(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> Result<(), ErrorCode> {
+        self.write(WriteMode::Put, key, &[value], config)
+    }
+
+    /// Insert-or-replace of one value.
+    pub fn upsert(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> Result<(), ErrorCode> {
+        self.write(WriteMode::Upsert, key, &[value], config)
+    }
+
+    /// Writes many values: one master call to start them all, transfers in parallel, one call
+    /// to end them. Returns one result per key, in order.
+    pub fn write_batch(
+        &self,
+        mode: WriteMode,
+        items: &[(&str, &[u8])],
+        config: &ReplicateConfig,
+        bounded: bool,
+    ) -> Vec<Result<(), ErrorCode>> {
+        let n = items.len();
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); n];
+        }
+        let mut out: Vec<Result<(), ErrorCode>> = vec![Ok(()); n];
+        let mut live: Vec<usize> = Vec::with_capacity(n);
+        for (i, (_, v)) in items.iter().enumerate() {
+            if v.is_empty() {
+                out[i] = Err(ErrorCode::INVALID_PARAMS);
+            } else if bounded && v.len() as u64 > self.inner.cfg.staging_buffer_size {
+                out[i] = Err(ErrorCode::BUFFER_OVERFLOW);
+            } else {
+                live.push(i);
+            }
+        }
+        if live.is_empty() {
+            return out;
+        }
+        let start = BatchWriteStart {
+            client: self.inner.id,
+            tenant: self.tenant(),
+            items: live.iter().map(|&i| (self.key(items[i].0), items[i].1.len() as u64)).collect(),
+            config: config.clone(),
+        };
+        let req = if mode == WriteMode::Put { Request::BatchPutStart(start) } else { Request::BatchUpsertStart(start) };
+        let started = match self.inner.call(&req) {
+            Ok(Response::BatchWriteStarted(r)) => r,
+            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); n],
+            Err(e) => return vec![Err(e); n],
+        };
+        let mut to_finish: Vec<usize> = Vec::new();
+        let mut work = Vec::new();
+        for (&i, res) in live.iter().zip(&started) {
+            match res {
+                Ok(replicas) => {
+                    to_finish.push(i);
+                    for r in replicas {
+                        work.push((i, r.clone()));
+                    }
+                }
+                Err(ErrorCode::OBJECT_ALREADY_EXISTS) if mode == WriteMode::Put => {}
+                Err(e) => out[i] = Err(*e),
+            }
+        }
+        let parts: Vec<Part<'_>> =
+            work.iter().map(|(i, r)| Part::Write { replica: r, at: 0, src: items[*i].1 }).collect();
+        let transfer = self.inner.engine.run(parts);
+        let keys: Vec<KeyRef> = to_finish.iter().map(|&i| self.key(items[i].0)).collect();
+        let finish = BatchWriteFinish { client: self.inner.id, tenant: self.tenant(), keys };
+        let (req, failure) = match transfer {
+            Ok(()) => (
+                if mode == WriteMode::Put { Request::BatchPutEnd(finish) } else { Request::BatchUpsertEnd(finish) },
+                None,
+            ),
+            Err(e) => (
+                if mode == WriteMode::Put {
+                    Request::BatchPutRevoke(finish)
+                } else {
+                    Request::BatchUpsertRevoke(finish)
+                },
+                Some(e.code()),
+            ),
+        };
+        let ended = self.inner.call(&req);
+        for (k, &i) in to_finish.iter().enumerate() {
+            out[i] = match (&failure, &ended) {
+                (Some(code), _) => Err(*code),
+                (None, Ok(Response::BatchDone(r))) => r.get(k).cloned().unwrap_or(Err(ErrorCode::INTERNAL_ERROR)),
+                (None, Err(e)) => Err(*e),
+                (None, Ok(_)) => Err(ErrorCode::INTERNAL_ERROR),
+            };
+        }
+        out
+    }
+
+    // ---- zero-copy -----------------------------------------------------------------------
+
+    /// Registers caller memory for zero-copy calls.
+    pub fn register_buffer(&self, addr: u64, len: u64) -> Result<(), ErrorCode> {
+        if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        self.inner.registered.lock().push((addr, len));
+        Ok(())
+    }
+
+    /// Forgets a registered buffer; zero-copy calls on it fail afterwards.
+    pub fn unregister_buffer(&self, addr: u64) -> Result<(), ErrorCode> {
+        let mut reg = self.inner.registered.lock();
+        let before = reg.len();
+        reg.retain(|(a, _)| *a != addr);
+        if reg.len() == before {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        Ok(())
+    }
+
+    /// Whether `[addr, addr + len)` lies inside one registered buffer.
+    pub fn is_registered(&self, addr: u64, len: u64) -> bool {
+        self.inner.registered.lock().iter().any(|&(a, l)| addr >= a && addr.saturating_add(len) <= a + l)
+    }
+
+    /// Writes `len` bytes at `addr` (inside a registered buffer) under `key`, with no copy
+    /// through any intermediate buffer.
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be readable memory that stays valid for the call.
+    pub unsafe fn write_from(
+        &self,
+        mode: WriteMode,
+        key: &str,
+        addr: u64,
+        len: u64,
+        config: &ReplicateConfig,
+    ) -> Result<(), ErrorCode> {
+        if !self.is_registered(addr, len) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        // SAFETY: the caller vouches for the memory; it lies in a registered buffer.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+        self.write_unbounded(mode, key, &[src], config)
+    }
+
+    /// Reads `key` into `len` bytes at `addr` (inside a registered buffer). Returns the size.
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be writable memory that stays valid for the call and that no
+    /// one else accesses meanwhile.
+    pub unsafe fn read_into(&self, key: &str, addr: u64, len: u64) -> Result<usize, ErrorCode> {
+        if !self.is_registered(addr, len) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        // SAFETY: see the function's contract.
+        let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+        self.get_into(key, dst)
+    }
+
+    // ---- reads ---------------------------------------------------------------------------
+
+    /// Replica order for reading: this process's own, then same host, then the rest.
+    fn by_preference<'a>(&self, replicas: &'a [ReplicaDesc]) -> Vec<&'a ReplicaDesc> {
+        let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
+        v.sort_by_key(|r| match self.inner.engine.transport_for(r) {
+            Transport::Local => 0,
+            Transport::SharedMemory => 1,
+            Transport::Tcp => 2,
+        });
+        v
+    }
+
+    fn replica_list(&self, key: &str) -> Result<(ReplicaList, Instant), ErrorCode> {
+        let asked = Instant::now();
+        let req = Request::GetReplicaList(KeyQuery { tenant: self.tenant(), key: self.key(key) });
+        match self.inner.call(&req)? {
+            Response::Replicas(l) => Ok((l, asked)),
+            _ => Err(ErrorCode::INTERNAL_ERROR),
+        }
+    }
+
+    /// Reads `list`'s object into `dst`, trying replicas in order of preference; fails with
+    /// LEASE_EXPIRED rather than return bytes read after the lease ran out.
+    fn read_replicas(&self, list: &ReplicaList, asked: Instant, dst: &mut [u8]) -> Result<usize, ErrorCode> {
+        let size = list.size as usize;
+        if dst.len() < size {
+            return Err(ErrorCode::BUFFER_OVERFLOW);
+        }
+        let mut last = ErrorCode::REPLICA_NOT_FOUND;
+        for r in self.by_preference(&list.replicas) {
+            match self.inner.engine.read(r, 0, &mut dst[..size]) {
+                Ok(()) => {
+                    // The lease was granted no earlier than `asked`.
+                    if asked.elapsed() > Duration::from_millis(list.lease_ttl_ms) {
+                        return Err(ErrorCode::LEASE_EXPIRED);
+                    }
+                    return Ok(size);
+                }
+                Err(e) => last = e.code(),
+            }
+        }
+        Err(last)
+    }
+
+    /// Reads `key` into `dst`; returns its size.
+    pub fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<usize, ErrorCode> {
+        self.check_open()?;
+        let (list, asked) = self.replica_list(key)?;
+        self.read_replicas(&list, asked, dst)
+    }
+
+    /// Reads `key` into a new buffer.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, ErrorCode> {
+        self.check_open()?;
+        let (list, asked) = self.replica_list(key)?;
+        let mut buf = vec![0u8; list.size as usize];
+        self.read_replicas(&list, asked, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Reads many keys; reads run in parallel. One result per key, in order.
+    pub fn get_batch(&self, keys: &[&str]) -> Vec<Result<Vec<u8>, ErrorCode>> {
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); keys.len()];
+        }
+        let asked = Instant::now();
+        let req = Request::BatchGetReplicaList(BatchKeyQuery {
+            tenant: self.tenant(),
+            keys: keys.iter().map(|k| self.key(k)).collect(),
+        });
+        let lists = match self.inner.call(&req) {
+            Ok(Response::BatchReplicas(l)) => l,
+            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut bufs: Vec<Vec<u8>> =
+            lists.iter().map(|l| l.as_ref().map_or(Vec::new(), |l| vec![0u8; l.size as usize])).collect();
+        let mut parts = Vec::new();
+        for (l, buf) in lists.iter().zip(bufs.iter_mut()) {
+            if let Ok(l) = l {
+                if let Some(r) = self.by_preference(&l.replicas).first() {
+                    parts.push(Part::Read { replica: r, at: 0, dst: buf.as_mut_slice() });
+                }
+            }
+        }
+        let transfer = self.inner.engine.run(parts);
+        let expired = lists
+            .iter()
+            .filter_map(|l| l.as_ref().ok())
+            .any(|l| asked.elapsed() > Duration::from_millis(l.lease_ttl_ms));
+        lists
+            .into_iter()
+            .zip(bufs)
+            .map(|(l, buf)| {
+                l?;
+                match &transfer {
+                    Err(e) => Err(e.code()),
+                    Ok(()) if expired => Err(ErrorCode::LEASE_EXPIRED),
+                    Ok(()) => Ok(buf),
+                }
+            })
+            .collect()
+    }
+
+    /// Size of `key`'s value.
+    pub fn size(&self, key: &str) -> Result<u64, ErrorCode> {
+        self.check_open()?;
+        Ok(self.replica_list(key)?.0.size)
+    }
+
+    /// Replica descriptors of `key`.
+    pub fn replicas(&self, key: &str) -> Result<Vec<ReplicaDesc>, ErrorCode> {
+        self.check_open()?;
+        Ok(self.replica_list(key)?.0.replicas)
+    }
+
+    /// Whether `key` holds a complete value.
+    pub fn exists(&self, key: &str) -> Result<bool, ErrorCode> {
+        self.check_open()?;
+        match self.inner.call(&Request::ExistKey(KeyQuery { tenant: self.tenant(), key: self.key(key) }))? {
+            Response::Exists(b) => Ok(b),
+            _ => Err(ErrorCode::INTERNAL_ERROR),
+        }
+    }
+
+    /// Existence of many keys.
+    pub fn exists_batch(&self, keys: &[&str]) -> Vec<Result<bool, ErrorCode>> {
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); keys.len()];
+        }
+        let req = Request::BatchExistKey(BatchKeyQuery {
+            tenant: self.tenant(),
+            keys: keys.iter().map(|k| self.key(k)).collect(),
+        });
+        match self.inner.call(&req) {
+            Ok(Response::BatchExists(r)) => r,
+            Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    // ---- removal -------------------------------------------------------------------------
+
+    /// Removes `key`; a leased object only with `force`.
+    pub fn remove(&self, key: &str, force: bool) -> Result<(), ErrorCode> {
+        self.check_open()?;
+        self.inner.call(&Request::Remove(RemoveKey { tenant: self.tenant(), key: self.key(key), force })).map(|_| ())
+    }
+
+    /// Removes many keys.
+    pub fn remove_batch(&self, keys: &[&str], force: bool) -> Vec<Result<(), ErrorCode>> {
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); keys.len()];
+        }
+        let req = Request::BatchRemove(BatchRemoveKeys {
+            tenant: self.tenant(),
+            keys: keys.iter().map(|k| self.key(k)).collect(),
+            force,
+        });
+        match self.inner.call(&req) {
+            Ok(Response::BatchDone(r)) => r,
+            Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Removes every key of this client's tenant matching `regex`; returns the count.
+    pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64, ErrorCode> {
+        self.check_open()?;
+        match self.inner.call(&Request::RemoveByRegex { tenant: self.tenant(), regex: regex.to_string(), force })? {
+            Response::Removed(n) => Ok(n),
+            _ => Err(ErrorCode::INTERNAL_ERROR),
+        }
+    }
+
+    /// Removes every object; returns the count.
+    pub fn remove_all(&self, force: bool) -> Result<u64, ErrorCode> {
+        self.check_open()?;
+        match self.inner.call(&Request::RemoveAll { force })? {
+            Response::Removed(n) => Ok(n),
+            _ => Err(ErrorCode::INTERNAL_ERROR),
+        }
+    }
+
+    /// Any master call (admin listings and stats).
+    pub fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
+        self.inner.call(req)
+    }
+}
+
+impl Inner {
+    fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
+        call_with_retry(&self.master, req, self.cfg.rpc_timeout)
+    }
+
+    fn remount(&self) -> Result<(), ErrorCode> {
+        let segments = self.segments.lock().iter().map(|s| s.desc.clone()).collect();
+        self.call(&Request::ReMountSegment { client: self.id, segments }).map(|_| ())
+    }
+
+    fn heartbeat_loop(&self) {
+        loop {
+            {
+                let mut stop = self.heartbeat.stop.lock();
+                if *stop {
+                    return;
+                }
+                self.heartbeat.wake.wait_for(&mut stop, self.cfg.heartbeat_interval);
+                if *stop {
+                    return;
+                }
+            }
+            match self.call(&Request::Ping { client: self.id }) {
+                Ok(Response::Ping(PingReply { status: ClientStatus::NeedRemount, .. })) => {
+                    tracing::info!(client = %self.id, "master asks for a remount");
+                    self.engine.forget_mappings();
+                    if let Err(e) = self.remount() {
+                        tracing::warn!(error = %e, "remount failed; will retry");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "heartbeat failed; will retry"),
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.server.lock().take();
+    }
+}

@@ -1,0 +1,112 @@
+//! Client settings.
+
+use std::time::Duration;
+
+/// How replicas are reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// This process's own segment by memcpy, same-host peers through shared memory, others
+    /// over TCP.
+    #[default]
+    Auto,
+    /// Always TCP, even on the same host (tests and benchmarks).
+    Tcp,
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Protocol, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "shm" | "" => Ok(Protocol::Auto),
+            "tcp" => Ok(Protocol::Tcp),
+            other => Err(format!("unknown protocol {other:?}; use auto or tcp")),
+        }
+    }
+}
+
+/// Everything a client needs to start.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Master RPC address (`host:port`).
+    pub master_addr: String,
+    /// Where this client's transfer server listens: `host:port`, or `host` alone to pick a
+    /// free port in [12300, 14300] (Mooncake's rule).
+    pub local_hostname: String,
+    /// Identity of this machine; clients with the same identity use shared memory.
+    pub host_id: String,
+    /// Bytes of memory this client contributes to the store (0: contributes none).
+    pub segment_size: u64,
+    /// Largest value `put`/`get` of caller memory handle (0: this client cannot put).
+    /// Zero-copy calls on registered buffers are not bounded by it.
+    pub staging_buffer_size: u64,
+    /// Transport choice.
+    pub protocol: Protocol,
+    /// Tenant namespace of every key this client uses.
+    pub tenant: String,
+    /// Deadline of one master call.
+    pub rpc_timeout: Duration,
+    /// Heartbeat interval (Mooncake: 1 s).
+    pub heartbeat_interval: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults for a client of the master at `master_addr`.
+    pub fn new(master_addr: &str) -> ClientConfig {
+        ClientConfig {
+            master_addr: master_addr.to_string(),
+            local_hostname: "127.0.0.1".into(),
+            host_id: default_host_id(),
+            segment_size: 0,
+            staging_buffer_size: 64 << 20,
+            protocol: Protocol::Auto,
+            tenant: String::new(),
+            rpc_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The machine's identity: `/etc/machine-id` when present, else the host name.
+pub fn default_host_id() -> String {
+    if let Ok(id) = std::fs::read_to_string("/etc/machine-id") {
+        let id = id.trim();
+        if !id.is_empty() {
+            return id.to_string();
+        }
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+/// Parses sizes such as `1073741824`, `64GB`, `16 MiB`, `512k`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("cannot read size {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => return Err(format!("unknown size unit {u:?} in {s:?}")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1024").unwrap(), 1024);
+        assert_eq!(parse_size("64GB").unwrap(), 64 << 30);
+        assert_eq!(parse_size("16 MiB").unwrap(), 16 << 20);
+        assert_eq!(parse_size("1.5k").unwrap(), 1536);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("GB").is_err());
+    }
+}

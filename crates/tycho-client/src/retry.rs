@@ -1,0 +1,57 @@
+//! The routing contract: what a client does with each error's retry class.
+
+use std::time::Duration;
+
+use tycho_proto::{ErrorCode, Request, Response, RetryClass};
+use tycho_rpc::BlockingClient;
+
+/// Attempts per call, the first included.
+pub const MAX_ATTEMPTS: u32 = 4;
+/// First back-off for transient errors; doubles per attempt.
+const BACKOFF: Duration = Duration::from_millis(20);
+
+/// Whether repeating `req` after an unknown outcome is harmless.
+pub fn is_idempotent(req: &Request) -> bool {
+    !matches!(
+        req,
+        Request::PutStart(_)
+            | Request::UpsertStart(_)
+            | Request::BatchPutStart(_)
+            | Request::BatchUpsertStart(_)
+            | Request::Remove(_)
+            | Request::BatchRemove(_)
+            | Request::RemoveByRegex { .. }
+            | Request::RemoveAll { .. }
+            | Request::PutRevoke(_)
+            | Request::UpsertRevoke(_)
+            | Request::BatchPutRevoke(_)
+            | Request::BatchUpsertRevoke(_)
+    )
+}
+
+/// Calls the master, retrying as each error's retry class says, within [`MAX_ATTEMPTS`].
+/// A transport error (the outcome is unknown) is retried only for idempotent requests.
+pub fn call_with_retry(master: &BlockingClient, req: &Request, timeout: Duration) -> Result<Response, ErrorCode> {
+    let mut attempt = 1;
+    loop {
+        let (code, transport) = match master.call::<Request, Response>(req, timeout) {
+            Ok(Response::Error(code)) => (code, false),
+            Ok(resp) => return Ok(resp),
+            Err(e) => (e.code(), true),
+        };
+        let retry = match code.retry_class() {
+            RetryClass::Fail => false,
+            // With one KVPT group there is no other owner to go to and no route to refresh
+            // beyond the next attempt, which recomputes nothing; retry at once.
+            RetryClass::Redirect | RetryClass::RefreshRoute => true,
+            RetryClass::RetrySame => !transport || is_idempotent(req),
+        };
+        if !retry || attempt >= MAX_ATTEMPTS {
+            return Err(code);
+        }
+        if code.retry_class() == RetryClass::RetrySame {
+            std::thread::sleep(BACKOFF * 2u32.pow(attempt - 1));
+        }
+        attempt += 1;
+    }
+}
