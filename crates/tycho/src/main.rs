@@ -4,6 +4,8 @@ mod admin;
 mod bench_master;
 mod master_client;
 mod master_cmd;
+mod node;
+mod objects;
 
 use clap::{Parser, Subcommand};
 
@@ -21,6 +23,12 @@ enum Command {
     Master(master_cmd::MasterArgs),
     /// Run everything a first user needs in one process (today: the master on loopback).
     Up(master_cmd::UpArgs),
+    /// Contribute memory to a store and serve it until SIGTERM.
+    Node(node::NodeArgs),
+    /// Store a file (or standard input) under a key.
+    Put(objects::PutArgs),
+    /// Fetch a key to a file or standard output.
+    Get(objects::GetArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -51,6 +59,9 @@ fn main() {
     let code = match cli.cmd {
         Command::Master(a) => master_cmd::run_master(a),
         Command::Up(a) => master_cmd::run_up(a),
+        Command::Node(a) => node::run(a),
+        Command::Put(a) => objects::put(a),
+        Command::Get(a) => objects::get(a),
         Command::Bench(BenchCmd::Master(a)) => bench_master::run(a),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),

@@ -89,6 +89,9 @@ pub struct UpArgs {
     /// Port of the master's RPC server (loopback).
     #[arg(long = "rpc-port", default_value_t = 50051)]
     pub rpc_port: u16,
+    /// Memory the embedded node contributes: bytes or a size such as 1GB.
+    #[arg(long = "segment-size", default_value = "1GB", value_parser = tycho_client::parse_size)]
+    pub segment_size: u64,
 }
 
 fn runtime(threads: usize) -> tokio::runtime::Runtime {
@@ -126,26 +129,63 @@ pub fn run_master(args: MasterArgs) -> i32 {
     })
 }
 
-/// Runs the all-in-one: a master on loopback. Returns the process exit code.
+/// Runs the all-in-one: a master and a node with a DRAM segment on loopback, then a
+/// self-check. Returns the process exit code.
 pub fn run_up(args: UpArgs) -> i32 {
     let rt = runtime(0);
-    rt.block_on(async move {
-        let addr = format!("127.0.0.1:{}", args.rpc_port);
-        match start_master(&addr, MasterConfig::default(), tycho_proto::frame::DEFAULT_MAX_FRAME).await {
-            Ok(running) => {
-                println!("tycho up");
-                println!("  master RPC   {}", running.addr);
-                println!("  try:         tycho stat --master {}", running.addr);
-                wait_for_signal().await;
-                running.stop().await;
-                0
-            }
-            Err(e) => {
-                eprintln!("error: cannot listen on {addr}: {e} (is another master running? pass --rpc-port)");
-                1
-            }
+    let addr = format!("127.0.0.1:{}", args.rpc_port);
+    let running = match rt.block_on(start_master(&addr, MasterConfig::default(), tycho_proto::frame::DEFAULT_MAX_FRAME))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot listen on {addr}: {e} (is another master running? pass --rpc-port)");
+            return 1;
         }
-    })
+    };
+    let master_addr = running.addr.to_string();
+    let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
+    node_cfg.segment_size = args.segment_size;
+    node_cfg.staging_buffer_size = 0;
+    let node = match tycho_client::Client::connect(node_cfg) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("error: the embedded node could not start: {e}: {}", e.hint());
+            rt.block_on(running.stop());
+            return 1;
+        }
+    };
+    println!("tycho up");
+    println!("  master RPC     {master_addr}");
+    println!("  node segment   {} bytes, transfer server {}", args.segment_size, node.hostname());
+    match self_check(&master_addr) {
+        Ok(line) => println!("  self-check     {line}"),
+        Err(e) => println!("  self-check     FAILED: {e}"),
+    }
+    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
+    println!("  stop           Ctrl-C");
+    rt.block_on(wait_for_signal());
+    let _ = node.close();
+    rt.block_on(running.stop());
+    0
+}
+
+/// Puts, gets and removes a test object through a separate client; reports the latencies.
+fn self_check(master: &str) -> Result<String, String> {
+    let client = tycho_client::Client::connect(tycho_client::ClientConfig::new(master)).map_err(|e| e.to_string())?;
+    let key = format!("tycho-up-self-check-{}", std::process::id());
+    let value: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let t = std::time::Instant::now();
+    client.put(&key, &value, &Default::default()).map_err(|e| format!("put: {e}"))?;
+    let put = t.elapsed();
+    let t = std::time::Instant::now();
+    let back = client.get(&key).map_err(|e| format!("get: {e}"))?;
+    let get = t.elapsed();
+    if back != value {
+        return Err("get returned different bytes".into());
+    }
+    client.remove(&key, true).map_err(|e| format!("remove: {e}"))?;
+    let _ = client.close();
+    Ok(format!("ok: put {:?}, get {:?} of 4 KiB, removed", put, get))
 }
 
 struct RunningMaster {
