@@ -284,6 +284,10 @@ impl Master {
 
     /// Allocates replicas, running one eviction round and retrying once if nothing fits.
     fn allocate(&self, size: u64, p: &Placement<'_>) -> WireResult<Vec<Replica>> {
+        // A value no segment could ever hold is refused outright: evicting would not help.
+        if !self.segments.live().iter().any(|s| s.desc.size >= size) {
+            return Err(ErrorCode::NO_AVAILABLE_HANDLE);
+        }
         match self.segments.place(size, p) {
             Err(ErrorCode::NO_AVAILABLE_HANDLE) => {
                 if self.evict().0 > 0 {
