@@ -168,7 +168,9 @@ async fn read_responses(mut rd: OwnedReadHalf, shared: Arc<Shared>, max_frame: u
             match split_frame(&buf[used..], max_frame) {
                 Ok(Some((header, payload, n))) => {
                     if header.kind != FrameKind::Response {
-                        break;
+                        // A server never sends requests: the stream is not what we think.
+                        shared.fail_all("server sent a request frame");
+                        return;
                     }
                     let waiter = shared.pending.lock().remove(&header.request_id);
                     if let Some(w) = waiter {

@@ -276,9 +276,32 @@ impl TransferEngine {
     }
 }
 
+/// Copies at or above this size are split between two threads: one core alone cannot
+/// saturate the memory bus on this class of machine.
+pub const PARALLEL_COPY_BYTES: usize = 8 << 20;
+
 fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
-    match part {
-        Part::Read { dst, .. } => m.read(offset, dst),
-        Part::Write { src, .. } => m.write(offset, src),
+    let len = part.len();
+    if len < PARALLEL_COPY_BYTES {
+        return match part {
+            Part::Read { dst, .. } => m.read(offset, dst),
+            Part::Write { src, .. } => m.write(offset, src),
+        };
     }
+    // Two halves, split on a page boundary; the caller's thread copies one of them.
+    let half = (len / 2).next_multiple_of(4096).min(len);
+    std::thread::scope(|s| match part {
+        Part::Read { dst, .. } => {
+            let (a, b) = dst.split_at_mut(half);
+            let other = s.spawn(move || m.read(offset + half as u64, b));
+            let first = m.read(offset, a);
+            first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
+        }
+        Part::Write { src, .. } => {
+            let (a, b) = src.split_at(half);
+            let other = s.spawn(move || m.write(offset + half as u64, b));
+            let first = m.write(offset, a);
+            first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
+        }
+    })
 }

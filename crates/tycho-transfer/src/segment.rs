@@ -53,7 +53,9 @@ impl Mapping {
         if actual < len {
             return Err(TransferError::InvalidRange(format!("{path} holds {actual} bytes, expected {len}")));
         }
-        Self::map(OwnedFd::from(file), len, false)
+        // Pre-fault here too: otherwise the first copy into each page of a peer's segment pays
+        // a page fault in this process, which can cost as much as the copy itself.
+        Self::map(OwnedFd::from(file), len, true)
     }
 
     fn map(fd: OwnedFd, len: usize, populate: bool) -> Result<Mapping, TransferError> {

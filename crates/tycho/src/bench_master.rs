@@ -101,12 +101,13 @@ fn cpu_of(pid: u32) -> Option<f64> {
     Some(ticks / hz)
 }
 
-fn free_port() -> u16 {
+/// A free loopback port.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
 /// A child process killed when dropped.
-struct ChildGuard(Child);
+pub struct ChildGuard(pub Child);
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
@@ -115,7 +116,8 @@ impl Drop for ChildGuard {
     }
 }
 
-fn wait_for_port(port: u16, what: &str) -> Result<(), String> {
+/// Waits until something listens on `port`.
+pub fn wait_for_port(port: u16, what: &str) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {

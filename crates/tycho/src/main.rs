@@ -1,6 +1,7 @@
 //! The `tycho` binary: every role and tool behind one command.
 
 mod admin;
+mod bench_e2e;
 mod bench_master;
 mod master_client;
 mod master_cmd;
@@ -29,9 +30,8 @@ enum Command {
     Put(objects::PutArgs),
     /// Fetch a key to a file or standard output.
     Get(objects::GetArgs),
-    /// Benchmarks.
-    #[command(subcommand)]
-    Bench(BenchCmd),
+    /// End-to-end benchmark of the data path; `tycho bench master` for the metadata plane.
+    Bench(BenchTop),
     /// Whole-master figures: capacity, used, objects, clients, segments.
     Stat(admin::Target),
     /// List keys.
@@ -42,6 +42,15 @@ enum Command {
     Rm(admin::RmArgs),
     /// List mounted segments.
     Segments(admin::Target),
+}
+
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct BenchTop {
+    #[command(subcommand)]
+    sub: Option<BenchCmd>,
+    #[command(flatten)]
+    e2e: bench_e2e::BenchArgs,
 }
 
 #[derive(Subcommand)]
@@ -62,7 +71,8 @@ fn main() {
         Command::Node(a) => node::run(a),
         Command::Put(a) => objects::put(a),
         Command::Get(a) => objects::get(a),
-        Command::Bench(BenchCmd::Master(a)) => bench_master::run(a),
+        Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
+        Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),
         Command::Exist(a) => admin::exist(a),

@@ -1,0 +1,422 @@
+//! `tycho bench`: end-to-end put/get/exist through the data path, with the ceilings it is
+//! held to measured in the same run (`--baseline`): a single-thread memcpy of the same size
+//! with warm buffers, and a raw TCP request/response of the same size over loopback.
+//!
+//! The bench starts a master and one `tycho node` holding the data, then runs each phase in a
+//! separate worker process (itself, in a hidden worker mode), so that writer and reader are
+//! always different clients.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use tycho_client::{Client, ClientConfig, Protocol};
+use tycho_proto::ReplicateConfig;
+
+use crate::bench_master::{free_port, wait_for_port, ChildGuard};
+
+/// `tycho bench` flags.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Value sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_value = "4096,65536,1048576,4194304,67108864")]
+    sizes: Vec<usize>,
+    /// Seconds per read phase.
+    #[arg(long, default_value_t = 2.0)]
+    duration: f64,
+    /// Concurrent reader processes in the multi-client phase (1 MiB values).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Transports to measure: auto (shared memory on this host) and/or tcp.
+    #[arg(long, value_delimiter = ',', default_value = "auto,tcp")]
+    protocols: Vec<String>,
+    /// Also measure memcpy and raw TCP ceilings and print the ratios.
+    #[arg(long)]
+    baseline: bool,
+    /// Worker mode (internal): role, master, protocol, prefix, size, count, seconds.
+    #[arg(long, hide = true, num_args = 7)]
+    worker: Option<Vec<String>>,
+}
+
+/// Bytes written per size: enough objects to average over, bounded for big values.
+const BYTES_PER_SIZE: usize = 256 << 20;
+
+struct Measured {
+    ops: u64,
+    bytes: u64,
+    secs: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+impl Measured {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.secs / 1e9
+    }
+    fn ops_s(&self) -> f64 {
+        self.ops as f64 / self.secs
+    }
+    fn from_latencies(mut lat: Vec<u64>, bytes: u64, secs: f64) -> Measured {
+        lat.sort_unstable();
+        let pct = |p: f64| lat.get(((lat.len().max(1) - 1) as f64 * p) as usize).copied().unwrap_or(0);
+        Measured { ops: lat.len() as u64, bytes, secs, p50_us: pct(0.5), p99_us: pct(0.99) }
+    }
+    fn line(&self) -> String {
+        format!("RESULT {} {} {} {} {}", self.ops, self.bytes, self.secs, self.p50_us, self.p99_us)
+    }
+    fn parse(s: &str) -> Option<Measured> {
+        let f: Vec<&str> = s.strip_prefix("RESULT ")?.split_whitespace().collect();
+        Some(Measured {
+            ops: f.first()?.parse().ok()?,
+            bytes: f.get(1)?.parse().ok()?,
+            secs: f.get(2)?.parse().ok()?,
+            p50_us: f.get(3)?.parse().ok()?,
+            p99_us: f.get(4)?.parse().ok()?,
+        })
+    }
+}
+
+/// Entry point; returns the exit code.
+pub fn run(args: BenchArgs) -> i32 {
+    let result = match &args.worker {
+        Some(w) => worker(w).map(|m| println!("{}", m.line())),
+        None => orchestrate(&args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn worker(w: &[String]) -> Result<Measured, String> {
+    let [role, master, protocol, prefix, size, count, secs] = w else { return Err("bad worker arguments".into()) };
+    let size: usize = size.parse().map_err(|_| "size")?;
+    let count: usize = count.parse().map_err(|_| "count")?;
+    let secs: f64 = secs.parse().map_err(|_| "secs")?;
+    let mut cfg = ClientConfig::new(master);
+    cfg.protocol = protocol.parse()?;
+    cfg.staging_buffer_size = size as u64;
+    let client = Client::connect(cfg).map_err(|e| format!("connect: {e}"))?;
+    let mut buf: Vec<u8> = (0..size).map(|i| (i * 31) as u8).collect();
+    // One untimed call first: connections open and the peer's segment is mapped once per
+    // process, which is not what the phase measures.
+    match role.as_str() {
+        "put" => client.put(&format!("{prefix}/warmup"), &buf, &ReplicateConfig::default()),
+        _ => client.get_into(&format!("{prefix}/0"), &mut buf).map(|_| ()),
+    }
+    .map_err(|e| format!("warm-up: {e}"))?;
+    let mut lat = Vec::new();
+    let mut bytes = 0u64;
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(secs);
+    match role.as_str() {
+        "put" => {
+            for i in 0..count {
+                let t = Instant::now();
+                client
+                    .put(&format!("{prefix}/{i}"), &buf, &ReplicateConfig::default())
+                    .map_err(|e| format!("put: {e}"))?;
+                lat.push(t.elapsed().as_micros() as u64);
+                bytes += size as u64;
+            }
+        }
+        "get" | "exist" => {
+            let mut i = 0;
+            while Instant::now() < end {
+                let key = format!("{prefix}/{}", i % count);
+                let t = Instant::now();
+                if role == "get" {
+                    let n = client.get_into(&key, &mut buf).map_err(|e| format!("get {key}: {e}"))?;
+                    bytes += n as u64;
+                } else if !client.exists(&key).map_err(|e| format!("exist: {e}"))? {
+                    return Err(format!("{key} missing"));
+                }
+                lat.push(t.elapsed().as_micros() as u64);
+                i += 1;
+            }
+        }
+        r => return Err(format!("unknown role {r}")),
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let _ = client.close();
+    Ok(Measured::from_latencies(lat, bytes, secs))
+}
+
+fn spawn_worker(args: &[String]) -> Result<std::process::Child, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    Command::new(exe)
+        .arg("bench")
+        .arg("--worker")
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start a worker: {e}"))
+}
+
+fn collect(child: std::process::Child) -> Result<Measured, String> {
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find_map(Measured::parse).ok_or_else(|| format!("worker failed: {text}"))
+}
+
+fn run_phase(
+    role: &str,
+    master: &str,
+    protocol: &str,
+    prefix: &str,
+    size: usize,
+    count: usize,
+    secs: f64,
+) -> Result<Measured, String> {
+    let args: Vec<String> = [role, master, protocol, prefix, &size.to_string(), &count.to_string(), &secs.to_string()]
+        .map(String::from)
+        .to_vec();
+    collect(spawn_worker(&args)?)
+}
+
+fn human(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+fn progress(msg: &str) {
+    eprint!("\r\x1b[2K  .. {msg}");
+    let _ = std::io::stderr().flush();
+}
+
+fn orchestrate(args: &BenchArgs) -> Result<(), String> {
+    let port = free_port();
+    let master = format!("127.0.0.1:{port}");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let _m = ChildGuard(
+        Command::new(&exe)
+            .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?,
+    );
+    wait_for_port(port, "master")?;
+    // Removed objects stay reserved while a read lease may still cover them (10 s), so the
+    // node holds every phase's objects at once, with room to stay under the eviction mark.
+    let all: usize = args.sizes.iter().map(|&s| (BYTES_PER_SIZE / s).clamp(4, 2000) * s + s).sum();
+    let node_bytes = (all * 2 + (128 << 20)).to_string();
+    let _n = ChildGuard(
+        Command::new(&exe)
+            .args(["node", "--master", &master, "--segment-size", &node_bytes])
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?,
+    );
+    let admin = Client::connect(ClientConfig::new(&master)).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while admin.call(&tycho_proto::Request::ListSegments).ok().and_then(|r| match r {
+        tycho_proto::Response::Segments(s) => Some(s.len()),
+        _ => None,
+    }) != Some(1)
+    {
+        if Instant::now() > deadline {
+            return Err("the node did not mount its segment".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!("tycho bench: master {master}, one node of {node_bytes} bytes; writer and reader are separate processes");
+    println!("{:<6} {:<8} {:<6} {:>10} {:>9} {:>9} {:>9}", "proto", "size", "op", "ops/s", "GB/s", "p50 us", "p99 us");
+    let mut rows: Vec<(String, usize, String, Measured)> = Vec::new();
+    for proto in &args.protocols {
+        Protocol::from_str_checked(proto)?;
+        for &size in &args.sizes {
+            let count = (BYTES_PER_SIZE / size).clamp(4, 2000);
+            let prefix = format!("bench/{proto}/{size}");
+            progress(&format!("{proto} {}: put {count} objects", human(size)));
+            let put = run_phase("put", &master, proto, &prefix, size, count, 0.0)?;
+            progress(&format!("{proto} {}: get for {}s", human(size), args.duration));
+            let get = run_phase("get", &master, proto, &prefix, size, count, args.duration)?;
+            progress(&format!("{proto} {}: exist for {}s", human(size), args.duration / 2.0));
+            let exist = run_phase("exist", &master, proto, &prefix, size, count, args.duration / 2.0)?;
+            eprint!("\r\x1b[2K");
+            for (op, m) in [("put", put), ("get", get), ("exist", exist)] {
+                println!(
+                    "{:<6} {:<8} {:<6} {:>10.0} {:>9.2} {:>9} {:>9}",
+                    proto,
+                    human(size),
+                    op,
+                    m.ops_s(),
+                    m.gbps(),
+                    m.p50_us,
+                    m.p99_us
+                );
+                rows.push((proto.clone(), size, op.to_string(), m));
+            }
+            if proto == "auto" && size == 4 << 20 && args.baseline {
+                // The same object over and over: source and destination stay in cache, as in
+                // the warm memcpy it is compared with.
+                progress("auto 4 MiB: get of one hot object");
+                let hot = run_phase("get", &master, proto, &prefix, size, 1, args.duration)?;
+                eprint!("\r\x1b[2K");
+                println!(
+                    "{:<6} {:<8} {:<6} {:>10.0} {:>9.2} {:>9} {:>9}  (one hot object)",
+                    proto,
+                    human(size),
+                    "get",
+                    hot.ops_s(),
+                    hot.gbps(),
+                    hot.p50_us,
+                    hot.p99_us
+                );
+                rows.push(("auto-hot".into(), size, "get".into(), hot));
+            }
+            admin.remove_by_regex(&format!("{prefix}/.*"), true).map_err(|e| format!("cleanup: {e}"))?;
+        }
+    }
+    // Several reader processes at once against one stream.
+    let size = 1 << 20;
+    let prefix = "bench/multi";
+    let count = 64;
+    progress("multi-client: put");
+    run_phase("put", &master, "auto", prefix, size, count, 0.0)?;
+    progress("multi-client: 1 reader");
+    let one = run_phase("get", &master, "auto", prefix, size, count, args.duration)?;
+    progress(&format!("multi-client: {} readers", args.clients));
+    let children: Vec<_> = (0..args.clients)
+        .map(|_| {
+            let a: Vec<String> =
+                ["get", &master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
+                    .map(String::from)
+                    .to_vec();
+            spawn_worker(&a)
+        })
+        .collect::<Result<_, _>>()?;
+    let many: Vec<Measured> = children.into_iter().map(collect).collect::<Result<_, _>>()?;
+    eprint!("\r\x1b[2K");
+    let aggregate: f64 = many.iter().map(Measured::gbps).sum();
+    println!(
+        "get 1 MiB: 1 reader {:.2} GB/s; {} concurrent readers {:.2} GB/s in aggregate",
+        one.gbps(),
+        args.clients,
+        aggregate
+    );
+    if args.baseline {
+        baseline(args, &rows, one.gbps(), aggregate)?;
+    }
+    let _ = admin.close();
+    Ok(())
+}
+
+trait CheckedProtocol {
+    fn from_str_checked(s: &str) -> Result<Protocol, String>;
+}
+
+impl CheckedProtocol for Protocol {
+    fn from_str_checked(s: &str) -> Result<Protocol, String> {
+        s.parse()
+    }
+}
+
+/// GB/s of a single-thread copy of `size` bytes between two warm buffers.
+fn memcpy_gbps(size: usize, secs: f64) -> f64 {
+    let src: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; size];
+    dst.copy_from_slice(&src);
+    let (start, mut bytes) = (Instant::now(), 0u64);
+    while start.elapsed().as_secs_f64() < secs {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        bytes += size as u64;
+    }
+    bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of a single-thread copy of `size` bytes from a rotating set of `set` bytes of source
+/// buffers into one destination: the memory traffic of reading a set of objects.
+fn memcpy_rotating_gbps(size: usize, set: usize, secs: f64) -> f64 {
+    let n = (set / size).max(1);
+    let srcs: Vec<Vec<u8>> = (0..n).map(|k| vec![k as u8; size]).collect();
+    let mut dst = vec![0u8; size];
+    let (start, mut bytes, mut i) = (Instant::now(), 0u64, 0);
+    while start.elapsed().as_secs_f64() < secs {
+        dst.copy_from_slice(std::hint::black_box(&srcs[i % n]));
+        std::hint::black_box(&mut dst);
+        bytes += size as u64;
+        i += 1;
+    }
+    bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// GB/s of a raw TCP exchange over loopback: a 16-byte request, `size` bytes back.
+fn raw_tcp_gbps(size: usize, secs: f64) -> Result<f64, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_nodelay(true).expect("nodelay");
+        let data = vec![7u8; size];
+        let mut req = [0u8; 16];
+        while s.read_exact(&mut req).is_ok() {
+            if s.write_all(&data).is_err() {
+                break;
+            }
+        }
+    });
+    let mut c = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    c.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; size];
+    let (start, mut bytes) = (Instant::now(), 0u64);
+    while start.elapsed().as_secs_f64() < secs {
+        c.write_all(&[0u8; 16]).map_err(|e| e.to_string())?;
+        c.read_exact(&mut buf).map_err(|e| e.to_string())?;
+        bytes += size as u64;
+    }
+    let gbps = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
+    drop(c);
+    let _ = server.join();
+    Ok(gbps)
+}
+
+fn baseline(args: &BenchArgs, rows: &[(String, usize, String, Measured)], one: f64, many: f64) -> Result<(), String> {
+    let find = |proto: &str, size: usize, op: &str| {
+        rows.iter().find(|(p, s, o, _)| p == proto && *s == size && o == op).map(|(_, _, _, m)| m.gbps())
+    };
+    println!("baseline (same run):");
+    let check = |what: &str, ours: f64, ceiling: f64, goal: f64| {
+        let r = ours / ceiling;
+        let verdict = if r >= goal { "meets" } else { "BELOW" };
+        println!("  {what:<52} {ours:>6.2} / {ceiling:>6.2} GB/s = {r:.2}  (goal >= {goal}: {verdict})");
+    };
+    let secs = args.duration;
+    if let Some(ours) = find("auto", 4 << 20, "get") {
+        check("get 4 MiB, other client, shm vs memcpy (warm, cached)", ours, memcpy_gbps(4 << 20, secs), 0.7);
+        check(
+            "get 4 MiB, other client, shm vs memcpy (same 256 MiB set)",
+            ours,
+            memcpy_rotating_gbps(4 << 20, BYTES_PER_SIZE, secs),
+            0.7,
+        );
+    }
+    if let Some(ours) = find("auto-hot", 4 << 20, "get") {
+        check("get 4 MiB, one hot object, shm vs memcpy (warm)", ours, memcpy_gbps(4 << 20, secs), 0.7);
+    }
+    if let Some(ours) = find("tcp", 4 << 20, "get") {
+        check("get 4 MiB, other client, TCP vs raw TCP", ours, raw_tcp_gbps(4 << 20, secs)?, 0.75);
+    }
+    if let Some(ours) = find("auto", 64 << 20, "put") {
+        check("put 64 MiB into a same-host client vs memcpy", ours, memcpy_gbps(64 << 20, secs), 0.7);
+    }
+    check(&format!("{} concurrent gets of 1 MiB vs 1 stream", args.clients), many, one, 1.0);
+    for &size in &args.sizes {
+        println!(
+            "  {:<8} memcpy {:>6.2} GB/s, raw TCP {:>6.2} GB/s",
+            human(size),
+            memcpy_gbps(size, secs / 4.0),
+            raw_tcp_gbps(size, secs / 4.0)?
+        );
+    }
+    Ok(())
+}
