@@ -22,7 +22,7 @@ struct Cli {
 enum Command {
     /// Run a master (object metadata service).
     Master(master_cmd::MasterArgs),
-    /// Run everything a first user needs in one process (today: the master on loopback).
+    /// Run everything a first user needs in one process: a master and a node on loopback.
     Up(master_cmd::UpArgs),
     /// Contribute memory to a store and serve it until SIGTERM.
     Node(node::NodeArgs),
