@@ -3,9 +3,12 @@
 //! [`Master`] holds the logic of every RPC and is independent of the transport;
 //! [`MasterRpc`] serves it over `tycho-rpc`; [`run_housekeeping`] drives its timers.
 
+mod admin;
 mod clock;
 mod config;
+mod health;
 mod master;
+mod metrics;
 mod object;
 mod rpc;
 mod segment;
@@ -14,9 +17,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use admin::{
+    probe_target, start_admin, AdminConfig, AdminHandle, ProbeConfig, ProbeState, DEFAULT_PROBE_INTERVAL,
+    DEFAULT_PROBE_TIMEOUT,
+};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::*;
-pub use master::{Counters, Master, WriteMode};
+pub use health::HEALTH_CHECK_BUDGET;
+pub use master::{Counters, Master, ObjectGauges, WriteMode};
+pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;
 pub use rpc::MasterRpc;
 

@@ -1,6 +1,7 @@
 //! The master behind the RPC server: maps each [`Request`] to the service call.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tycho_proto::frame::FrameError;
 use tycho_proto::{ErrorCode, Request, Response, WireResult};
@@ -8,15 +9,20 @@ use tycho_rpc::{Reply, Service};
 
 use crate::master::{Master, WriteMode};
 
-/// Adapts a [`Master`] to [`tycho_rpc::Service`].
+use crate::health::HEALTH_CHECK_BUDGET;
+use crate::metrics::RpcMetrics;
+
+/// Adapts a [`Master`] to [`tycho_rpc::Service`], recording per-RPC metrics.
 pub struct MasterRpc {
     master: Arc<Master>,
+    metrics: Arc<RpcMetrics>,
+    health_budget: Duration,
 }
 
 impl MasterRpc {
-    /// Serves `master`.
-    pub fn new(master: Arc<Master>) -> MasterRpc {
-        MasterRpc { master }
+    /// Serves `master`, recording into `metrics`.
+    pub fn new(master: Arc<Master>, metrics: Arc<RpcMetrics>) -> MasterRpc {
+        MasterRpc { master, metrics, health_budget: HEALTH_CHECK_BUDGET }
     }
 }
 
@@ -43,6 +49,34 @@ impl Service for MasterRpc {
     type Response = Response;
 
     fn call(&self, req: Request) -> Reply<Response> {
+        // Tests stall RPC workers here to reproduce worker-pool exhaustion (spec 02).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("master::rpc::stall");
+        let index = req.index();
+        let start = Instant::now();
+        match self.dispatch(req) {
+            Reply::Ready(resp) => {
+                self.metrics.record(index, start.elapsed(), matches!(resp, Response::Error(_)));
+                Reply::Ready(resp)
+            }
+            Reply::Later(fut) => {
+                let metrics = self.metrics.clone();
+                Reply::Later(Box::pin(async move {
+                    let resp = fut.await;
+                    metrics.record(index, start.elapsed(), matches!(resp, Response::Error(_)));
+                    resp
+                }))
+            }
+        }
+    }
+
+    fn malformed(&self, _err: &FrameError) -> Response {
+        Response::Error(ErrorCode::INVALID_PARAMS)
+    }
+}
+
+impl MasterRpc {
+    fn dispatch(&self, req: Request) -> Reply<Response> {
         let m = &*self.master;
         let resp = match req {
             Request::Ping { client } => Response::Ping(m.ping(client)),
@@ -85,11 +119,15 @@ impl Service for MasterRpc {
                 })
             }
             Request::Stats => Response::Stats(m.stats()),
+            Request::HealthCheck => match m.health_check_now() {
+                Some(report) => Response::Health(report),
+                // Some shard is write-locked: wait for it off the connection's task.
+                None => {
+                    let budget = self.health_budget;
+                    return self.blocking(move |m| Response::Health(m.health_check(budget)));
+                }
+            },
         };
         Reply::Ready(resp)
-    }
-
-    fn malformed(&self, _err: &FrameError) -> Response {
-        Response::Error(ErrorCode::INVALID_PARAMS)
     }
 }

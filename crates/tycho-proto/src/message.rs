@@ -202,6 +202,9 @@ pub enum Request {
     },
     /// Whole-master figures.
     Stats,
+    /// Whether every metadata shard can be read-locked within the master's budget (spec 02).
+    /// Read-only; answers on a standby too.
+    HealthCheck,
 }
 
 /// The answer to a [`Request`]; each variant answers the request of the same name.
@@ -238,40 +241,81 @@ pub enum Response {
     Keys(Vec<KeyInfo>),
     /// Answer to Stats.
     Stats(MasterStats),
+    /// Answer to HealthCheck.
+    Health(HealthReport),
 }
 
 impl Request {
+    /// Every RPC name, indexed by [`Request::index`].
+    pub const NAMES: &'static [&'static str] = &[
+        "ping",
+        "service_ready",
+        "mount_segment",
+        "remount_segment",
+        "unmount_segment",
+        "put_start",
+        "put_end",
+        "put_revoke",
+        "batch_put_start",
+        "batch_put_end",
+        "batch_put_revoke",
+        "upsert_start",
+        "upsert_end",
+        "upsert_revoke",
+        "batch_upsert_start",
+        "batch_upsert_end",
+        "batch_upsert_revoke",
+        "get_replica_list",
+        "batch_get_replica_list",
+        "exist_key",
+        "batch_exist_key",
+        "remove",
+        "batch_remove",
+        "remove_by_regex",
+        "remove_all",
+        "list_segments",
+        "list_keys",
+        "stats",
+        "health_check",
+    ];
+
     /// The RPC's name, for metrics and logs.
     pub fn name(&self) -> &'static str {
+        Self::NAMES[self.index()]
+    }
+
+    /// Dense index of the RPC into [`Request::NAMES`], for per-RPC metrics.
+    pub fn index(&self) -> usize {
         match self {
-            Request::Ping { .. } => "ping",
-            Request::ServiceReady => "service_ready",
-            Request::MountSegment { .. } => "mount_segment",
-            Request::ReMountSegment { .. } => "remount_segment",
-            Request::UnmountSegment { .. } => "unmount_segment",
-            Request::PutStart(_) => "put_start",
-            Request::PutEnd(_) => "put_end",
-            Request::PutRevoke(_) => "put_revoke",
-            Request::BatchPutStart(_) => "batch_put_start",
-            Request::BatchPutEnd(_) => "batch_put_end",
-            Request::BatchPutRevoke(_) => "batch_put_revoke",
-            Request::UpsertStart(_) => "upsert_start",
-            Request::UpsertEnd(_) => "upsert_end",
-            Request::UpsertRevoke(_) => "upsert_revoke",
-            Request::BatchUpsertStart(_) => "batch_upsert_start",
-            Request::BatchUpsertEnd(_) => "batch_upsert_end",
-            Request::BatchUpsertRevoke(_) => "batch_upsert_revoke",
-            Request::GetReplicaList(_) => "get_replica_list",
-            Request::BatchGetReplicaList(_) => "batch_get_replica_list",
-            Request::ExistKey(_) => "exist_key",
-            Request::BatchExistKey(_) => "batch_exist_key",
-            Request::Remove(_) => "remove",
-            Request::BatchRemove(_) => "batch_remove",
-            Request::RemoveByRegex { .. } => "remove_by_regex",
-            Request::RemoveAll { .. } => "remove_all",
-            Request::ListSegments => "list_segments",
-            Request::ListKeys { .. } => "list_keys",
-            Request::Stats => "stats",
+            Request::Ping { .. } => 0,
+            Request::ServiceReady => 1,
+            Request::MountSegment { .. } => 2,
+            Request::ReMountSegment { .. } => 3,
+            Request::UnmountSegment { .. } => 4,
+            Request::PutStart(_) => 5,
+            Request::PutEnd(_) => 6,
+            Request::PutRevoke(_) => 7,
+            Request::BatchPutStart(_) => 8,
+            Request::BatchPutEnd(_) => 9,
+            Request::BatchPutRevoke(_) => 10,
+            Request::UpsertStart(_) => 11,
+            Request::UpsertEnd(_) => 12,
+            Request::UpsertRevoke(_) => 13,
+            Request::BatchUpsertStart(_) => 14,
+            Request::BatchUpsertEnd(_) => 15,
+            Request::BatchUpsertRevoke(_) => 16,
+            Request::GetReplicaList(_) => 17,
+            Request::BatchGetReplicaList(_) => 18,
+            Request::ExistKey(_) => 19,
+            Request::BatchExistKey(_) => 20,
+            Request::Remove(_) => 21,
+            Request::BatchRemove(_) => 22,
+            Request::RemoveByRegex { .. } => 23,
+            Request::RemoveAll { .. } => 24,
+            Request::ListSegments => 25,
+            Request::ListKeys { .. } => 26,
+            Request::Stats => 27,
+            Request::HealthCheck => 28,
         }
     }
 }
@@ -327,6 +371,17 @@ mod tests {
                 let _ = decode_payload::<Request>(payload);
             }
         }
+    }
+
+    #[test]
+    fn names_and_indices_agree() {
+        assert_eq!(Request::HealthCheck.name(), "health_check");
+        assert_eq!(Request::Stats.name(), "stats");
+        assert_eq!(Request::NAMES.len(), Request::HealthCheck.index() + 1);
+        let mut sorted = Request::NAMES.to_vec();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), Request::NAMES.len());
     }
 
     #[test]

@@ -233,3 +233,15 @@ pub struct MasterStats {
     /// Objects the liveness sweep has visited since the master started.
     pub sweep_progress: u64,
 }
+
+/// Answer to HealthCheck.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct HealthReport {
+    /// Every shard's read lock was taken within the budget.
+    pub ok: bool,
+    /// Shards whose read lock was taken.
+    pub shards_checked: u64,
+    /// Index of the first shard that stayed write-locked past the budget (0 when `ok`).
+    pub shards_blocked: u64,
+}

@@ -198,7 +198,7 @@ fn orchestrate(args: &BenchArgs) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let _m = ChildGuard(
         Command::new(&exe)
-            .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+            .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?,

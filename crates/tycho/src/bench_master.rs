@@ -132,7 +132,7 @@ fn start_master(client_ttl_s: u64) -> Result<(ChildGuard, String), String> {
     let port = free_port();
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let child = Command::new(exe)
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
         .args(["--client-ttl", &client_ttl_s.to_string()])
         .stdout(Stdio::null())
         .spawn()

@@ -50,6 +50,37 @@ pub struct MasterArgs {
     /// Worker threads of the RPC runtime (0: one per core).
     #[arg(long = "rpc-thread-num", alias = "rpc_thread_num", default_value_t = 0)]
     pub rpc_thread_num: usize,
+    /// Port of the admin HTTP server (/livez, /readyz, /metrics); 0 picks a free port.
+    #[arg(long = "metrics-port", alias = "metrics_port", default_value_t = 9003)]
+    pub metrics_port: u16,
+    /// Address the admin HTTP server binds.
+    #[arg(long = "metrics-address", alias = "metrics_address", default_value = "0.0.0.0")]
+    pub metrics_address: String,
+    /// Run the self-probe that feeds /readyz (HealthCheck over the real RPC path).
+    #[arg(long = "enable-rpc-health-probe", alias = "enable_rpc_health_probe", default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_rpc_health_probe: bool,
+    /// Seconds between self-probes.
+    #[arg(long = "rpc-probe-interval", alias = "rpc_probe_interval_seconds", default_value_t = 5.0)]
+    pub rpc_probe_interval: f64,
+    /// Seconds a self-probe may take before it counts as failed.
+    #[arg(long = "rpc-probe-timeout", alias = "rpc_probe_timeout_seconds", default_value_t = 3.0)]
+    pub rpc_probe_timeout: f64,
+}
+
+impl MasterArgs {
+    fn admin(&self, rpc_addr: SocketAddr) -> Result<tycho_master::AdminConfig, String> {
+        if !(self.rpc_probe_interval > 0.0 && self.rpc_probe_timeout > 0.0) {
+            return Err("--rpc-probe-interval and --rpc-probe-timeout must be positive".into());
+        }
+        Ok(tycho_master::AdminConfig {
+            bind: format!("{}:{}", self.metrics_address, self.metrics_port),
+            rpc_addr,
+            probe: self.enable_rpc_health_probe.then(|| tycho_master::ProbeConfig {
+                interval: Duration::from_secs_f64(self.rpc_probe_interval),
+                timeout: Duration::from_secs_f64(self.rpc_probe_timeout),
+            }),
+        })
+    }
 }
 
 fn parse_strategy(s: &str) -> Result<AllocStrategy, String> {
@@ -92,6 +123,9 @@ pub struct UpArgs {
     /// Memory the embedded node contributes: bytes or a size such as 1GB.
     #[arg(long = "segment-size", default_value = "1GB", value_parser = tycho_client::parse_size)]
     pub segment_size: u64,
+    /// Port of the admin HTTP server (loopback).
+    #[arg(long = "metrics-port", default_value_t = 9003)]
+    pub metrics_port: u16,
 }
 
 fn runtime(threads: usize) -> tokio::runtime::Runtime {
@@ -114,18 +148,33 @@ pub fn run_master(args: MasterArgs) -> i32 {
     let rt = runtime(args.rpc_thread_num);
     rt.block_on(async move {
         let addr = format!("{}:{}", args.rpc_address, args.rpc_port);
-        match start_master(&addr, cfg, args.max_frame_bytes).await {
-            Ok(running) => {
-                println!("tycho master listening on {}", running.addr);
-                wait_for_signal().await;
-                running.stop().await;
-                0
-            }
+        let running = match start_master(&addr, cfg, args.max_frame_bytes).await {
+            Ok(r) => r,
             Err(e) => {
                 eprintln!("error: cannot listen on {addr}: {e}");
-                1
+                return 1;
             }
-        }
+        };
+        let admin = match args.admin(running.addr).map_err(std::io::Error::other).and_then(|cfg| {
+            let bind = cfg.bind.clone();
+            tycho_master::start_admin(cfg, running.master.clone(), running.metrics.clone())
+                .map_err(|e| std::io::Error::other(format!("admin HTTP on {bind}: {e}")))
+        }) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("error: {e}");
+                running.stop().await;
+                return 1;
+            }
+        };
+        admin.probe().set_serving(true);
+        println!("tycho master listening on {}", running.addr);
+        println!("tycho master admin HTTP on http://{}", admin.local_addr());
+        wait_for_signal().await;
+        admin.probe().set_serving(false);
+        running.stop().await;
+        drop(admin);
+        0
     })
 }
 
@@ -143,6 +192,26 @@ pub fn run_up(args: UpArgs) -> i32 {
         }
     };
     let master_addr = running.addr.to_string();
+    let admin_cfg = tycho_master::AdminConfig {
+        bind: format!("127.0.0.1:{}", args.metrics_port),
+        rpc_addr: running.addr,
+        probe: Some(tycho_master::ProbeConfig {
+            interval: tycho_master::DEFAULT_PROBE_INTERVAL,
+            timeout: tycho_master::DEFAULT_PROBE_TIMEOUT,
+        }),
+    };
+    let admin = match tycho_master::start_admin(admin_cfg, running.master.clone(), running.metrics.clone()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!(
+                "error: cannot start the admin HTTP server on 127.0.0.1:{}: {e} (pass --metrics-port)",
+                args.metrics_port
+            );
+            rt.block_on(running.stop());
+            return 1;
+        }
+    };
+    admin.probe().set_serving(true);
     let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
     node_cfg.segment_size = args.segment_size;
     node_cfg.staging_buffer_size = 0;
@@ -157,6 +226,7 @@ pub fn run_up(args: UpArgs) -> i32 {
     println!("tycho up");
     println!("  master RPC     {master_addr}");
     println!("  node segment   {} bytes, transfer server {}", args.segment_size, node.hostname());
+    println!("  admin HTTP     http://{}  (/readyz /livez /metrics)", admin.local_addr());
     match self_check(&master_addr) {
         Ok(line) => println!("  self-check     {line}"),
         Err(e) => println!("  self-check     FAILED: {e}"),
@@ -164,8 +234,10 @@ pub fn run_up(args: UpArgs) -> i32 {
     println!("  try            echo hello | tycho put greeting - && tycho get greeting");
     println!("  stop           Ctrl-C");
     rt.block_on(wait_for_signal());
+    admin.probe().set_serving(false);
     let _ = node.close();
     rt.block_on(running.stop());
+    drop(admin);
     0
 }
 
@@ -190,6 +262,8 @@ fn self_check(master: &str) -> Result<String, String> {
 
 struct RunningMaster {
     addr: SocketAddr,
+    master: Arc<Master>,
+    metrics: Arc<tycho_master::RpcMetrics>,
     server: tycho_rpc::ServerHandle,
     stop: Arc<AtomicBool>,
     housekeeping: std::thread::JoinHandle<()>,
@@ -205,11 +279,13 @@ impl RunningMaster {
 
 async fn start_master(addr: &str, cfg: MasterConfig, max_frame: u32) -> std::io::Result<RunningMaster> {
     let master = Arc::new(Master::new(cfg, Arc::new(SystemClock::new())));
+    let metrics = Arc::new(tycho_master::RpcMetrics::default());
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    let server = serve(listener, Arc::new(MasterRpc::new(master.clone())), ServerConfig { max_frame })?;
+    let server =
+        serve(listener, Arc::new(MasterRpc::new(master.clone(), metrics.clone())), ServerConfig { max_frame })?;
     let stop = Arc::new(AtomicBool::new(false));
-    let housekeeping = run_housekeeping(master, Duration::from_millis(100), stop.clone());
-    Ok(RunningMaster { addr: server.local_addr(), server, stop, housekeeping })
+    let housekeeping = run_housekeeping(master.clone(), Duration::from_millis(100), stop.clone());
+    Ok(RunningMaster { addr: server.local_addr(), master, metrics, server, stop, housekeeping })
 }
 
 async fn wait_for_signal() {

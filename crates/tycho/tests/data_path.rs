@@ -46,7 +46,7 @@ fn wait_port(addr: &str) {
 fn master(extra: &[&str]) -> (Proc, String) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
         .args(extra)
         .stdout(Stdio::null())
         .spawn()

@@ -28,7 +28,7 @@ fn free_port() -> u16 {
 fn start_master(extra: &[&str]) -> MasterProc {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
         .args(extra)
         .stdout(Stdio::null())
         .spawn()

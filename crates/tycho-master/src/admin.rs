@@ -1,0 +1,449 @@
+//! The admin HTTP server and the self-probe (spec 02).
+//!
+//! It runs on its own thread and runtime, apart from the RPC workers, so it answers even when
+//! every RPC worker is stuck; that is the point of `/readyz`. The self-probe calls HealthCheck
+//! through the real RPC path (TCP connect, accept, dispatch, handler) on the RPC server's own
+//! address, every interval, and caches the verdict in atomics that `/readyz` reads.
+//!
+//! | path | answers |
+//! |---|---|
+//! | `/livez`, `/health` | 200 while the process lives |
+//! | `/readyz` | 200 when serving and the last probe succeeded, else 503 |
+//! | `/metrics` | Prometheus text |
+//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON, as Mooncake's admin port |
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response as HttpResponse};
+use axum::routing::get;
+use axum::Router;
+use tokio::sync::watch;
+use tycho_proto::{Request, Response};
+use tycho_rpc::{ClientConfig, RpcClient};
+
+use crate::metrics::LATENCY_BUCKETS;
+use crate::{Master, RpcMetrics};
+
+/// Default self-probe period (spec 02: 5 s).
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// Default self-probe deadline (spec 02: 3 s).
+pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Self-probe settings.
+#[derive(Debug, Clone)]
+pub struct ProbeConfig {
+    /// Time between probes.
+    pub interval: Duration,
+    /// Deadline of one probe, connect included.
+    pub timeout: Duration,
+}
+
+/// Admin server settings.
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    /// Address the HTTP server binds.
+    pub bind: String,
+    /// The RPC server's bound address; the probe calls it (unspecified addresses become
+    /// loopback).
+    pub rpc_addr: SocketAddr,
+    /// `None` disables the probe; `/readyz` then only reflects whether the master serves.
+    pub probe: Option<ProbeConfig>,
+}
+
+/// What the probe last saw, plus whether the master serves.
+#[derive(Default)]
+pub struct ProbeState {
+    serving: AtomicBool,
+    responsive: AtomicBool,
+    latency_us: AtomicU64,
+    failures: AtomicU64,
+    probes: AtomicU64,
+}
+
+impl ProbeState {
+    /// Marks the master as serving (RPC server up, primary) or not (starting, standby,
+    /// stopping). The probe runs only while it serves.
+    pub fn set_serving(&self, on: bool) {
+        self.serving.store(on, Ordering::Release);
+    }
+
+    /// Whether the master serves.
+    pub fn serving(&self) -> bool {
+        self.serving.load(Ordering::Acquire)
+    }
+
+    /// Whether the last probe succeeded in time.
+    pub fn responsive(&self) -> bool {
+        self.responsive.load(Ordering::Acquire)
+    }
+
+    fn record(&self, ok: bool, latency: Duration) {
+        self.latency_us.store(latency.as_micros() as u64, Ordering::Relaxed);
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        if !ok {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        self.responsive.store(ok, Ordering::Release);
+    }
+}
+
+struct AdminState {
+    master: Arc<Master>,
+    metrics: Arc<RpcMetrics>,
+    probe: Arc<ProbeState>,
+    probe_enabled: bool,
+}
+
+/// A running admin server.
+pub struct AdminHandle {
+    addr: SocketAddr,
+    probe: Arc<ProbeState>,
+    stop: watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AdminHandle {
+    /// The HTTP address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The probe's cached state.
+    pub fn probe(&self) -> &Arc<ProbeState> {
+        &self.probe
+    }
+}
+
+impl Drop for AdminHandle {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The address a probe on this host uses to reach a server bound to `bound`.
+pub fn probe_target(bound: SocketAddr) -> SocketAddr {
+    let mut target = bound;
+    if bound.ip().is_unspecified() {
+        target.set_ip(match bound {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    target
+}
+
+/// Starts the admin server (and the probe, if configured) on a thread of its own.
+pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetrics>) -> std::io::Result<AdminHandle> {
+    let listener = std::net::TcpListener::bind(&cfg.bind)?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let probe = Arc::new(ProbeState::default());
+    let state = Arc::new(AdminState { master, metrics, probe: probe.clone(), probe_enabled: cfg.probe.is_some() });
+    let (stop, stop_rx) = watch::channel(false);
+    let target = probe_target(cfg.rpc_addr);
+    let thread = std::thread::Builder::new().name("tycho-admin".into()).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("admin runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("admin listener");
+            if let Some(p) = cfg.probe.clone() {
+                tokio::spawn(probe_loop(state.probe.clone(), target, p, stop_rx.clone()));
+            }
+            let mut stop_http = stop_rx.clone();
+            let app = router(state);
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop_http.changed().await;
+                })
+                .await;
+        });
+    })?;
+    Ok(AdminHandle { addr, probe, stop, thread: Some(thread) })
+}
+
+async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig, mut stop: watch::Receiver<bool>) {
+    let mut client: Option<RpcClient> = None;
+    loop {
+        if state.serving() {
+            let start = Instant::now();
+            let verdict = probe_once(&mut client, target, cfg.timeout).await;
+            let ok = verdict.is_ok();
+            if let Err(why) = verdict {
+                tracing::warn!(%target, %why, "self-probe failed: the master cannot serve data-plane calls");
+                client = None;
+            }
+            state.record(ok, start.elapsed());
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.interval) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn probe_once(client: &mut Option<RpcClient>, target: SocketAddr, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    if client.as_ref().is_none_or(RpcClient::is_closed) {
+        let cfg = ClientConfig { connect_timeout: timeout, ..ClientConfig::default() };
+        *client = Some(RpcClient::connect(&target.to_string(), &cfg).await.map_err(|e| e.to_string())?);
+    }
+    let c = client.as_ref().expect("connected above");
+    let left = deadline.saturating_duration_since(Instant::now());
+    match c.call::<Request, Response>(&Request::HealthCheck, left).await {
+        Ok(Response::Health(r)) if r.ok => Ok(()),
+        Ok(Response::Health(r)) => Err(format!("shard {} stayed write-locked past the budget", r.shards_blocked)),
+        Ok(other) => Err(format!("unexpected answer {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn router(state: Arc<AdminState>) -> Router {
+    let r = Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/get_all_segments", get(all_segments))
+        .route("/get_all_keys", get(all_keys))
+        .route("/query_key", get(query_key));
+    #[cfg(feature = "failpoints")]
+    let r = r.route("/fail/{name}", axum::routing::put(fail_set).delete(fail_remove));
+    r.with_state(state)
+}
+
+async fn readyz(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let serving = s.probe.serving();
+    let ready = serving && (!s.probe_enabled || s.probe.responsive());
+    if ready {
+        (StatusCode::OK, "ready\n").into_response()
+    } else if !serving {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the master is not serving\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the last self-probe (HealthCheck) failed or timed out\n")
+            .into_response()
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> HttpResponse {
+    match serde_json::to_string(v) {
+        Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn all_segments(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    json(&s.master.list_segments())
+}
+
+async fn all_keys(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let m = s.master.clone();
+    match tokio::task::spawn_blocking(move || m.list_keys(None, None, u32::MAX)).await {
+        Ok(Ok(keys)) => json(&keys.into_iter().map(|k| k.key).collect::<Vec<_>>()),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "listing failed\n").into_response(),
+    }
+}
+
+async fn query_key(State(s): State<Arc<AdminState>>, Query(q): Query<HashMap<String, String>>) -> HttpResponse {
+    let Some(key) = q.get("key").cloned() else {
+        return (StatusCode::BAD_REQUEST, "missing ?key=\n").into_response();
+    };
+    let tenant = q.get("tenant").cloned().unwrap_or_default();
+    let m = s.master.clone();
+    let pattern = regex_escape(&key);
+    match tokio::task::spawn_blocking(move || m.list_keys(Some(&tenant), Some(&pattern), 1)).await {
+        Ok(Ok(mut keys)) if !keys.is_empty() => json(&keys.remove(0)),
+        Ok(Ok(_)) => (StatusCode::NOT_FOUND, "no such key\n").into_response(),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "lookup failed\n").into_response(),
+    }
+}
+
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(feature = "failpoints")]
+async fn fail_set(axum::extract::Path(name): axum::extract::Path<String>, body: String) -> HttpResponse {
+    match fail::cfg(name, body.trim()) {
+        Ok(()) => (StatusCode::OK, "set\n").into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+    }
+}
+
+#[cfg(feature = "failpoints")]
+async fn fail_remove(axum::extract::Path(name): axum::extract::Path<String>) -> HttpResponse {
+    fail::remove(name);
+    (StatusCode::OK, "removed\n").into_response()
+}
+
+/// Writes one metric family's HELP and TYPE lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let m = s.master.clone();
+    // Walking the shards takes a few milliseconds with many objects: off the admin thread.
+    let gauges = tokio::task::spawn_blocking(move || m.object_gauges()).await.unwrap_or_default();
+    let mut out = String::with_capacity(16 * 1024);
+    let p = &s.probe;
+    let simple = |out: &mut String, name: &str, kind: &str, help: &str, v: f64| {
+        family(out, name, kind, help);
+        let _ = writeln!(out, "{name} {v}");
+    };
+    simple(
+        &mut out,
+        "tycho_master_serving",
+        "gauge",
+        "1 while the master serves data-plane calls.",
+        p.serving() as u8 as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_rpc_responsive",
+        "gauge",
+        "1 when the last self-probe HealthCheck completed within its timeout.",
+        p.responsive() as u8 as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_rpc_probe_latency_seconds",
+        "gauge",
+        "Latency of the last self-probe.",
+        p.latency_us.load(Ordering::Relaxed) as f64 / 1e6,
+    );
+    simple(
+        &mut out,
+        "tycho_master_rpc_probe_failures_total",
+        "counter",
+        "Self-probes that failed or timed out.",
+        p.failures.load(Ordering::Relaxed) as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_rpc_probes_total",
+        "counter",
+        "Self-probes run.",
+        p.probes.load(Ordering::Relaxed) as f64,
+    );
+    simple(&mut out, "tycho_master_keys", "gauge", "Objects stored (complete or being written).", gauges.keys as f64);
+    simple(&mut out, "tycho_master_leased_objects", "gauge", "Objects under a read lease.", gauges.leased as f64);
+    simple(
+        &mut out,
+        "tycho_master_soft_pinned_objects",
+        "gauge",
+        "Objects with a soft pin in force.",
+        gauges.soft_pinned as f64,
+    );
+    simple(&mut out, "tycho_master_hard_pinned_objects", "gauge", "Hard-pinned objects.", gauges.hard_pinned as f64);
+    simple(
+        &mut out,
+        "tycho_master_metrics_shards_skipped",
+        "gauge",
+        "Shards this scrape skipped because a writer held them.",
+        gauges.shards_skipped as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_active_clients",
+        "gauge",
+        "Clients with a live heartbeat.",
+        s.master.client_count() as f64,
+    );
+    let segments = s.master.list_segments();
+    let (total, used) = s.master.segments().usage();
+    simple(&mut out, "tycho_master_segments", "gauge", "Mounted segments.", segments.len() as f64);
+    simple(&mut out, "tycho_master_capacity_bytes", "gauge", "Sum of mounted segment sizes.", total as f64);
+    simple(&mut out, "tycho_master_allocated_bytes", "gauge", "Bytes allocated to replicas.", used as f64);
+    family(&mut out, "tycho_master_segment_capacity_bytes", "gauge", "Size of each mounted segment.");
+    for seg in &segments {
+        let _ = writeln!(
+            out,
+            "tycho_master_segment_capacity_bytes{{segment=\"{}\"}} {}",
+            escape_label(&seg.desc.name),
+            seg.desc.size
+        );
+    }
+    family(&mut out, "tycho_master_segment_allocated_bytes", "gauge", "Bytes allocated in each mounted segment.");
+    for seg in &segments {
+        let _ = writeln!(
+            out,
+            "tycho_master_segment_allocated_bytes{{segment=\"{}\"}} {}",
+            escape_label(&seg.desc.name),
+            seg.used
+        );
+    }
+    let c = &s.master.counters;
+    for (name, help, v) in [
+        ("tycho_master_eviction_rounds_total", "Eviction rounds run.", &c.eviction_rounds),
+        ("tycho_master_evicted_objects_total", "Objects evicted.", &c.evicted_objects),
+        ("tycho_master_evicted_bytes_total", "Bytes evicted (object size times replicas).", &c.evicted_bytes),
+        ("tycho_master_sweep_visited_objects_total", "Objects visited by the dead-segment sweep.", &c.sweep_visited),
+        ("tycho_master_sweep_dropped_replicas_total", "Replicas dropped by the sweep.", &c.sweep_replicas_dropped),
+        (
+            "tycho_master_sweep_removed_objects_total",
+            "Objects removed by the sweep (no replica left).",
+            &c.sweep_objects_removed,
+        ),
+        ("tycho_master_clients_expired_total", "Clients expired for silence.", &c.clients_expired),
+        (
+            "tycho_master_writes_discarded_total",
+            "Unfinished writes pre-empted after the discard timeout.",
+            &c.writes_discarded,
+        ),
+        (
+            "tycho_master_writes_released_total",
+            "Unfinished writes reclaimed after the release timeout.",
+            &c.writes_released,
+        ),
+    ] {
+        simple(&mut out, name, "counter", help, v.load(Ordering::Relaxed) as f64);
+    }
+    simple(
+        &mut out,
+        "tycho_master_sweeps_running",
+        "gauge",
+        "Sweeps in progress.",
+        c.sweeps_running.load(Ordering::Relaxed) as f64,
+    );
+    let rpcs = s.metrics.snapshot();
+    family(&mut out, "tycho_master_rpc_requests_total", "counter", "RPC calls handled, by RPC.");
+    for r in &rpcs {
+        let _ = writeln!(out, "tycho_master_rpc_requests_total{{rpc=\"{}\"}} {}", r.name, r.requests);
+    }
+    family(&mut out, "tycho_master_rpc_failures_total", "counter", "RPC calls answered with an error, by RPC.");
+    for r in &rpcs {
+        let _ = writeln!(out, "tycho_master_rpc_failures_total{{rpc=\"{}\"}} {}", r.name, r.failures);
+    }
+    family(&mut out, "tycho_master_rpc_duration_seconds", "histogram", "Time to handle an RPC, by RPC.");
+    for r in &rpcs {
+        for (le, n) in LATENCY_BUCKETS.iter().zip(&r.cumulative) {
+            let _ = writeln!(out, "tycho_master_rpc_duration_seconds_bucket{{rpc=\"{}\",le=\"{le}\"}} {n}", r.name);
+        }
+        let _ =
+            writeln!(out, "tycho_master_rpc_duration_seconds_bucket{{rpc=\"{}\",le=\"+Inf\"}} {}", r.name, r.requests);
+        let _ = writeln!(out, "tycho_master_rpc_duration_seconds_sum{{rpc=\"{}\"}} {}", r.name, r.sum_seconds);
+        let _ = writeln!(out, "tycho_master_rpc_duration_seconds_count{{rpc=\"{}\"}} {}", r.name, r.requests);
+    }
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
