@@ -50,6 +50,16 @@ pub struct BenchMasterArgs {
     /// Objects held by the expiring client in `--expire-during`.
     #[arg(long, default_value_t = 1_000_000)]
     expire_objects: usize,
+    /// Compare two masters, one with the self-probe on and one with it off, in alternating
+    /// rounds of each workload.
+    #[arg(long)]
+    probe_compare: bool,
+    /// Self-probe interval of the probing master in `--probe-compare`, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    probe_interval: f64,
+    /// Rounds per master in `--probe-compare`.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 const VALUE_SIZE: u64 = 4096;
@@ -128,12 +138,13 @@ pub fn wait_for_port(port: u16, what: &str) -> Result<(), String> {
     Err(format!("{what} did not start listening on port {port}"))
 }
 
-fn start_master(client_ttl_s: u64) -> Result<(ChildGuard, String), String> {
+fn start_master(client_ttl_s: u64, extra: &[&str]) -> Result<(ChildGuard, String), String> {
     let port = free_port();
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let child = Command::new(exe)
         .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
         .args(["--client-ttl", &client_ttl_s.to_string()])
+        .args(extra)
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("cannot start master: {e}"))?;
@@ -154,11 +165,14 @@ pub fn run(args: BenchMasterArgs) -> i32 {
 }
 
 fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
+    if args.probe_compare {
+        return probe_compare(&args);
+    }
     let ttl = if args.expire_during { 2 } else { 10 };
     let (child, addr) = match &args.master {
         Some(a) => (None, a.clone()),
         None => {
-            let (c, a) = start_master(ttl)?;
+            let (c, a) = start_master(ttl, &[])?;
             (Some(c), a)
         }
     };
@@ -534,5 +548,57 @@ fn redis_baseline(args: &BenchMasterArgs, results: &[Stats]) -> Result<(), Strin
     if let Some(s) = find("batch-get") {
         ratio(s.keys_per_sec(), pget, 0.5, "BatchGetReplicaList keys/s vs GET -P");
     }
+    Ok(())
+}
+
+/// Runs each workload against a master with the self-probe on and one with it off, in
+/// alternating rounds, and prints the means next to the spread between rounds of the same
+/// master (the run-to-run noise).
+fn probe_compare(args: &BenchMasterArgs) -> Result<(), String> {
+    let interval = args.probe_interval.to_string();
+    let (_on, on_addr) = start_master(10, &["--enable-rpc-health-probe", "true", "--rpc-probe-interval", &interval])?;
+    let (_off, off_addr) = start_master(10, &["--enable-rpc-health-probe", "false"])?;
+    println!(
+        "probe on/off: {} connections x {} in flight, {}s rounds, {} rounds each, probe interval {}s",
+        args.connections, args.inflight, args.duration, args.rounds, args.probe_interval
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let keys: Rc<Vec<KeyRef>> = Rc::new((0..args.keys).map(|i| key_ref("", &format!("bench/key/{i:08}"))).collect());
+    let alive = Arc::new(AtomicBool::new(true));
+    rt.block_on(async {
+        let mut owners = Vec::new();
+        for addr in [&on_addr, &off_addr] {
+            let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+            let owner = ClientId(rand::random());
+            for s in 0..FAKE_SEGMENTS {
+                mount_fake(&c, owner, s).await?;
+            }
+            keep_alive(c.clone(), owner, alive.clone());
+            populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
+            owners.push(owner);
+        }
+        for w in &args.workloads {
+            let (mut on, mut off) = (Vec::new(), Vec::new());
+            for _ in 0..args.rounds {
+                on.push(run_workload(&on_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec());
+                off.push(run_workload(&off_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec());
+            }
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+            let spread = |v: &[f64]| {
+                let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+                (hi - lo) / mean(v) * 100.0
+            };
+            let diff = (mean(&on) - mean(&off)) / mean(&off) * 100.0;
+            let noise = spread(&on).max(spread(&off));
+            let verdict = if diff.abs() < noise { "within noise" } else { "OUTSIDE noise" };
+            println!(
+                "{w:<12} probe on {:>9.0} ops/s   off {:>9.0} ops/s   difference {diff:+.1}%   run-to-run spread {noise:.1}%   {verdict}",
+                mean(&on),
+                mean(&off)
+            );
+        }
+        Ok::<(), String>(())
+    })?;
+    alive.store(false, Ordering::Relaxed);
     Ok(())
 }
