@@ -22,6 +22,25 @@ pub enum WriteMode {
     Upsert,
 }
 
+/// Where an object lives, with the read lease taken when it was looked up.
+#[derive(Debug, Clone)]
+pub struct Lookup {
+    list: ReplicaList,
+    asked: Instant,
+}
+
+impl Lookup {
+    /// Object size in bytes.
+    pub fn size(&self) -> u64 {
+        self.list.size
+    }
+
+    /// Replica descriptors.
+    pub fn replicas(&self) -> &[ReplicaDesc] {
+        &self.list.replicas
+    }
+}
+
 /// Port range a transfer server picks from when the hostname names no port (Mooncake's).
 const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
 
@@ -458,6 +477,90 @@ impl Client {
             }
         }
         Err(last)
+    }
+
+    /// Finds where `key` lives and takes a read lease; read it with [`Client::read_lookup`]
+    /// or [`Client::read_range`] before the lease runs out.
+    pub fn lookup(&self, key: &str) -> Result<Lookup, ErrorCode> {
+        self.check_open()?;
+        let (list, asked) = self.replica_list(key)?;
+        Ok(Lookup { list, asked })
+    }
+
+    /// Finds many keys at once (one master call). One result per key, in order.
+    pub fn lookup_batch(&self, keys: &[&str]) -> Vec<Result<Lookup, ErrorCode>> {
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); keys.len()];
+        }
+        let asked = Instant::now();
+        let req = Request::BatchGetReplicaList(BatchKeyQuery {
+            tenant: self.tenant(),
+            keys: keys.iter().map(|k| self.key(k)).collect(),
+        });
+        match self.inner.call(&req) {
+            Ok(Response::BatchReplicas(l)) => l.into_iter().map(|r| r.map(|list| Lookup { list, asked })).collect(),
+            Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Reads the whole object of `lookup` into `dst`; returns its size.
+    pub fn read_lookup(&self, lookup: &Lookup, dst: &mut [u8]) -> Result<usize, ErrorCode> {
+        self.read_replicas(&lookup.list, lookup.asked, dst)
+    }
+
+    /// Reads `dst.len()` bytes of `lookup`'s object starting at `at`.
+    pub fn read_range(&self, lookup: &Lookup, at: u64, dst: &mut [u8]) -> Result<usize, ErrorCode> {
+        if at.checked_add(dst.len() as u64).is_none_or(|end| end > lookup.list.size) || dst.is_empty() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let mut last = ErrorCode::REPLICA_NOT_FOUND;
+        for r in self.by_preference(&lookup.list.replicas) {
+            match self.inner.engine.read(r, at, dst) {
+                Ok(()) => {
+                    if lookup.asked.elapsed() > Duration::from_millis(lookup.list.lease_ttl_ms) {
+                        return Err(ErrorCode::LEASE_EXPIRED);
+                    }
+                    return Ok(dst.len());
+                }
+                Err(e) => last = e.code(),
+            }
+        }
+        Err(last)
+    }
+
+    /// Reads many objects into caller buffers, in parallel; one result (size or error) per
+    /// key. A buffer smaller than its object gets BUFFER_OVERFLOW.
+    pub fn get_batch_into(&self, keys: &[&str], dsts: Vec<&mut [u8]>) -> Vec<Result<usize, ErrorCode>> {
+        let lookups = self.lookup_batch(keys);
+        let mut out: Vec<Result<usize, ErrorCode>> = vec![Ok(0); keys.len()];
+        let mut parts = Vec::new();
+        let mut reading = Vec::new();
+        for (i, (l, dst)) in lookups.iter().zip(dsts).enumerate() {
+            match l {
+                Err(e) => out[i] = Err(*e),
+                Ok(l) if (dst.len() as u64) < l.list.size => out[i] = Err(ErrorCode::BUFFER_OVERFLOW),
+                Ok(l) => match self.by_preference(&l.list.replicas).first() {
+                    Some(r) => {
+                        let size = l.list.size as usize;
+                        parts.push(Part::Read { replica: r, at: 0, dst: &mut dst[..size] });
+                        reading.push((i, size));
+                    }
+                    None => out[i] = Err(ErrorCode::REPLICA_NOT_FOUND),
+                },
+            }
+        }
+        let asked = lookups.iter().find_map(|l| l.as_ref().ok()).map(|l| (l.asked, l.list.lease_ttl_ms));
+        let result = self.inner.engine.run(parts);
+        let expired = asked.is_some_and(|(at, ttl)| at.elapsed() > Duration::from_millis(ttl));
+        for (i, size) in reading {
+            out[i] = match &result {
+                Err(e) => Err(e.code()),
+                Ok(()) if expired => Err(ErrorCode::LEASE_EXPIRED),
+                Ok(()) => Ok(size),
+            };
+        }
+        out
     }
 
     /// Reads `key` into `dst`; returns its size.

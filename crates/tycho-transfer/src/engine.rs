@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tycho_proto::ReplicaDesc;
+use tycho_proto::{ReplicaDesc, SegmentId};
 
 use crate::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
 use crate::{Mapping, SegmentRegistry, TransferError};
@@ -74,7 +74,7 @@ pub struct TransferEngine {
     force_tcp: bool,
     local: Arc<SegmentRegistry>,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
-    mapped: Mutex<HashMap<String, Arc<Mapping>>>,
+    mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
 }
 
 impl TransferEngine {
@@ -164,7 +164,9 @@ impl TransferEngine {
     }
 
     fn map_peer(&self, r: &ReplicaDesc) -> Result<Arc<Mapping>, TransferError> {
-        if let Some(m) = self.mapped.lock().get(&r.shm_path) {
+        // Keyed by segment id, never by path: a peer that closes a segment and creates a new
+        // one may get the same fd number, and so the same path, for different memory.
+        if let Some(m) = self.mapped.lock().get(&r.segment) {
             if m.len() as u64 >= r.offset + r.len {
                 return Ok(m.clone());
             }
@@ -172,7 +174,11 @@ impl TransferEngine {
         // The descriptor does not carry the segment size: map the whole file.
         let size = std::fs::metadata(&r.shm_path)?.len() as usize;
         let m = Arc::new(Mapping::open(&r.shm_path, size)?);
-        self.mapped.lock().insert(r.shm_path.clone(), m.clone());
+        let mut mapped = self.mapped.lock();
+        // A new segment is a good moment to let go of segments whose owners closed them, so
+        // their memory is not kept alive by this process.
+        mapped.retain(|_, old| old.peer_still_open());
+        mapped.insert(r.segment, m.clone());
         Ok(m)
     }
 

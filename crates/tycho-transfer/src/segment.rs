@@ -14,6 +14,8 @@ use crate::TransferError;
 pub struct Mapping {
     ptr: *mut u8,
     len: usize,
+    /// For a peer's segment: the path it was opened by and the file's identity then.
+    peer: Option<(String, (u64, u64))>,
     // Keeps the memfd open for as long as peers may open it by path.
     fd: OwnedFd,
 }
@@ -49,13 +51,18 @@ impl Mapping {
     /// Maps a peer's segment through its `/proc/<pid>/fd/<fd>` path.
     pub fn open(path: &str, len: usize) -> Result<Mapping, TransferError> {
         let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-        let actual = file.metadata()?.len() as usize;
+        let meta = file.metadata()?;
+        let actual = meta.len() as usize;
         if actual < len {
             return Err(TransferError::InvalidRange(format!("{path} holds {actual} bytes, expected {len}")));
         }
+        use std::os::unix::fs::MetadataExt;
+        let identity = (meta.dev(), meta.ino());
         // Pre-fault here too: otherwise the first copy into each page of a peer's segment pays
         // a page fault in this process, which can cost as much as the copy itself.
-        Self::map(OwnedFd::from(file), len, true)
+        let mut m = Self::map(OwnedFd::from(file), len, true)?;
+        m.peer = Some((path.to_string(), identity));
+        Ok(m)
     }
 
     fn map(fd: OwnedFd, len: usize, populate: bool) -> Result<Mapping, TransferError> {
@@ -67,7 +74,17 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        Ok(Mapping { ptr: ptr as *mut u8, len, fd })
+        Ok(Mapping { ptr: ptr as *mut u8, len, peer: None, fd })
+    }
+
+    /// For a peer's segment: whether its path still names the memory mapped here (the owner
+    /// has not closed it). Always true for this process's own segments.
+    pub fn peer_still_open(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match &self.peer {
+            None => true,
+            Some((path, id)) => std::fs::metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == *id),
+        }
     }
 
     /// Size in bytes.

@@ -1,0 +1,733 @@
+//! The `tycho._tycho` extension: the store client behind `tycho.store`.
+//!
+//! Every method that talks to the network or copies bytes releases the GIL, so several
+//! Python threads can share one store. Return values follow Mooncake Store's conventions:
+//! ints with 0 for success and negative error codes, `b""` for a missing key.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::RwLock;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use tycho_client::{Client, ClientConfig, Protocol, WriteMode};
+use tycho_proto::{ErrorCode, ReplicaDesc};
+
+fn code(e: ErrorCode) -> i64 {
+    e.as_i32() as i64
+}
+
+fn status(r: Result<(), ErrorCode>) -> i64 {
+    r.map_or_else(code, |()| 0)
+}
+
+/// How a write treats the soft pin.
+#[pyclass(module = "tycho._tycho", eq, eq_int)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::upper_case_acronyms)]
+enum SoftPinAction {
+    /// No soft pin.
+    DISABLE,
+    /// Soft-pin for `soft_pin_ttl_ms` or the master's default.
+    ENABLE,
+    /// Keep the object's current pin (upserts).
+    PRESERVE,
+}
+
+/// Placement and pinning of a write (Mooncake's `ReplicateConfig`).
+#[pyclass(module = "tycho._tycho", get_all, set_all)]
+#[derive(Clone)]
+struct ReplicateConfig {
+    /// Replicas wanted (best effort).
+    replica_num: u32,
+    /// Shorthand for `soft_pin_action = ENABLE`.
+    with_soft_pin: bool,
+    /// Soft-pin handling.
+    soft_pin_action: SoftPinAction,
+    /// Soft-pin TTL in ms; only with ENABLE.
+    soft_pin_ttl_ms: Option<u64>,
+    /// Never evict.
+    with_hard_pin: bool,
+    /// One preferred segment (`host:port`), as Mooncake's field.
+    preferred_segment: String,
+    /// Preferred segments, in order.
+    preferred_segments: Vec<String>,
+    /// Place the first replica on this host when possible.
+    prefer_alloc_in_same_node: bool,
+}
+
+#[pymethods]
+impl ReplicateConfig {
+    #[new]
+    fn new() -> Self {
+        ReplicateConfig {
+            replica_num: 1,
+            with_soft_pin: false,
+            soft_pin_action: SoftPinAction::DISABLE,
+            soft_pin_ttl_ms: None,
+            with_hard_pin: false,
+            preferred_segment: String::new(),
+            preferred_segments: Vec::new(),
+            prefer_alloc_in_same_node: false,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplicateConfig(replica_num={}, with_soft_pin={}, with_hard_pin={}, preferred_segments={:?})",
+            self.replica_num, self.with_soft_pin, self.with_hard_pin, self.preferred_segments
+        )
+    }
+}
+
+impl ReplicateConfig {
+    fn to_wire(&self) -> tycho_proto::ReplicateConfig {
+        let action = match (self.soft_pin_action, self.with_soft_pin) {
+            (SoftPinAction::DISABLE, true) => tycho_proto::SoftPinAction::Enable,
+            (SoftPinAction::DISABLE, false) => tycho_proto::SoftPinAction::Disable,
+            (SoftPinAction::ENABLE, _) => tycho_proto::SoftPinAction::Enable,
+            (SoftPinAction::PRESERVE, _) => tycho_proto::SoftPinAction::Preserve,
+        };
+        let mut preferred = self.preferred_segments.clone();
+        if !self.preferred_segment.is_empty() && !preferred.contains(&self.preferred_segment) {
+            preferred.insert(0, self.preferred_segment.clone());
+        }
+        tycho_proto::ReplicateConfig {
+            replica_num: self.replica_num,
+            soft_pin_action: action,
+            soft_pin_ttl_ms: self.soft_pin_ttl_ms,
+            hard_pin: self.with_hard_pin,
+            preferred_segments: preferred,
+            prefer_alloc_in_same_node: self.prefer_alloc_in_same_node,
+            strategy: None,
+        }
+    }
+}
+
+fn wire_config(c: Option<PyRef<'_, ReplicateConfig>>) -> tycho_proto::ReplicateConfig {
+    c.map_or_else(tycho_proto::ReplicateConfig::default, |c| c.to_wire())
+}
+
+/// Where the bytes of one memory replica are.
+#[pyclass(module = "tycho._tycho", get_all, frozen)]
+#[derive(Clone)]
+struct BufferDescriptor {
+    /// Transfer server of the holding segment.
+    transport_endpoint: String,
+    /// Offset of the bytes inside their segment.
+    buffer_address: u64,
+    /// Length in bytes.
+    size: u64,
+}
+
+/// A memory replica.
+#[pyclass(module = "tycho._tycho", get_all, frozen)]
+#[derive(Clone)]
+struct MemoryDescriptor {
+    /// Location of the bytes.
+    buffer_descriptor: BufferDescriptor,
+}
+
+/// One replica of an object (Mooncake's `Replica::Descriptor`).
+#[pyclass(module = "tycho._tycho", get_all, frozen)]
+#[derive(Clone)]
+struct ReplicaDescriptor {
+    /// Replica state; Tycho lists only complete replicas.
+    status: String,
+    /// Segment id (hex).
+    segment_id: String,
+    /// Host identity of the holding segment.
+    host: String,
+    memory: MemoryDescriptor,
+}
+
+#[pymethods]
+impl ReplicaDescriptor {
+    fn is_memory_replica(&self) -> bool {
+        true
+    }
+    fn is_disk_replica(&self) -> bool {
+        false
+    }
+    fn get_memory_descriptor(&self) -> MemoryDescriptor {
+        self.memory.clone()
+    }
+    fn __repr__(&self) -> String {
+        let b = &self.memory.buffer_descriptor;
+        format!("ReplicaDescriptor(status={}, endpoint={}, offset={}, size={})", self.status, b.transport_endpoint, b.buffer_address, b.size)
+    }
+}
+
+fn descriptor(r: &ReplicaDesc) -> ReplicaDescriptor {
+    ReplicaDescriptor {
+        status: "COMPLETE".into(),
+        segment_id: r.segment.to_string(),
+        host: r.host.clone(),
+        memory: MemoryDescriptor {
+            buffer_descriptor: BufferDescriptor {
+                transport_endpoint: r.endpoint.clone(),
+                buffer_address: r.offset,
+                size: r.len,
+            },
+        },
+    }
+}
+
+/// Bytes of an object exposed through the buffer protocol (`memoryview`, `numpy`).
+#[pyclass(module = "tycho._tycho", frozen)]
+struct BufferHandle {
+    data: Vec<u8>,
+}
+
+#[pymethods]
+impl BufferHandle {
+    /// Address of the first byte.
+    fn ptr(&self) -> usize {
+        self.data.as_ptr() as usize
+    }
+    /// Size in bytes.
+    fn size(&self) -> usize {
+        self.data.len()
+    }
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: std::os::raw::c_int) -> PyResult<()> {
+        let data = &slf.get().data;
+        // SAFETY: the buffer lives as long as `slf`, which the view holds a reference to;
+        // it is exported read-only.
+        let ret = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                data.as_ptr() as *mut std::ffi::c_void,
+                data.len() as ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if ret == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Raw bytes of a bytes-like object, for use with the GIL released.
+struct Bytes {
+    ptr: usize,
+    len: usize,
+    _keep: PyBuffer<u8>,
+}
+
+impl Bytes {
+    fn of(obj: &Bound<'_, PyAny>) -> PyResult<Bytes> {
+        let buf = PyBuffer::<u8>::get(obj)?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("value must be a contiguous bytes-like object"));
+        }
+        Ok(Bytes { ptr: buf.buf_ptr() as usize, len: buf.len_bytes(), _keep: buf })
+    }
+    /// # Safety
+    /// The object stays alive (`_keep`) and the caller does not mutate it meanwhile.
+    unsafe fn slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: see the function's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+/// The store client (`tycho.store.MooncakeDistributedStore` is its Python face).
+#[pyclass(module = "tycho._tycho", subclass, frozen)]
+struct Store {
+    client: RwLock<Option<Client>>,
+    was_set_up: AtomicBool,
+}
+
+impl Store {
+    fn client(&self) -> Result<Client, ErrorCode> {
+        self.client.read().clone().ok_or(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS)
+    }
+}
+
+fn mode(upsert: bool) -> WriteMode {
+    if upsert {
+        WriteMode::Upsert
+    } else {
+        WriteMode::Put
+    }
+}
+
+// Python signatures mirror Mooncake's, which take many arguments.
+#[allow(clippy::too_many_arguments)]
+#[pymethods]
+impl Store {
+    #[new]
+    fn new() -> Self {
+        Store { client: RwLock::new(None), was_set_up: AtomicBool::new(false) }
+    }
+
+    /// Connects (called by `setup` after argument parsing). Returns 0 or a negative code.
+    #[pyo3(signature = (local_hostname, global_segment_size, local_buffer_size, protocol, master_server_addr, tenant = String::new()))]
+    fn _connect(
+        &self,
+        py: Python<'_>,
+        local_hostname: String,
+        global_segment_size: u64,
+        local_buffer_size: u64,
+        protocol: String,
+        master_server_addr: String,
+        tenant: String,
+    ) -> i64 {
+        // Mooncake's "tcp" and "rdma" both mean "the fastest transport there is"; TYCHO_PROTOCOL=tcp
+        // forces TCP for tests and benchmarks.
+        let forced = std::env::var("TYCHO_PROTOCOL").ok();
+        let proto = match forced.as_deref().unwrap_or(&protocol) {
+            "tcp" if forced.is_some() => Protocol::Tcp,
+            _ => Protocol::Auto,
+        };
+        let mut cfg = ClientConfig::new(&master_server_addr);
+        cfg.local_hostname = local_hostname;
+        cfg.segment_size = global_segment_size;
+        cfg.staging_buffer_size = local_buffer_size;
+        cfg.protocol = proto;
+        cfg.tenant = tenant;
+        let previous = self.client.write().take();
+        let result = py.allow_threads(move || {
+            if let Some(p) = previous {
+                let _ = p.close();
+            }
+            Client::connect(cfg)
+        });
+        match result {
+            Ok(c) => {
+                *self.client.write() = Some(c);
+                self.was_set_up.store(true, Ordering::Release);
+                0
+            }
+            Err(e) => code(e),
+        }
+    }
+
+    /// Unmounts this store's segment (objects stored only there disappear) and disconnects.
+    fn close(&self, py: Python<'_>) -> i64 {
+        let Some(c) = self.client.write().take() else { return 0 };
+        status(py.allow_threads(move || c.close()))
+    }
+
+    /// 0 when usable, 1 when closed (or never set up), 2 when the master does not answer.
+    fn health_check(&self, py: Python<'_>) -> i64 {
+        match self.client() {
+            Err(_) => 1,
+            Ok(c) => {
+                if py.allow_threads(move || c.master_reachable()) {
+                    0
+                } else {
+                    2
+                }
+            }
+        }
+    }
+
+    /// `host:port` of this store's transfer server.
+    fn get_hostname(&self) -> String {
+        self.client.read().as_ref().map(|c| c.hostname().to_string()).unwrap_or_default()
+    }
+
+    // ---- writes ----
+
+    #[pyo3(signature = (key, value, config = None, upsert = false))]
+    fn _write(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+        let v = Bytes::of(value)?;
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return Ok(code(e)),
+        };
+        // SAFETY: `v` keeps the object alive for the call.
+        Ok(py.allow_threads(|| status(c.write(mode(upsert), key, &[unsafe { v.slice() }], &cfg))))
+    }
+
+    #[pyo3(signature = (key, parts, config = None, upsert = false))]
+    fn _write_parts(&self, py: Python<'_>, key: &str, parts: &Bound<'_, PyTuple>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+        let bufs: Vec<Bytes> = parts.iter().map(|p| Bytes::of(&p)).collect::<PyResult<_>>()?;
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return Ok(code(e)),
+        };
+        Ok(py.allow_threads(|| {
+            // SAFETY: `bufs` keeps every part alive for the call.
+            let slices: Vec<&[u8]> = bufs.iter().map(|b| unsafe { b.slice() }).collect();
+            status(c.write(mode(upsert), key, &slices, &cfg))
+        }))
+    }
+
+    #[pyo3(signature = (keys, values, config = None, upsert = false))]
+    fn _write_batch(&self, py: Python<'_>, keys: Vec<String>, values: &Bound<'_, PyList>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+        if keys.len() != values.len() {
+            return Ok(code(ErrorCode::INVALID_PARAMS));
+        }
+        let bufs: Vec<Bytes> = values.iter().map(|v| Bytes::of(&v)).collect::<PyResult<_>>()?;
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return Ok(code(e)),
+        };
+        Ok(py.allow_threads(|| {
+            // SAFETY: `bufs` keeps every value alive for the call.
+            let items: Vec<(&str, &[u8])> = keys.iter().map(|k| k.as_str()).zip(bufs.iter().map(|b| unsafe { b.slice() })).collect();
+            let results = c.write_batch(mode(upsert), &items, &cfg, true);
+            results.into_iter().find_map(|r| r.err()).map_or(0, code)
+        }))
+    }
+
+    #[pyo3(signature = (key, buffer_ptr, size, config = None, upsert = false))]
+    fn _write_from(&self, py: Python<'_>, key: &str, buffer_ptr: u64, size: u64, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> i64 {
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return code(e),
+        };
+        // SAFETY: the caller registered this memory and keeps it alive (Mooncake's contract).
+        py.allow_threads(|| status(unsafe { c.write_from(mode(upsert), key, buffer_ptr, size, &cfg) }))
+    }
+
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None, upsert = false))]
+    fn _batch_write_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<u64>,
+        sizes: Vec<u64>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        if buffer_ptrs.len() != n || sizes.len() != n {
+            return vec![code(ErrorCode::INVALID_PARAMS); n];
+        }
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            let mut out = vec![0i64; n];
+            let mut items = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for i in 0..n {
+                if !c.is_registered(buffer_ptrs[i], sizes[i]) || sizes[i] == 0 {
+                    out[i] = code(ErrorCode::INVALID_PARAMS);
+                    continue;
+                }
+                // SAFETY: registered caller memory, kept alive by the caller for the call.
+                let s = unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, sizes[i] as usize) };
+                items.push((keys[i].as_str(), s));
+                idx.push(i);
+            }
+            for (r, i) in c.write_batch(mode(upsert), &items, &cfg, false).into_iter().zip(idx) {
+                out[i] = status(r);
+            }
+            out
+        })
+    }
+
+    // ---- reads ----
+
+    /// The value of `key`, or `b""` when it is missing or cannot be read.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let empty = || PyBytes::new(py, b"");
+        let Ok(c) = self.client() else { return Ok(empty()) };
+        let c2 = c.clone();
+        let Ok(lookup) = py.allow_threads(|| c2.lookup(key)) else { return Ok(empty()) };
+        let size = lookup.size() as usize;
+        // SAFETY: a fresh bytes object of `size` bytes that no one else sees until returned.
+        let obj = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), size as ffi::Py_ssize_t) };
+        let obj = unsafe { Bound::from_owned_ptr_or_err(py, obj)? };
+        let ptr = unsafe { ffi::PyBytes_AsString(obj.as_ptr()) } as usize;
+        let read = py.allow_threads(|| {
+            // SAFETY: the bytes object above owns `size` writable bytes at `ptr`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, size) };
+            c.read_lookup(&lookup, dst)
+        });
+        match read {
+            Ok(_) => Ok(obj.downcast_into::<PyBytes>()?),
+            Err(_) => Ok(empty()),
+        }
+    }
+
+    /// Values of many keys; `b""` for each one missing.
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let Ok(c) = self.client() else { return Ok(keys.iter().map(|_| PyBytes::new(py, b"")).collect()) };
+        let results = py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.get_batch(&ks)
+        });
+        Ok(results.into_iter().map(|r| PyBytes::new(py, r.as_deref().unwrap_or(b""))).collect())
+    }
+
+    /// Reads `key` into registered memory; bytes read or a negative code.
+    fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: u64, size: u64) -> i64 {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return code(e),
+        };
+        // SAFETY: registered caller memory (checked inside), alive for the call.
+        py.allow_threads(|| unsafe { c.read_into(key, buffer_ptr, size) }).map_or_else(code, |n| n as i64)
+    }
+
+    /// Reads many keys into registered memory; per key, bytes read or a negative code.
+    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, buffer_ptrs: Vec<u64>, sizes: Vec<u64>) -> Vec<i64> {
+        let n = keys.len();
+        if buffer_ptrs.len() != n || sizes.len() != n {
+            return vec![code(ErrorCode::INVALID_PARAMS); n];
+        }
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            let mut out = vec![0i64; n];
+            let mut ks = Vec::new();
+            let mut dsts = Vec::new();
+            let mut idx = Vec::new();
+            for i in 0..n {
+                if !c.is_registered(buffer_ptrs[i], sizes[i]) {
+                    out[i] = code(ErrorCode::INVALID_PARAMS);
+                    continue;
+                }
+                // SAFETY: registered caller memory, distinct per key by the caller's contract.
+                dsts.push(unsafe { std::slice::from_raw_parts_mut(buffer_ptrs[i] as *mut u8, sizes[i] as usize) });
+                ks.push(keys[i].as_str());
+                idx.push(i);
+            }
+            for (r, i) in c.get_batch_into(&ks, dsts).into_iter().zip(idx) {
+                out[i] = r.map_or_else(code, |n| n as i64);
+            }
+            out
+        })
+    }
+
+    /// Gathers byte ranges of objects into registered buffers (Mooncake's buffer-major shape).
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        buffer_ptrs: Vec<u64>,
+        all_keys: Vec<Vec<String>>,
+        all_dst_offsets: Vec<Vec<Vec<u64>>>,
+        all_src_offsets: Vec<Vec<Vec<u64>>>,
+        all_sizes: Vec<Vec<Vec<u64>>>,
+    ) -> Vec<Vec<Vec<i64>>> {
+        let bad = code(ErrorCode::INVALID_PARAMS);
+        let shape_ok = all_keys.len() == buffer_ptrs.len()
+            && all_dst_offsets.len() == buffer_ptrs.len()
+            && all_src_offsets.len() == buffer_ptrs.len()
+            && all_sizes.len() == buffer_ptrs.len();
+        if !shape_ok {
+            return all_sizes.iter().map(|b| b.iter().map(|k| vec![bad; k.len()]).collect()).collect();
+        }
+        let c = self.client();
+        py.allow_threads(|| {
+            let mut out = Vec::with_capacity(buffer_ptrs.len());
+            for (i, &buf) in buffer_ptrs.iter().enumerate() {
+                let mut per_key = Vec::new();
+                for (j, key) in all_keys[i].iter().enumerate() {
+                    let sizes = all_sizes[i].get(j).cloned().unwrap_or_default();
+                    let (dsts, srcs) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j));
+                    let (Some(dsts), Some(srcs)) = (dsts, srcs) else {
+                        per_key.push(vec![bad; sizes.len()]);
+                        continue;
+                    };
+                    if dsts.len() != sizes.len() || srcs.len() != sizes.len() {
+                        per_key.push(vec![bad; sizes.len()]);
+                        continue;
+                    }
+                    let c = match &c {
+                        Ok(c) => c,
+                        Err(e) => {
+                            per_key.push(vec![code(*e); sizes.len()]);
+                            continue;
+                        }
+                    };
+                    let lookup = c.lookup(key);
+                    let mut frags = Vec::with_capacity(sizes.len());
+                    for k in 0..sizes.len() {
+                        let r = match &lookup {
+                            Err(e) => code(*e),
+                            Ok(l) => {
+                                let dst_addr = buf.checked_add(dsts[k]);
+                                match dst_addr.filter(|&a| c.is_registered(a, sizes[k])) {
+                                    None => code(ErrorCode::BUFFER_OVERFLOW),
+                                    Some(a) => {
+                                        // SAFETY: inside a registered buffer (checked above).
+                                        let dst = unsafe { std::slice::from_raw_parts_mut(a as *mut u8, sizes[k] as usize) };
+                                        c.read_range(l, srcs[k], dst).map_or_else(code, |n| n as i64)
+                                    }
+                                }
+                            }
+                        };
+                        frags.push(r);
+                    }
+                    per_key.push(frags);
+                }
+                out.push(per_key);
+            }
+            out
+        })
+    }
+
+    /// The value of `key` as a buffer-protocol object, or None.
+    fn get_buffer(&self, py: Python<'_>, key: &str) -> Option<BufferHandle> {
+        let c = self.client().ok()?;
+        py.allow_threads(|| c.get(key)).ok().map(|data| BufferHandle { data })
+    }
+
+    /// Buffers of many keys, None for each one missing.
+    fn batch_get_buffer(&self, py: Python<'_>, keys: Vec<String>) -> Vec<Option<BufferHandle>> {
+        let Ok(c) = self.client() else { return keys.iter().map(|_| None).collect() };
+        let results = py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.get_batch(&ks)
+        });
+        results.into_iter().map(|r| r.ok().map(|data| BufferHandle { data })).collect()
+    }
+
+    /// Registers caller memory for the zero-copy calls.
+    fn register_buffer(&self, buffer_ptr: u64, size: u64) -> i64 {
+        match self.client() {
+            Ok(c) => status(c.register_buffer(buffer_ptr, size)),
+            Err(e) => code(e),
+        }
+    }
+
+    /// Forgets registered memory.
+    fn unregister_buffer(&self, buffer_ptr: u64) -> i64 {
+        match self.client() {
+            Ok(c) => status(c.unregister_buffer(buffer_ptr)),
+            Err(e) => code(e),
+        }
+    }
+
+    /// 1 if `key` holds a complete value, 0 if not, negative on error.
+    fn is_exist(&self, py: Python<'_>, key: &str) -> i64 {
+        match self.client() {
+            Ok(c) => py.allow_threads(|| c.exists(key)).map_or_else(code, i64::from),
+            Err(e) => code(e),
+        }
+    }
+
+    /// `is_exist` for many keys.
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.exists_batch(&ks).into_iter().map(|r| r.map_or_else(code, i64::from)).collect()
+        })
+    }
+
+    /// Size of `key`'s value, or a negative code.
+    fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
+        match self.client() {
+            Ok(c) => py.allow_threads(|| c.size(key)).map_or_else(code, |n| n as i64),
+            Err(e) => code(e),
+        }
+    }
+
+    /// Removes `key`; a leased object only with `force`.
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: &str, force: bool) -> i64 {
+        match self.client() {
+            Ok(c) => status(py.allow_threads(|| c.remove(key, force))),
+            Err(e) => code(e),
+        }
+    }
+
+    /// Removes many keys; one code per key.
+    #[pyo3(signature = (keys, force = false))]
+    fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.remove_batch(&ks, force).into_iter().map(status).collect()
+        })
+    }
+
+    /// Removes every key matching `regex` (searched anywhere in the key, as Mooncake does);
+    /// returns the count or a negative code.
+    #[pyo3(signature = (regex, force = false))]
+    fn remove_by_regex(&self, py: Python<'_>, regex: &str, force: bool) -> i64 {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return code(e),
+        };
+        let search = format!("(?s:.*)(?:{regex})(?s:.*)");
+        py.allow_threads(|| c.remove_by_regex(&search, force)).map_or_else(code, |n| n as i64)
+    }
+
+    /// Removes every object; returns the count or a negative code.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        match self.client() {
+            Ok(c) => py.allow_threads(|| c.remove_all(force)).map_or_else(code, |n| n as i64),
+            Err(e) => code(e),
+        }
+    }
+
+    /// Replica descriptors of `key` (empty when missing).
+    fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
+        let Ok(c) = self.client() else { return Vec::new() };
+        py.allow_threads(|| c.replicas(key)).map(|r| r.iter().map(descriptor).collect()).unwrap_or_default()
+    }
+
+    /// `{key: [ReplicaDescriptor]}` for the keys that exist.
+    fn batch_get_replica_desc<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let Ok(c) = self.client() else { return Ok(d) };
+        let found = py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.lookup_batch(&ks)
+        });
+        for (k, l) in keys.iter().zip(found) {
+            if let Ok(l) = l {
+                let descs: Vec<ReplicaDescriptor> = l.replicas().iter().map(descriptor).collect();
+                d.set_item(k, descs)?;
+            }
+        }
+        Ok(d)
+    }
+}
+
+/// Parses `"16MB"`, `"1 GiB"`, `1048576`.
+#[pyfunction]
+fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(n) = value.extract::<u64>() {
+        return Ok(n);
+    }
+    let s: String = value.extract()?;
+    tycho_client::parse_size(&s).map_err(PyValueError::new_err)
+}
+
+#[pymodule]
+fn _tycho(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Store>()?;
+    m.add_class::<ReplicateConfig>()?;
+    m.add_class::<SoftPinAction>()?;
+    m.add_class::<ReplicaDescriptor>()?;
+    m.add_class::<MemoryDescriptor>()?;
+    m.add_class::<BufferDescriptor>()?;
+    m.add_class::<BufferHandle>()?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    Ok(())
+}

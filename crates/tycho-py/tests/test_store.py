@@ -1,0 +1,268 @@
+"""The `tycho.store` API against a real `tycho master`, with Mooncake's return conventions."""
+
+import ctypes
+import hashlib
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+from tycho.store import (
+    DistributedStore,
+    MooncakeDistributedStore,
+    ReplicaDescriptor,
+    ReplicateConfig,
+    SoftPinAction,
+)
+
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+INVALID_PARAMS = -600
+
+
+def key(prefix="k"):
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def registered(store, size, fill=0):
+    buf = (ctypes.c_ubyte * size)(*([fill] * size)) if fill else (ctypes.c_ubyte * size)()
+    ptr = ctypes.addressof(buf)
+    assert store.register_buffer(ptr, size) == 0
+    return buf, ptr
+
+
+def test_alias_and_exports():
+    assert DistributedStore is MooncakeDistributedStore
+    assert SoftPinAction.ENABLE != SoftPinAction.DISABLE
+    c = ReplicateConfig()
+    assert (c.replica_num, c.with_soft_pin, c.with_hard_pin) == (1, False, False)
+
+
+def test_get_of_missing_key_is_empty_bytes(store):
+    assert store.get(key()) == b""
+    assert store.get_size(key()) == OBJECT_NOT_FOUND
+    assert store.is_exist(key()) == 0
+
+
+def test_put_is_put_if_absent(store):
+    k = key()
+    assert store.put(k, b"first") == 0
+    assert store.put(k, b"second") == 0
+    assert store.get(k) == b"first"
+    assert store.get_size(k) == 5
+    assert store.upsert(k, b"third value") == 0
+    assert store.get(k) == b"third value"
+
+
+def test_parts_and_batches(store):
+    k = key()
+    assert store.put_parts(k, b"Hello, ", bytearray(b"World"), memoryview(b"!")) == 0
+    assert store.get(k) == b"Hello, World!"
+    assert store.upsert_parts(k, b"a", b"b", config=ReplicateConfig()) == 0
+    assert store.get(k) == b"ab"
+    keys = [key("b") for _ in range(10)]
+    values = [os.urandom(1000 + i) for i in range(10)]
+    rc = store.put_batch(keys, values)
+    assert isinstance(rc, int) and rc == 0
+    assert store.get_batch(keys) == values
+    assert store.get_batch([keys[0], key("missing")]) == [values[0], b""]
+    assert store.upsert_batch(keys[:2], [b"x", b"y"]) == 0
+    assert store.get_batch(keys[:2]) == [b"x", b"y"]
+    assert store.batch_is_exist(keys + [key("nope")]) == [1] * 10 + [0]
+
+
+def test_is_exist(store):
+    k = key()
+    assert store.is_exist(k) == 0
+    store.put(k, b"v")
+    assert store.is_exist(k) == 1
+
+
+def test_remove_of_a_leased_object_waits_for_the_lease(store):
+    k = key()
+    store.put(k, b"v")
+    assert store.get(k) == b"v"  # takes a 500 ms read lease
+    assert store.remove(k) == OBJECT_HAS_LEASE
+    deadline = time.time() + 5
+    while store.remove(k) == OBJECT_HAS_LEASE:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert store.is_exist(k) == 0
+    assert store.remove(k) == OBJECT_NOT_FOUND
+
+
+def test_batch_remove_regex_and_all(store):
+    tag = uuid.uuid4().hex
+    keys = [f"rm-{tag}-{i}" for i in range(4)]
+    for k in keys:
+        store.put(k, b"v")
+    assert store.batch_remove(keys[:2]) == [0, 0]
+    assert store.batch_remove([keys[0]]) == [OBJECT_NOT_FOUND]
+    assert store.remove_by_regex(tag) == 2  # searched anywhere in the key, as Mooncake
+    assert store.remove_by_regex("(") == INVALID_PARAMS
+    store.put(key("all"), b"v")
+    assert store.remove_all() >= 1
+    assert store.get_batch([keys[3]]) == [b""]
+
+
+def test_soft_pin_ttl_validation(store):
+    c = ReplicateConfig()
+    c.soft_pin_action = SoftPinAction.PRESERVE
+    c.soft_pin_ttl_ms = 1000
+    assert store.put(key(), b"v", c) == INVALID_PARAMS
+    c.soft_pin_action = SoftPinAction.ENABLE
+    assert store.put(key(), b"v", c) == 0
+    c.soft_pin_ttl_ms = 25 * 3600 * 1000
+    assert store.put(key(), b"v", c) == INVALID_PARAMS
+    d = ReplicateConfig()
+    d.with_soft_pin = True
+    d.with_hard_pin = True
+    assert store.put(key(), b"v", d) == 0
+
+
+def test_zero_local_buffer_cannot_put(make_store):
+    s = make_store(segment=0, buffer=0)
+    k = key()
+    assert s.put(k, b"value") < 0
+    assert s.is_exist(k) == 0
+
+
+def test_zero_copy_paths(store):
+    size = 64 * 1024
+    src, src_ptr = registered(store, size, fill=7)
+    k = key()
+    assert store.put_from(k, src_ptr, size) == 0
+    dst, dst_ptr = registered(store, size)
+    assert store.get_into(k, dst_ptr, size) == size
+    assert bytes(dst) == bytes(src)
+    assert store.upsert_from(k, src_ptr, 100) == 0
+    assert store.get_size(k) == 100
+    keys = [key("zc") for _ in range(4)]
+    assert store.batch_put_from(keys, [src_ptr] * 4, [1000, 2000, 3000, 4000]) == [0, 0, 0, 0]
+    assert store.batch_upsert_from(keys[:1], [src_ptr], [10]) == [0]
+    outs = [registered(store, 4096) for _ in range(4)]
+    got = store.batch_get_into(keys + [key("x")], [p for _, p in outs] + [outs[0][1]], [4096] * 5)
+    assert got == [10, 2000, 3000, 4000, OBJECT_NOT_FOUND]
+    # Unregistered memory is refused, not touched.
+    assert store.unregister_buffer(src_ptr) == 0
+    assert store.put_from(key(), src_ptr, size) == INVALID_PARAMS
+    assert store.unregister_buffer(src_ptr) != 0
+
+
+def test_get_into_ranges(store):
+    k1, k2 = key(), key()
+    store.put(k1, bytes(range(64)))
+    store.put(k2, bytes(range(100, 164)))
+    b0, p0 = registered(store, 32)
+    b1, p1 = registered(store, 32)
+    res = store.get_into_ranges(
+        [p0, p1],
+        [[k1, k2], [k2, k1]],
+        [[[0, 20], [8]], [[4], [16]]],
+        [[[1, 30], [2]], [[0], [10]]],
+        [[[4, 3], [5]], [[6], [4]]],
+    )
+    assert res == [[[4, 3], [5]], [[6], [4]]]
+    assert bytes(b0[0:4]) == bytes(range(1, 5))
+    assert bytes(b0[20:23]) == bytes(range(30, 33))
+    assert bytes(b0[8:13]) == bytes(range(102, 107))
+    assert bytes(b1[4:10]) == bytes(range(100, 106))
+    assert bytes(b1[16:20]) == bytes(range(10, 14))
+    bad = store.get_into_ranges([p0], [[key("missing")]], [[[0]]], [[[0]]], [[[4]]])
+    assert bad[0][0][0] == OBJECT_NOT_FOUND
+
+
+def test_buffers_and_descriptors(store):
+    k = key()
+    store.put(k, b"buffer-bytes")
+    buf = store.get_buffer(k)
+    assert buf is not None and buf.size() == 12 and len(buf) == 12
+    assert bytes(memoryview(buf)) == b"buffer-bytes"
+    assert store.get_buffer(key()) is None
+    bufs = store.batch_get_buffer([k, key()])
+    assert bytes(memoryview(bufs[0])) == b"buffer-bytes" and bufs[1] is None
+    descs = store.get_replica_desc(k)
+    assert len(descs) == 1 and isinstance(descs[0], ReplicaDescriptor)
+    assert descs[0].is_memory_replica() and not descs[0].is_disk_replica()
+    assert descs[0].get_memory_descriptor().buffer_descriptor.size == 12
+    m = store.batch_get_replica_desc([k, key()])
+    assert list(m.keys()) == [k]
+
+
+def test_hostname_health_and_setup_forms(master):
+    s = MooncakeDistributedStore()
+    assert s.health_check() == 1
+    rc = s.setup({
+        "local_hostname": "127.0.0.1",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": "16MB",
+        "local_buffer_size": "16 MiB",
+        "protocol": "tcp",
+        "master_server_address": master.addr,
+    })
+    assert rc == 0
+    host, port = s.get_hostname().rsplit(":", 1)
+    assert host == "127.0.0.1" and 12300 <= int(port) < 14300
+    assert s.health_check() == 0
+    assert s.close() == 0
+    assert s.health_check() == 1
+    assert s.setup("127.0.0.1", "x", master_server_addr=master.addr, global_segment_size=0) == 0
+    assert s.close() == 0
+    with pytest.raises(TypeError):
+        s.setup("127.0.0.1", "x", bogus=1)
+
+
+def test_close_then_setup_again(make_store, master):
+    a = make_store()
+    b = make_store(segment=0)
+    only_a = ReplicateConfig()
+    only_a.preferred_segment = a.get_hostname()
+    k = key()
+    assert a.put(k, b"in a", only_a) == 0
+    assert b.get(k) == b"in a"
+    assert a.close() == 0
+    assert b.is_exist(k) == 0
+    assert a.setup("127.0.0.1", "x", 64 << 20, 64 << 20, "tcp", "", master.addr) == 0
+    k2 = key()
+    assert a.put(k2, b"again") == 0
+    assert b.get(k2) == b"again"
+
+
+def test_two_stores_replica_two_survives_one_closing(make_store):
+    a = make_store()
+    b = make_store()
+    c = ReplicateConfig()
+    c.replica_num = 2
+    k = key()
+    value = os.urandom(256 * 1024)
+    assert a.put(k, value, c) == 0
+    assert len(a.get_replica_desc(k)) == 2
+    a.close()
+    assert b.get(k) == value
+    assert len(b.get_replica_desc(k)) == 1
+
+
+def test_eight_threads_share_one_store(make_store):
+    s = make_store(segment="256MB", buffer="16MB")
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(100):
+                k = f"thr-{t}-{i}-{uuid.uuid4().hex[:8]}"
+                v = os.urandom(1024 * 1024)
+                assert s.put(k, v) == 0
+                got = s.get(k)
+                assert hashlib.sha256(got).digest() == hashlib.sha256(v).digest()
+                assert s.remove(k, True) == 0
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

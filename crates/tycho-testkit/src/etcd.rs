@@ -1,0 +1,207 @@
+//! One real `etcd` member on loopback, owned by a test.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::TempDir;
+
+/// How to start etcd.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// The binary; `None` looks in `$TYCHO_ETCD_BIN`, then `etcd` on `PATH`, then `/usr/bin/etcd`.
+    pub binary: Option<PathBuf>,
+    /// How long to wait for `/health` to report healthy after a start.
+    pub startup_timeout: Duration,
+    /// Extra command-line flags, for example `--max-txn-ops=16`.
+    pub extra_args: Vec<String>,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        EtcdConfig { binary: None, startup_timeout: Duration::from_secs(20), extra_args: Vec::new() }
+    }
+}
+
+/// A running (or deliberately stopped) single-member etcd cluster.
+///
+/// The process is killed and its data directory removed on drop, including during a panic.
+#[derive(Debug)]
+pub struct EtcdServer {
+    config: EtcdConfig,
+    binary: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+    // Dropped after the child is killed (fields drop in order, and `Drop` kills first).
+    dir: TempDir,
+    child: Option<Child>,
+}
+
+impl EtcdServer {
+    /// Starts etcd with the default configuration.
+    pub fn start_new() -> std::io::Result<EtcdServer> {
+        EtcdServer::start_with(EtcdConfig::default())
+    }
+
+    /// Starts etcd on two free loopback ports with an empty data directory and waits until it
+    /// is healthy. A port taken between choosing it and etcd binding it is retried with new ports.
+    pub fn start_with(config: EtcdConfig) -> std::io::Result<EtcdServer> {
+        let binary = match &config.binary {
+            Some(b) => b.clone(),
+            None => find_etcd()?,
+        };
+        let mut last_error = None;
+        for _ in 0..3 {
+            let (client_port, peer_port) = free_port_pair()?;
+            let dir = TempDir::new("tycho-etcd")?;
+            let mut server = EtcdServer { config: config.clone(), binary: binary.clone(), client_port, peer_port, dir, child: None };
+            match server.start() {
+                Ok(()) => return Ok(server),
+                Err(e) => last_error = Some(e),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| std::io::Error::other("etcd did not start")))
+    }
+
+    /// The client URL, `http://127.0.0.1:{port}`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The client address.
+    pub fn client_addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port))
+    }
+
+    /// The member's data directory (kept across [`stop`](Self::stop) and [`start`](Self::start)).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Whether the process is running (it may still be electing itself leader).
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.child {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Kills the process (SIGKILL, like a crash) and waits for it to exit. Data stays.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the member again — same ports, same data directory — and waits until healthy.
+    /// Does nothing if it is already running.
+    pub fn start(&mut self) -> std::io::Result<()> {
+        if self.is_running() {
+            return Ok(());
+        }
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
+        let child = Command::new(&self.binary)
+            .arg("--name=tycho-test")
+            .arg(format!("--data-dir={}", self.data_dir().display()))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=tycho-test={peer}"))
+            .arg("--initial-cluster-state=new")
+            .arg("--initial-cluster-token=tycho-test")
+            .arg("--logger=zap")
+            .arg("--log-level=warn")
+            .args(&self.config.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot run {}: {e}", self.binary.display())))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + self.config.startup_timeout;
+        loop {
+            if !self.is_running() {
+                self.stop();
+                return Err(std::io::Error::other(format!("etcd exited during startup; log:\n{}", self.log_tail())));
+            }
+            if healthy(self.client_addr()) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.stop();
+                return Err(std::io::Error::other(format!(
+                    "etcd not healthy within {:?}; log:\n{}",
+                    self.config.startup_timeout,
+                    self.log_tail()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("etcd.log")
+    }
+
+    /// The last few KiB of etcd's own log, for error messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read(self.log_path()).unwrap_or_default();
+        let start = text.len().saturating_sub(4096);
+        String::from_utf8_lossy(&text[start..]).into_owned()
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `$TYCHO_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`.
+fn find_etcd() -> std::io::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("TYCHO_ETCD_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .map(|dir| dir.join("etcd"))
+        .find(|p| is_file(p));
+    let fallback = PathBuf::from("/usr/bin/etcd");
+    on_path.or_else(|| is_file(&fallback).then_some(fallback)).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no etcd binary: install Debian's etcd-server (scripts/test does) or set TYCHO_ETCD_BIN",
+        )
+    })
+}
+
+fn is_file(p: &Path) -> bool {
+    p.metadata().map(|m| m.is_file()).unwrap_or(false)
+}
+
+/// Two distinct ports the kernel considers free right now (both held while choosing).
+fn free_port_pair() -> std::io::Result<(u16, u16)> {
+    let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    let b = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+}
+
+/// `GET /health` answers `{"health":"true"}` once the member has a leader and serves requests.
+fn healthy(addr: SocketAddr) -> bool {
+    let probe = || -> std::io::Result<bool> {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+        let mut body = String::new();
+        s.read_to_string(&mut body)?;
+        Ok(body.contains("\"health\":\"true\""))
+    };
+    probe().unwrap_or(false)
+}
