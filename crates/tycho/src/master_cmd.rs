@@ -65,6 +65,76 @@ pub struct MasterArgs {
     /// Seconds a self-probe may take before it counts as failed.
     #[arg(long = "rpc-probe-timeout", alias = "rpc_probe_timeout_seconds", default_value_t = 3.0)]
     pub rpc_probe_timeout: f64,
+    /// Mooncake HA mode; Tycho's HA (etcd OpLog and standbys) is not built yet, so only
+    /// `false` is accepted.
+    #[arg(long = "enable-ha", alias = "enable_ha", default_value_t = false, action = clap::ArgAction::Set, hide = true)]
+    pub enable_ha: bool,
+    /// Mooncake flags that have no meaning for Tycho; accepted so that launch scripts written for
+    /// `mooncake_master` run unchanged, and reported as ignored.
+    #[command(flatten)]
+    pub ignored: MooncakeOnlyFlags,
+}
+
+/// Flags of `mooncake_master` that Tycho accepts and ignores.
+#[derive(Args, Debug, Clone, Default)]
+pub struct MooncakeOnlyFlags {
+    #[arg(long = "enable_http_metadata_server", hide = true)]
+    enable_http_metadata_server: Option<String>,
+    #[arg(long = "http_metadata_server_port", hide = true)]
+    http_metadata_server_port: Option<String>,
+    #[arg(long = "http_metadata_server_host", hide = true)]
+    http_metadata_server_host: Option<String>,
+    #[arg(long = "enable_metric_reporting", hide = true)]
+    enable_metric_reporting: Option<String>,
+    #[arg(long = "rpc_conn_timeout_seconds", hide = true)]
+    rpc_conn_timeout_seconds: Option<String>,
+    #[arg(long = "rpc_enable_tcp_no_delay", hide = true)]
+    rpc_enable_tcp_no_delay: Option<String>,
+    #[arg(long = "etcd_endpoints", hide = true)]
+    etcd_endpoints: Option<String>,
+    #[arg(long = "cluster_id", hide = true)]
+    cluster_id: Option<String>,
+    #[arg(long = "memory_allocator", hide = true)]
+    memory_allocator: Option<String>,
+    #[arg(long = "root_fs_dir", hide = true)]
+    root_fs_dir: Option<String>,
+    #[arg(long = "global_file_segment_size", hide = true)]
+    global_file_segment_size: Option<String>,
+    #[arg(long = "allow_evict_soft_pinned_objects", hide = true)]
+    allow_evict_soft_pinned_objects: Option<String>,
+    #[arg(long = "enable_offload", hide = true)]
+    enable_offload: Option<String>,
+    #[arg(long = "logtostderr", hide = true)]
+    logtostderr: Option<String>,
+    #[arg(long = "v", hide = true)]
+    v: Option<String>,
+}
+
+impl MooncakeOnlyFlags {
+    fn report(&self) {
+        let all = [
+            ("enable_http_metadata_server", &self.enable_http_metadata_server),
+            ("http_metadata_server_port", &self.http_metadata_server_port),
+            ("http_metadata_server_host", &self.http_metadata_server_host),
+            ("enable_metric_reporting", &self.enable_metric_reporting),
+            ("rpc_conn_timeout_seconds", &self.rpc_conn_timeout_seconds),
+            ("rpc_enable_tcp_no_delay", &self.rpc_enable_tcp_no_delay),
+            ("etcd_endpoints", &self.etcd_endpoints),
+            ("cluster_id", &self.cluster_id),
+            ("memory_allocator", &self.memory_allocator),
+            ("root_fs_dir", &self.root_fs_dir),
+            ("global_file_segment_size", &self.global_file_segment_size),
+            ("allow_evict_soft_pinned_objects", &self.allow_evict_soft_pinned_objects),
+            ("enable_offload", &self.enable_offload),
+            ("logtostderr", &self.logtostderr),
+            ("v", &self.v),
+        ];
+        for (name, value) in all {
+            if let Some(v) = value {
+                tracing::warn!("ignoring Mooncake flag --{name}={v}: Tycho has no such setting");
+            }
+        }
+    }
 }
 
 impl MasterArgs {
@@ -94,6 +164,12 @@ fn parse_strategy(s: &str) -> Result<AllocStrategy, String> {
 
 impl MasterArgs {
     fn config(&self) -> Result<MasterConfig, String> {
+        if self.enable_ha {
+            return Err(
+                "--enable_ha=true is not supported yet: Tycho's HA (etcd OpLog, standbys) is on the roadmap".into()
+            );
+        }
+        self.ignored.report();
         if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio) || !(0.0..=1.0).contains(&self.eviction_ratio) {
             return Err("eviction ratios must lie in [0, 1]".into());
         }
