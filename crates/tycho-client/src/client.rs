@@ -711,7 +711,16 @@ impl Client {
 
 impl Inner {
     fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
-        call_with_retry(&self.master, req, self.cfg.rpc_timeout)
+        match call_with_retry(&self.master, req, self.cfg.rpc_timeout) {
+            // The master forgot us (it restarted, or expired us while we were paused): register
+            // again with every segment, then retry once, instead of waiting for the heartbeat.
+            Err(ErrorCode::CLIENT_NOT_FOUND) if !matches!(req, Request::ReMountSegment { .. }) => {
+                self.engine.forget_mappings();
+                self.remount()?;
+                call_with_retry(&self.master, req, self.cfg.rpc_timeout)
+            }
+            r => r,
+        }
     }
 
     fn remount(&self) -> Result<(), ErrorCode> {

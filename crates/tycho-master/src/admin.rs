@@ -173,6 +173,9 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
 async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig, mut stop: watch::Receiver<bool>) {
     let mut client: Option<RpcClient> = None;
     loop {
+        // Not serving (starting, standby, stopping): nothing to probe; look again soon so that
+        // the first verdict follows the start of serving closely.
+        let mut pause = Duration::from_millis(50).min(cfg.interval);
         if state.serving() {
             let start = Instant::now();
             let verdict = probe_once(&mut client, target, cfg.timeout).await;
@@ -182,9 +185,10 @@ async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig
                 client = None;
             }
             state.record(ok, start.elapsed());
+            pause = cfg.interval;
         }
         tokio::select! {
-            _ = tokio::time::sleep(cfg.interval) => {}
+            _ = tokio::time::sleep(pause) => {}
             _ = stop.changed() => return,
         }
     }
@@ -446,4 +450,60 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         let _ = writeln!(out, "tycho_master_rpc_duration_seconds_count{{rpc=\"{}\"}} {}", r.name, r.requests);
     }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManualClock, MasterConfig};
+
+    fn get(addr: SocketAddr, path: &str) -> u16 {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    }
+
+    #[test]
+    fn readyz_is_503_until_the_master_serves_and_livez_is_always_200() {
+        let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1))));
+        // No RPC server behind this address: a probe would fail, so the probe is off and
+        // /readyz follows the serving flag alone (a standby never sets it).
+        let cfg = AdminConfig { bind: "127.0.0.1:0".into(), rpc_addr: "127.0.0.1:9".parse().unwrap(), probe: None };
+        let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
+        let addr = admin.local_addr();
+        assert_eq!(get(addr, "/readyz"), 503);
+        assert_eq!(get(addr, "/livez"), 200);
+        admin.probe().set_serving(true);
+        assert_eq!(get(addr, "/readyz"), 200);
+        admin.probe().set_serving(false);
+        assert_eq!(get(addr, "/readyz"), 503);
+        assert_eq!(get(addr, "/metrics"), 200);
+    }
+
+    #[test]
+    fn a_probe_that_cannot_reach_the_rpc_server_keeps_readyz_503() {
+        let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1))));
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let probe = ProbeConfig { interval: Duration::from_millis(20), timeout: Duration::from_millis(200) };
+        let cfg = AdminConfig { bind: "127.0.0.1:0".into(), rpc_addr: dead, probe: Some(probe) };
+        let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
+        admin.probe().set_serving(true);
+        let end = Instant::now() + Duration::from_secs(5);
+        while admin.probe().probes.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < end, "the probe never ran");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!admin.probe().responsive());
+        assert_eq!(get(admin.local_addr(), "/readyz"), 503);
+    }
+
+    #[test]
+    fn unspecified_bind_addresses_are_probed_on_loopback() {
+        assert_eq!(probe_target("0.0.0.0:50051".parse().unwrap()), "127.0.0.1:50051".parse().unwrap());
+        assert_eq!(probe_target("[::]:50051".parse().unwrap()), "[::1]:50051".parse().unwrap());
+        assert_eq!(probe_target("10.1.2.3:50051".parse().unwrap()), "10.1.2.3:50051".parse().unwrap());
+    }
 }

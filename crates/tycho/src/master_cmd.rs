@@ -139,8 +139,12 @@ impl MooncakeOnlyFlags {
 
 impl MasterArgs {
     fn admin(&self, rpc_addr: SocketAddr) -> Result<tycho_master::AdminConfig, String> {
-        if !(self.rpc_probe_interval > 0.0 && self.rpc_probe_timeout > 0.0) {
-            return Err("--rpc-probe-interval and --rpc-probe-timeout must be positive".into());
+        let sane = |v: f64| v.is_finite() && v > 0.0 && v <= 86_400.0;
+        if !(sane(self.rpc_probe_interval) && sane(self.rpc_probe_timeout)) {
+            return Err(
+                "--rpc-probe-interval and --rpc-probe-timeout must be positive numbers of seconds (at most a day)"
+                    .into(),
+            );
         }
         Ok(tycho_master::AdminConfig {
             bind: format!("{}:{}", self.metrics_address, self.metrics_port),

@@ -303,3 +303,53 @@ fn put_is_put_if_absent_and_batches_round_trip() {
     }
     assert!(c.exists_batch(&keys).iter().all(|e| *e == Ok(true)));
 }
+
+fn master_on(port: u16) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_port(&format!("127.0.0.1:{port}"));
+    Proc(child)
+}
+
+#[test]
+fn clients_and_nodes_come_back_after_a_master_restart() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let first = master_on(port);
+    let (_n, _) = node(&addr, "32MB");
+    let c = client(&addr, Protocol::Auto, 0);
+    wait_for("node", 20, || stats(&c).segments == 1);
+    c.put("before", b"v1", &Default::default()).unwrap();
+    drop(first);
+    // While the master is down, calls fail with a transport code rather than hang.
+    let err = c.exists("before").unwrap_err();
+    assert!(matches!(err, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT), "{err}");
+    let _second = master_on(port);
+    // The first write after the restart re-registers the client by itself (CLIENT_NOT_FOUND →
+    // remount → retry) rather than failing until the next heartbeat.
+    wait_port(&addr);
+    let mut wrote = false;
+    for _ in 0..50 {
+        match c.put("first-after", b"v0", &Default::default()) {
+            Ok(()) => {
+                wrote = true;
+                break;
+            }
+            // No segment yet: the node has not remounted.
+            Err(ErrorCode::NO_AVAILABLE_HANDLE) => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => panic!("put after restart: {e}"),
+        }
+    }
+    assert!(wrote);
+    // The node learns NEED_REMOUNT from its next heartbeat and mounts its segment again.
+    wait_for("the node to remount", 20, || {
+        c.call(&Request::Stats).is_ok_and(|r| matches!(r, Response::Stats(s) if s.segments == 1))
+    });
+    // A new master starts empty; the same client object works against it.
+    assert_eq!(c.exists("before"), Ok(false));
+    c.put("after", b"v2", &Default::default()).unwrap();
+    assert_eq!(c.get("after").unwrap(), b"v2");
+}
