@@ -533,7 +533,17 @@ impl Client {
     /// key. A buffer smaller than its object gets BUFFER_OVERFLOW.
     pub fn get_batch_into(&self, keys: &[&str], dsts: Vec<&mut [u8]>) -> Vec<Result<usize, ErrorCode>> {
         let lookups = self.lookup_batch(keys);
-        let mut out: Vec<Result<usize, ErrorCode>> = vec![Ok(0); keys.len()];
+        self.read_lookups(&lookups, dsts)
+    }
+
+    /// Reads each found object into its buffer, all transfers in parallel; fails every read with
+    /// LEASE_EXPIRED if they finished after the lease.
+    fn read_lookups(
+        &self,
+        lookups: &[Result<Lookup, ErrorCode>],
+        dsts: Vec<&mut [u8]>,
+    ) -> Vec<Result<usize, ErrorCode>> {
+        let mut out: Vec<Result<usize, ErrorCode>> = vec![Ok(0); lookups.len()];
         let mut parts = Vec::new();
         let mut reading = Vec::new();
         for (i, (l, dst)) in lookups.iter().zip(dsts).enumerate() {
@@ -581,46 +591,11 @@ impl Client {
 
     /// Reads many keys; reads run in parallel. One result per key, in order.
     pub fn get_batch(&self, keys: &[&str]) -> Vec<Result<Vec<u8>, ErrorCode>> {
-        if let Err(e) = self.check_open() {
-            return vec![Err(e); keys.len()];
-        }
-        let asked = Instant::now();
-        let req = Request::BatchGetReplicaList(BatchKeyQuery {
-            tenant: self.tenant(),
-            keys: keys.iter().map(|k| self.key(k)).collect(),
-        });
-        let lists = match self.inner.call(&req) {
-            Ok(Response::BatchReplicas(l)) => l,
-            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
-            Err(e) => return vec![Err(e); keys.len()],
-        };
+        let lookups = self.lookup_batch(keys);
         let mut bufs: Vec<Vec<u8>> =
-            lists.iter().map(|l| l.as_ref().map_or(Vec::new(), |l| vec![0u8; l.size as usize])).collect();
-        let mut parts = Vec::new();
-        for (l, buf) in lists.iter().zip(bufs.iter_mut()) {
-            if let Ok(l) = l {
-                if let Some(r) = self.by_preference(&l.replicas).first() {
-                    parts.push(Part::Read { replica: r, at: 0, dst: buf.as_mut_slice() });
-                }
-            }
-        }
-        let transfer = self.inner.engine.run(parts);
-        let expired = lists
-            .iter()
-            .filter_map(|l| l.as_ref().ok())
-            .any(|l| asked.elapsed() > Duration::from_millis(l.lease_ttl_ms));
-        lists
-            .into_iter()
-            .zip(bufs)
-            .map(|(l, buf)| {
-                l?;
-                match &transfer {
-                    Err(e) => Err(e.code()),
-                    Ok(()) if expired => Err(ErrorCode::LEASE_EXPIRED),
-                    Ok(()) => Ok(buf),
-                }
-            })
-            .collect()
+            lookups.iter().map(|l| l.as_ref().map_or(Vec::new(), |l| vec![0u8; l.size() as usize])).collect();
+        let sizes = self.read_lookups(&lookups, bufs.iter_mut().map(|b| b.as_mut_slice()).collect());
+        sizes.into_iter().zip(bufs).map(|(r, buf)| r.map(|_| buf)).collect()
     }
 
     /// Size of `key`'s value.

@@ -110,25 +110,7 @@ impl TransferEngine {
         if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
             return parts.into_iter().try_for_each(|p| self.run_part(p));
         }
-        let slots: Vec<Mutex<Option<Part<'_>>>> = parts.into_iter().map(|p| Mutex::new(Some(p))).collect();
-        let next = AtomicUsize::new(0);
-        let worker = || -> Result<(), TransferError> {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(slot) = slots.get(i) else { return Ok(()) };
-                let part = slot.lock().take().expect("each part is taken once");
-                self.run_part(part)?;
-            }
-        };
-        std::thread::scope(|s| {
-            let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
-            let mut result = worker();
-            for h in helpers {
-                let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
-                result = result.and(r);
-            }
-            result
-        })
+        in_parallel(parts, |p| self.run_part(p))
     }
 
     /// Reads `dst.len()` bytes of `replica` starting at object offset `at`.
@@ -206,25 +188,7 @@ impl TransferEngine {
                 }
             }
         }
-        let slots: Vec<Mutex<Option<(u64, Part<'_>)>>> = slices.into_iter().map(|s| Mutex::new(Some(s))).collect();
-        let next = AtomicUsize::new(0);
-        let worker = || -> Result<(), TransferError> {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(slot) = slots.get(i) else { return Ok(()) };
-                let (off, p) = slot.lock().take().expect("each slice is taken once");
-                self.tcp_one(r, off, p)?;
-            }
-        };
-        std::thread::scope(|s| {
-            let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
-            let mut result = worker();
-            for h in helpers {
-                let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
-                result = result.and(r);
-            }
-            result
-        })
+        in_parallel(slices, |(off, p)| self.tcp_one(r, off, p))
     }
 
     fn connection(&self, endpoint: &str) -> Result<TcpStream, TransferError> {
@@ -280,6 +244,33 @@ impl TransferEngine {
         self.release(&r.endpoint, s);
         Ok(())
     }
+}
+
+/// Runs `work` on every item with up to [`MAX_PARALLEL`] threads (the caller's among them);
+/// succeeds only if every item does.
+fn in_parallel<T: Send>(
+    items: Vec<T>,
+    work: impl Fn(T) -> Result<(), TransferError> + Sync,
+) -> Result<(), TransferError> {
+    let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+    let next = AtomicUsize::new(0);
+    let worker = || -> Result<(), TransferError> {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(slot) = slots.get(i) else { return Ok(()) };
+            let item = slot.lock().take().expect("each item is taken once");
+            work(item)?;
+        }
+    };
+    std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
+        let mut result = worker();
+        for h in helpers {
+            let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
+            result = result.and(r);
+        }
+        result
+    })
 }
 
 /// Copies at or above this size are split between two threads: one core alone cannot
