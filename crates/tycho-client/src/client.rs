@@ -1,5 +1,6 @@
 //! The store client.
 
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ pub enum WriteMode {
 /// Where an object lives, with the read lease taken when it was looked up.
 #[derive(Debug, Clone)]
 pub struct Lookup {
+    key: String,
     list: ReplicaList,
     asked: Instant,
 }
@@ -40,6 +42,19 @@ impl Lookup {
         &self.list.replicas
     }
 }
+
+/// Most replica lists kept for reuse; the cache is emptied when it is full.
+const LEASE_CACHE_ENTRIES: usize = 16 * 1024;
+
+/// A replica list is reused only during this first part of its lease. While the master's
+/// lease holds, the object's ranges cannot be freed, evicted or reused (removal and upsert
+/// defer the free until the lease ends), so bytes read from them are the complete value the
+/// lookup found; reads that would finish after the lease still fail with LEASE_EXPIRED.
+const LEASE_REUSE_FRACTION: u32 = 2;
+/// And for at most this long, which bounds how late a reader sees that an object is gone
+/// (its holder died, another client replaced it) while still sparing a hot object all but one
+/// master call per second.
+const MAX_LEASE_REUSE: Duration = Duration::from_secs(1);
 
 /// Port range a transfer server picks from when the hostname names no port (Mooncake's).
 const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
@@ -64,6 +79,9 @@ struct Inner {
     segments: Mutex<Vec<Segment>>,
     server: Mutex<Option<TransferServer>>,
     registered: Mutex<Vec<(u64, u64)>>,
+    /// Replica lists with the leases granted with them, reused while the lease has more than
+    /// half its time left (see [`LEASE_REUSE_FRACTION`]).
+    leases: Mutex<HashMap<String, Arc<(ReplicaList, Instant)>>>,
     closed: AtomicBool,
     heartbeat: Heartbeat,
 }
@@ -135,6 +153,7 @@ impl Client {
             segments: Mutex::new(segments),
             server: Mutex::new(Some(server)),
             registered: Mutex::new(Vec::new()),
+            leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
@@ -244,6 +263,8 @@ impl Client {
         if total == 0 {
             return Err(ErrorCode::INVALID_PARAMS);
         }
+        // Read-your-writes: this client's next get of the key asks the master.
+        self.forget_lease(key);
         let start = WriteStart {
             client: self.inner.id,
             tenant: self.tenant(),
@@ -314,6 +335,9 @@ impl Client {
         }
         if live.is_empty() {
             return out;
+        }
+        for &i in &live {
+            self.forget_lease(items[i].0);
         }
         let start = BatchWriteStart {
             client: self.inner.id,
@@ -447,13 +471,43 @@ impl Client {
         v
     }
 
-    fn replica_list(&self, key: &str) -> Result<(ReplicaList, Instant), ErrorCode> {
+    /// Where `key` lives. With `reuse`, a list looked up recently may serve (reads only);
+    /// without it the master is asked (metadata queries).
+    fn replica_list(&self, key: &str, reuse: bool) -> Result<(ReplicaList, Instant), ErrorCode> {
+        if reuse && self.inner.cfg.reuse_leases {
+            if let Some(hit) = self.inner.leases.lock().get(key) {
+                let (list, asked) = &**hit;
+                let window = (Duration::from_millis(list.lease_ttl_ms) / LEASE_REUSE_FRACTION).min(MAX_LEASE_REUSE);
+                if asked.elapsed() < window {
+                    return Ok((list.clone(), *asked));
+                }
+            }
+        }
         let asked = Instant::now();
         let req = Request::GetReplicaList(KeyQuery { tenant: self.tenant(), key: self.key(key) });
         match self.inner.call(&req)? {
-            Response::Replicas(l) => Ok((l, asked)),
+            Response::Replicas(l) => {
+                if reuse && self.inner.cfg.reuse_leases {
+                    let mut leases = self.inner.leases.lock();
+                    if leases.len() >= LEASE_CACHE_ENTRIES {
+                        leases.clear();
+                    }
+                    leases.insert(key.to_string(), Arc::new((l.clone(), asked)));
+                }
+                Ok((l, asked))
+            }
             _ => Err(ErrorCode::INTERNAL_ERROR),
         }
+    }
+
+    /// Drops the reusable replica list of `key` (after this client changed the key, or a
+    /// read through it failed).
+    fn forget_lease(&self, key: &str) {
+        self.inner.leases.lock().remove(key);
+    }
+
+    fn forget_all_leases(&self) {
+        self.inner.leases.lock().clear();
     }
 
     /// Reads `list`'s object into `dst`, trying replicas in order of preference; fails with
@@ -483,8 +537,8 @@ impl Client {
     /// or [`Client::read_range`] before the lease runs out.
     pub fn lookup(&self, key: &str) -> Result<Lookup, ErrorCode> {
         self.check_open()?;
-        let (list, asked) = self.replica_list(key)?;
-        Ok(Lookup { list, asked })
+        let (list, asked) = self.replica_list(key, true)?;
+        Ok(Lookup { key: key.to_string(), list, asked })
     }
 
     /// Finds many keys at once (one master call). One result per key, in order.
@@ -498,7 +552,9 @@ impl Client {
             keys: keys.iter().map(|k| self.key(k)).collect(),
         });
         match self.inner.call(&req) {
-            Ok(Response::BatchReplicas(l)) => l.into_iter().map(|r| r.map(|list| Lookup { list, asked })).collect(),
+            Ok(Response::BatchReplicas(l)) => {
+                l.into_iter().zip(keys).map(|(r, k)| r.map(|list| Lookup { key: k.to_string(), list, asked })).collect()
+            }
             Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
             Err(e) => vec![Err(e); keys.len()],
         }
@@ -506,7 +562,11 @@ impl Client {
 
     /// Reads the whole object of `lookup` into `dst`; returns its size.
     pub fn read_lookup(&self, lookup: &Lookup, dst: &mut [u8]) -> Result<usize, ErrorCode> {
-        self.read_replicas(&lookup.list, lookup.asked, dst)
+        let r = self.read_replicas(&lookup.list, lookup.asked, dst);
+        if r.is_err() {
+            self.forget_lease(&lookup.key);
+        }
+        r
     }
 
     /// Reads `dst.len()` bytes of `lookup`'s object starting at `at`.
@@ -576,16 +636,29 @@ impl Client {
     /// Reads `key` into `dst`; returns its size.
     pub fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<usize, ErrorCode> {
         self.check_open()?;
-        let (list, asked) = self.replica_list(key)?;
-        self.read_replicas(&list, asked, dst)
+        let (list, asked) = self.replica_list(key, true)?;
+        match self.read_replicas(&list, asked, dst) {
+            Err(e) if e != ErrorCode::BUFFER_OVERFLOW => {
+                // The reused list may be stale (its holder went away): ask the master again.
+                self.forget_lease(key);
+                let (list, asked) = self.replica_list(key, false)?;
+                self.read_replicas(&list, asked, dst)
+            }
+            r => r,
+        }
     }
 
     /// Reads `key` into a new buffer.
     pub fn get(&self, key: &str) -> Result<Vec<u8>, ErrorCode> {
         self.check_open()?;
-        let (list, asked) = self.replica_list(key)?;
+        let (list, asked) = self.replica_list(key, true)?;
         let mut buf = vec![0u8; list.size as usize];
-        self.read_replicas(&list, asked, &mut buf)?;
+        if self.read_replicas(&list, asked, &mut buf).is_err() {
+            self.forget_lease(key);
+            let (list, asked) = self.replica_list(key, false)?;
+            buf.resize(list.size as usize, 0);
+            self.read_replicas(&list, asked, &mut buf)?;
+        }
         Ok(buf)
     }
 
@@ -601,13 +674,13 @@ impl Client {
     /// Size of `key`'s value.
     pub fn size(&self, key: &str) -> Result<u64, ErrorCode> {
         self.check_open()?;
-        Ok(self.replica_list(key)?.0.size)
+        Ok(self.replica_list(key, false)?.0.size)
     }
 
     /// Replica descriptors of `key`.
     pub fn replicas(&self, key: &str) -> Result<Vec<ReplicaDesc>, ErrorCode> {
         self.check_open()?;
-        Ok(self.replica_list(key)?.0.replicas)
+        Ok(self.replica_list(key, false)?.0.replicas)
     }
 
     /// Whether `key` holds a complete value.
@@ -640,6 +713,7 @@ impl Client {
     /// Removes `key`; a leased object only with `force`.
     pub fn remove(&self, key: &str, force: bool) -> Result<(), ErrorCode> {
         self.check_open()?;
+        self.forget_lease(key);
         self.inner.call(&Request::Remove(RemoveKey { tenant: self.tenant(), key: self.key(key), force })).map(|_| ())
     }
 
@@ -648,6 +722,7 @@ impl Client {
         if let Err(e) = self.check_open() {
             return vec![Err(e); keys.len()];
         }
+        keys.iter().for_each(|k| self.forget_lease(k));
         let req = Request::BatchRemove(BatchRemoveKeys {
             tenant: self.tenant(),
             keys: keys.iter().map(|k| self.key(k)).collect(),
@@ -663,6 +738,7 @@ impl Client {
     /// Removes every key of this client's tenant matching `regex`; returns the count.
     pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64, ErrorCode> {
         self.check_open()?;
+        self.forget_all_leases();
         match self.inner.call(&Request::RemoveByRegex { tenant: self.tenant(), regex: regex.to_string(), force })? {
             Response::Removed(n) => Ok(n),
             _ => Err(ErrorCode::INTERNAL_ERROR),
@@ -672,6 +748,7 @@ impl Client {
     /// Removes every object; returns the count.
     pub fn remove_all(&self, force: bool) -> Result<u64, ErrorCode> {
         self.check_open()?;
+        self.forget_all_leases();
         match self.inner.call(&Request::RemoveAll { force })? {
             Response::Removed(n) => Ok(n),
             _ => Err(ErrorCode::INTERNAL_ERROR),

@@ -47,6 +47,12 @@ pub struct ClientConfig {
     pub rpc_timeout: Duration,
     /// Heartbeat interval (Mooncake: 1 s).
     pub heartbeat_interval: Duration,
+    /// Reuse a key's replica list for reads during the first half of the read lease it came
+    /// with (at most 1 s), so a hot object is read without a master round trip. A reader may
+    /// then see a value replaced or dropped elsewhere up to that long late (Mooncake's Get
+    /// promises a complete value, not the latest one); this client's own writes and removes are
+    /// seen at once, and metadata queries (exist, size, replica lists) always ask the master.
+    pub reuse_leases: bool,
 }
 
 impl ClientConfig {
@@ -62,6 +68,7 @@ impl ClientConfig {
             tenant: String::new(),
             rpc_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
+            reuse_leases: true,
         }
     }
 }

@@ -353,3 +353,28 @@ fn clients_and_nodes_come_back_after_a_master_restart() {
     c.put("after", b"v2", &Default::default()).unwrap();
     assert_eq!(c.get("after").unwrap(), b"v2");
 }
+
+#[test]
+fn a_hot_object_is_read_without_asking_the_master_again_within_its_lease() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let m = master_on(port);
+    let (_n, _) = node(&addr, "32MB");
+    let c = client(&addr, Protocol::Auto, 0);
+    wait_for("node", 20, || stats(&c).segments == 1);
+    let value = payload("hot", 1, 100_000);
+    c.put("hot", &value, &Default::default()).unwrap();
+    let mut cfg = ClientConfig::new(&addr);
+    cfg.reuse_leases = false;
+    let no_reuse = Client::connect(cfg).unwrap();
+    assert_eq!(c.get("hot").unwrap(), value);
+    assert_eq!(no_reuse.get("hot").unwrap(), value);
+    // With the master gone, the next read is served from the list and lease just obtained...
+    drop(m);
+    assert_eq!(c.get("hot").unwrap(), value);
+    // ...but metadata queries always ask the master,
+    assert!(c.exists("hot").is_err());
+    // and a client that does not reuse leases asks it for every read.
+    let err = no_reuse.get("hot").unwrap_err();
+    assert!(matches!(err, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT), "{err}");
+}
