@@ -47,3 +47,14 @@ impl Clock for ManualClock {
         *self.now.lock()
     }
 }
+
+/// Tokio's clock: the system clock normally, a virtual one under `tokio::time::pause` (tests
+/// then move it with `tokio::time::advance`, and timers and lease deadlines move together).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TokioClock;
+
+impl Clock for TokioClock {
+    fn now(&self) -> Instant {
+        tokio::time::Instant::now().into_std()
+    }
+}

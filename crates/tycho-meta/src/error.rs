@@ -7,7 +7,7 @@ use crate::kv::{KeyValue, LeaseId, Revision};
 
 /// A failed [`MetaStore`](crate::MetaStore) call. Both stores return the same variant for the
 /// same cause, so callers match on it without knowing which store they hold.
-#[derive(Debug, Clone, Error)]
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MetaError {
     /// A compare-and-set helper's condition did not hold. `current` is the key as it is now
     /// (`None`: absent), read in the same transaction, so the caller can decide without

@@ -53,7 +53,9 @@ impl Limits {
     /// Checks a transaction: op counts per list, total size, keys, and that no branch writes a
     /// key twice (etcd refuses that as a duplicate key).
     pub fn check_txn(&self, txn: &Txn) -> MetaResult<()> {
-        for (what, n) in [("compares", txn.compares.len()), ("success ops", txn.success.len()), ("failure ops", txn.failure.len())] {
+        for (what, n) in
+            [("compares", txn.compares.len()), ("success ops", txn.success.len()), ("failure ops", txn.failure.len())]
+        {
             if n > self.max_txn_ops {
                 return Err(MetaError::TooManyOps { what, ops: n, limit: self.max_txn_ops });
             }

@@ -56,7 +56,8 @@ impl EtcdServer {
         for _ in 0..3 {
             let (client_port, peer_port) = free_port_pair()?;
             let dir = TempDir::new("tycho-etcd")?;
-            let mut server = EtcdServer { config: config.clone(), binary: binary.clone(), client_port, peer_port, dir, child: None };
+            let mut server =
+                EtcdServer { config: config.clone(), binary: binary.clone(), client_port, peer_port, dir, child: None };
             match server.start() {
                 Ok(()) => return Ok(server),
                 Err(e) => last_error = Some(e),
@@ -78,6 +79,11 @@ impl EtcdServer {
     /// The member's data directory (kept across [`stop`](Self::stop) and [`start`](Self::start)).
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
+    }
+
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// Whether the process is running (it may still be electing itself leader).
