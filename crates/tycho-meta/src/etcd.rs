@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, CompactionOptions, Compare as EtcdCompare, CompareOp as EtcdCompareOp, ConnectOptions, GetOptions,
@@ -68,7 +68,15 @@ pub struct EtcdStore {
     kv: KvClient,
     options: Arc<EtcdOptions>,
     /// One open keep-alive stream per lease being renewed; taken out while in use.
-    keep_alives: Arc<Mutex<HashMap<LeaseId, (EtcdLeaseKeeper, LeaseKeepAliveStream)>>>,
+    keep_alives: Arc<Mutex<HashMap<LeaseId, KeepAliveStream>>>,
+}
+
+/// An open keep-alive stream, and when it last renewed (streams nobody uses are closed).
+struct KeepAliveStream {
+    keeper: EtcdLeaseKeeper,
+    stream: LeaseKeepAliveStream,
+    last_used: Instant,
+    ttl: Duration,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -276,6 +284,7 @@ impl MetaStore for EtcdStore {
 
     fn range(&self, req: RangeRequest) -> BoxFuture<'_, MetaResult<RangePage>> {
         Box::pin(async move {
+            self.options.limits.check_range(&req)?;
             let mut opts = GetOptions::new().with_range(req.end_key()).with_limit(req.limit as i64);
             if let Some(rev) = req.revision {
                 opts = opts.with_revision(rev);
@@ -376,10 +385,15 @@ impl MetaStore for EtcdStore {
 
     fn lease_keep_alive_once(&self, lease: LeaseId) -> BoxFuture<'_, MetaResult<Duration>> {
         Box::pin(async move {
-            let cached = self.keep_alives.lock().remove(&lease);
+            let cached = {
+                let mut streams = self.keep_alives.lock();
+                // A keeper renews every TTL/3; a stream idle for two TTLs has no keeper left.
+                streams.retain(|_, s| s.last_used.elapsed() < s.ttl * 2);
+                streams.remove(&lease)
+            };
             let renew = async {
                 let (mut keeper, mut stream) = match cached {
-                    Some(open) => open,
+                    Some(open) => (open.keeper, open.stream),
                     // Opening the stream renews once, but does not return the TTL: the
                     // renewal below is the one whose answer counts.
                     None => self.client.lease_client().keep_alive(lease).await?,
@@ -395,8 +409,9 @@ impl MetaStore for EtcdStore {
             if ttl <= 0 {
                 return Err(MetaError::LeaseNotFound { lease });
             }
-            self.keep_alives.lock().insert(lease, (keeper, stream));
-            Ok(seconds(ttl))
+            let ttl = seconds(ttl);
+            self.keep_alives.lock().insert(lease, KeepAliveStream { keeper, stream, last_used: Instant::now(), ttl });
+            Ok(ttl)
         })
     }
 

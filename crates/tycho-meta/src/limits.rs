@@ -8,6 +8,7 @@
 use std::collections::HashSet;
 
 use crate::error::{MetaError, MetaResult};
+use crate::kv::RangeRequest;
 use crate::txn::{Compare, CompareTarget, Txn, TxnOp};
 
 /// etcd's default `--max-request-bytes`: 1.5 MiB.
@@ -48,6 +49,12 @@ impl Limits {
     pub fn check_key(&self, key: &[u8]) -> MetaResult<()> {
         check_key(key)?;
         self.check_size(REQUEST_OVERHEAD + ITEM_OVERHEAD + key.len())
+    }
+
+    /// Checks a range request's keys (an empty prefix, meaning every key, is allowed).
+    pub fn check_range(&self, req: &RangeRequest) -> MetaResult<()> {
+        let keys = req.prefix.len() + req.start.as_ref().map_or(0, Vec::len);
+        self.check_size(REQUEST_OVERHEAD + ITEM_OVERHEAD + 2 * keys)
     }
 
     /// Checks a transaction: op counts per list, total size, keys, and that no branch writes a

@@ -355,6 +355,7 @@ impl MetaStore for MemStore {
 
     fn range(&self, req: RangeRequest) -> BoxFuture<'_, MetaResult<RangePage>> {
         Box::pin(async move {
+            self.inner.config.limits.check_range(&req)?;
             let mut w = self.inner.writer();
             w.expire_leases();
             w.commit();

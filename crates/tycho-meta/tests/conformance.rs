@@ -471,6 +471,8 @@ async fn oversized_requests_are_refused_before_sending(s: Subject) {
     assert!(matches!(err, MetaError::RequestTooLarge { .. }));
     assert_eq!(err.code(), tycho_proto::ErrorCode::INVALID_PARAMS);
     assert!(err.to_string().contains("exceeds the coordinator's limit"), "clear message: {err}");
+    let scan = st.range(RangeRequest::prefix(too_big.clone(), 1)).await;
+    assert!(matches!(scan, Err(MetaError::RequestTooLarge { .. })), "[{}] {scan:?}", s.name);
 
     // Many small values that add up to too much, in one transaction.
     let chunk = vec![1u8; 64 * 1024];
