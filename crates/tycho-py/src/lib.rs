@@ -156,7 +156,10 @@ impl ReplicaDescriptor {
     }
     fn __repr__(&self) -> String {
         let b = &self.memory.buffer_descriptor;
-        format!("ReplicaDescriptor(status={}, endpoint={}, offset={}, size={})", self.status, b.transport_endpoint, b.buffer_address, b.size)
+        format!(
+            "ReplicaDescriptor(status={}, endpoint={}, offset={}, size={})",
+            self.status, b.transport_endpoint, b.buffer_address, b.size
+        )
     }
 }
 
@@ -194,7 +197,11 @@ impl BufferHandle {
     fn __len__(&self) -> usize {
         self.data.len()
     }
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: std::os::raw::c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
         let data = &slf.get().data;
         // SAFETY: the buffer lives as long as `slf`, which the view holds a reference to;
         // it is exported read-only.
@@ -342,7 +349,14 @@ impl Store {
     // ---- writes ----
 
     #[pyo3(signature = (key, value, config = None, upsert = false))]
-    fn _write(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+    fn _write(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+    ) -> PyResult<i64> {
         let v = Bytes::of(value)?;
         let cfg = wire_config(config);
         let c = match self.client() {
@@ -354,7 +368,14 @@ impl Store {
     }
 
     #[pyo3(signature = (key, parts, config = None, upsert = false))]
-    fn _write_parts(&self, py: Python<'_>, key: &str, parts: &Bound<'_, PyTuple>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+    fn _write_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+    ) -> PyResult<i64> {
         let bufs: Vec<Bytes> = parts.iter().map(|p| Bytes::of(&p)).collect::<PyResult<_>>()?;
         let cfg = wire_config(config);
         let c = match self.client() {
@@ -369,7 +390,14 @@ impl Store {
     }
 
     #[pyo3(signature = (keys, values, config = None, upsert = false))]
-    fn _write_batch(&self, py: Python<'_>, keys: Vec<String>, values: &Bound<'_, PyList>, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> PyResult<i64> {
+    fn _write_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyList>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+    ) -> PyResult<i64> {
         if keys.len() != values.len() {
             return Ok(code(ErrorCode::INVALID_PARAMS));
         }
@@ -381,14 +409,23 @@ impl Store {
         };
         Ok(py.allow_threads(|| {
             // SAFETY: `bufs` keeps every value alive for the call.
-            let items: Vec<(&str, &[u8])> = keys.iter().map(|k| k.as_str()).zip(bufs.iter().map(|b| unsafe { b.slice() })).collect();
+            let items: Vec<(&str, &[u8])> =
+                keys.iter().map(|k| k.as_str()).zip(bufs.iter().map(|b| unsafe { b.slice() })).collect();
             let results = c.write_batch(mode(upsert), &items, &cfg, true);
             results.into_iter().find_map(|r| r.err()).map_or(0, code)
         }))
     }
 
     #[pyo3(signature = (key, buffer_ptr, size, config = None, upsert = false))]
-    fn _write_from(&self, py: Python<'_>, key: &str, buffer_ptr: u64, size: u64, config: Option<PyRef<'_, ReplicateConfig>>, upsert: bool) -> i64 {
+    fn _write_from(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        buffer_ptr: u64,
+        size: u64,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+    ) -> i64 {
         let cfg = wire_config(config);
         let c = match self.client() {
             Ok(c) => c,
@@ -566,7 +603,8 @@ impl Store {
                                     None => code(ErrorCode::BUFFER_OVERFLOW),
                                     Some(a) => {
                                         // SAFETY: inside a registered buffer (checked above).
-                                        let dst = unsafe { std::slice::from_raw_parts_mut(a as *mut u8, sizes[k] as usize) };
+                                        let dst =
+                                            unsafe { std::slice::from_raw_parts_mut(a as *mut u8, sizes[k] as usize) };
                                         c.read_range(l, srcs[k], dst).map_or_else(code, |n| n as i64)
                                     }
                                 }

@@ -245,7 +245,9 @@ def test_two_stores_replica_two_survives_one_closing(make_store):
 
 
 def test_eight_threads_share_one_store(make_store):
-    s = make_store(segment="256MB", buffer="16MB")
+    # Room for every value at once: force-removed values stay reserved while their read
+    # lease (500 ms here) lasts, and 8 threads write faster than that.
+    s = make_store(segment="1GB", buffer="16MB")
     errors = []
 
     def work(t):

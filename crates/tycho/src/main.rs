@@ -21,7 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a master (object metadata service).
-    Master(master_cmd::MasterArgs),
+    Master(Box<master_cmd::MasterArgs>),
     /// Run everything a first user needs in one process: a master and a node on loopback.
     Up(master_cmd::UpArgs),
     /// Contribute memory to a store and serve it until SIGTERM.
@@ -66,7 +66,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Command::Master(a) => master_cmd::run_master(a),
+        Command::Master(a) => master_cmd::run_master(*a),
         Command::Up(a) => master_cmd::run_up(a),
         Command::Node(a) => node::run(a),
         Command::Put(a) => objects::put(a),
