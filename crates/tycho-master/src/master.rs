@@ -527,10 +527,10 @@ impl Master {
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<WireResult<()>> = errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect();
-        for run in group_by_shard(routed) {
+        for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
             let mut map = self.shards.shard(run[0].1.shard).write();
             for (i, r) in run {
-                out[i] = f(&mut map, &r.key);
+                out[*i] = f(&mut map, &r.key);
             }
         }
         out
@@ -542,10 +542,10 @@ impl Master {
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<Option<WireResult<T>>> = errors.into_iter().map(|e| e.map(Err)).collect();
-        for run in group_by_shard(routed) {
+        for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
             let map = self.shards.shard(run[0].1.shard).read();
             for (i, r) in run {
-                out[i] = Some(f(&map, &r.key));
+                out[*i] = Some(f(&map, &r.key));
             }
         }
         out.into_iter().map(|o| o.expect("every key has a result")).collect()

@@ -246,12 +246,22 @@ impl TransferEngine {
     }
 }
 
+/// CPUs this process may run on right now (its affinity mask, not the machine's size): extra
+/// threads on a process pinned to one CPU only add switches.
+fn usable_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Runs `work` on every item with up to [`MAX_PARALLEL`] threads (the caller's among them);
 /// succeeds only if every item does.
 fn in_parallel<T: Send>(
     items: Vec<T>,
     work: impl Fn(T) -> Result<(), TransferError> + Sync,
 ) -> Result<(), TransferError> {
+    let threads = usable_cpus().min(MAX_PARALLEL).min(items.len());
+    if threads <= 1 {
+        return items.into_iter().try_for_each(work);
+    }
     let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
     let next = AtomicUsize::new(0);
     let worker = || -> Result<(), TransferError> {
@@ -263,7 +273,7 @@ fn in_parallel<T: Send>(
         }
     };
     std::thread::scope(|s| {
-        let helpers: Vec<_> = (1..MAX_PARALLEL.min(slots.len())).map(|_| s.spawn(worker)).collect();
+        let helpers: Vec<_> = (1..threads).map(|_| s.spawn(worker)).collect();
         let mut result = worker();
         for h in helpers {
             let r = h.join().unwrap_or_else(|_| Err(TransferError::Protocol("transfer thread panicked".into())));
@@ -279,7 +289,7 @@ pub const PARALLEL_COPY_BYTES: usize = 8 << 20;
 
 fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
     let len = part.len();
-    if len < PARALLEL_COPY_BYTES {
+    if len < PARALLEL_COPY_BYTES || usable_cpus() < 2 {
         return match part {
             Part::Read { dst, .. } => m.read(offset, dst),
             Part::Write { src, .. } => m.write(offset, src),
