@@ -276,6 +276,16 @@ impl Client {
         let replicas = match self.inner.call(&req) {
             Ok(Response::WriteStarted(r)) => r,
             Err(ErrorCode::OBJECT_ALREADY_EXISTS) if mode == WriteMode::Put => return Ok(()),
+            Err(e @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)) => {
+                // The start may have reached the master: revoke it, or the key would stay
+                // blocked (REPLICA_IS_NOT_READY) until the discard timeout. Revoking a write
+                // that never started is a harmless OBJECT_NOT_FOUND.
+                let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key) };
+                let revoke =
+                    if mode == WriteMode::Put { Request::PutRevoke(finish) } else { Request::UpsertRevoke(finish) };
+                let _ = self.inner.call(&revoke);
+                return Err(e);
+            }
             Err(e) => return Err(e),
             Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
         };

@@ -45,7 +45,7 @@ impl Mapping {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        Self::map(fd, len, true)
+        Self::map(fd, len)
     }
 
     /// Maps a peer's segment through its `/proc/<pid>/fd/<fd>` path.
@@ -58,15 +58,15 @@ impl Mapping {
         }
         use std::os::unix::fs::MetadataExt;
         let identity = (meta.dev(), meta.ino());
-        // Pre-fault here too: otherwise the first copy into each page of a peer's segment pays
-        // a page fault in this process, which can cost as much as the copy itself.
-        let mut m = Self::map(OwnedFd::from(file), len, true)?;
+        let mut m = Self::map(OwnedFd::from(file), len)?;
         m.peer = Some((path.to_string(), identity));
         Ok(m)
     }
 
-    fn map(fd: OwnedFd, len: usize, populate: bool) -> Result<Mapping, TransferError> {
-        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
+    /// Maps `len` bytes of `fd`, pre-faulted: otherwise the first copy into each page pays a
+    /// page fault, which can cost as much as the copy itself.
+    fn map(fd: OwnedFd, len: usize) -> Result<Mapping, TransferError> {
+        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
         // SAFETY: mapping a valid fd of at least `len` bytes; the result is checked.
         let ptr = unsafe {
             libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)

@@ -231,7 +231,7 @@ fn orchestrate(args: &BenchArgs) -> Result<(), String> {
     println!("{:<6} {:<8} {:<6} {:>10} {:>9} {:>9} {:>9}", "proto", "size", "op", "ops/s", "GB/s", "p50 us", "p99 us");
     let mut rows: Vec<(String, usize, String, Measured)> = Vec::new();
     for proto in &args.protocols {
-        Protocol::from_str_checked(proto)?;
+        proto.parse::<Protocol>()?;
         for &size in &args.sizes {
             let count = (BYTES_PER_SIZE / size).clamp(4, 2000);
             let prefix = format!("bench/{proto}/{size}");
@@ -308,16 +308,6 @@ fn orchestrate(args: &BenchArgs) -> Result<(), String> {
     }
     let _ = admin.close();
     Ok(())
-}
-
-trait CheckedProtocol {
-    fn from_str_checked(s: &str) -> Result<Protocol, String>;
-}
-
-impl CheckedProtocol for Protocol {
-    fn from_str_checked(s: &str) -> Result<Protocol, String> {
-        s.parse()
-    }
 }
 
 /// GB/s of a single-thread copy of `size` bytes between two warm buffers.
