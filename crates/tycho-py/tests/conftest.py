@@ -2,9 +2,8 @@
 against it."""
 
 import os
-import socket
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,29 +24,25 @@ def _tycho_bin():
     raise RuntimeError("build the tycho binary first (cargo build) or set TYCHO_BIN")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Master:
+    """A `tycho master` on kernel-chosen loopback ports; the address comes from the line it
+    prints once listening, so no other process can take the port in between."""
+
     def __init__(self, *extra):
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        args = [_tycho_bin(), "master", "--rpc-address", "127.0.0.1", "--rpc-port", str(self.port),
-                "--metrics-port", "0", *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-        deadline = time.time() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+        args = [_tycho_bin(), "master", "--rpc-address", "127.0.0.1", "--rpc-port", "0",
+                "--metrics-address", "127.0.0.1", "--metrics-port", "0", *extra]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        prefix = "tycho master listening on "
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                self.addr = line[len(prefix):].strip()
                 break
-            except OSError:
-                if time.time() > deadline:
-                    self.stop()
-                    raise RuntimeError("tycho master did not start")
-                time.sleep(0.02)
+        else:
+            self.stop()
+            raise RuntimeError("tycho master did not start")
+        self.port = int(self.addr.rsplit(":", 1)[1])
+        # Keep draining stdout so the master never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def stop(self):
         self.proc.kill()

@@ -1,4 +1,5 @@
-//! Test harness: real external services for Tycho's integration tests.
+//! Test harness: real external services for Tycho's integration tests, and Tycho's own
+//! processes ([`MasterProc`], [`NodeProc`]) on kernel-chosen loopback ports.
 //!
 //! [`EtcdServer`] starts the system's `etcd` binary (Debian's `etcd-server` package puts it at
 //! `/usr/bin/etcd`; `scripts/test` installs it) on free loopback ports with a private data
@@ -13,7 +14,9 @@
 //! ```
 
 mod etcd;
+mod process;
 mod temp_dir;
 
 pub use etcd::{EtcdConfig, EtcdServer};
+pub use process::{MasterProc, NodeProc, Proc};
 pub use temp_dir::TempDir;

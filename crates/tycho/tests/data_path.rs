@@ -1,70 +1,26 @@
 //! The data path with real processes: a master, `tycho node` daemons and in-test clients.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tycho_client::{Client, ClientConfig, Protocol, WriteMode};
 use tycho_proto::*;
+use tycho_testkit::{MasterProc, NodeProc, Proc};
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    fn signal(&self, sig: i32) {
-        // SAFETY: sending a signal to our own child.
-        unsafe { libc_kill(self.0.id() as i32, sig) };
-    }
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
-}
 const SIGKILL: i32 = 9;
 const SIGTERM: i32 = 15;
+const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn wait_port(addr: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "{addr} did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn master(extra: &[&str]) -> (Proc, String) {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr = format!("127.0.0.1:{port}");
-    wait_port(&addr);
-    (Proc(child), addr)
+fn master(extra: &[&str]) -> (MasterProc, String) {
+    let m = MasterProc::start(TYCHO, extra);
+    let addr = m.rpc.clone();
+    (m, addr)
 }
 
 fn node(master: &str, size: &str) -> (Proc, String) {
-    let port = free_port();
-    let host = format!("127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["node", "--master", master, "--segment-size", size, "--local-hostname", &host])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    (Proc(child), host)
+    let n = NodeProc::start(TYCHO, master, size);
+    (n.proc, n.hostname)
 }
 
 fn client(master: &str, protocol: Protocol, segment: u64) -> Client {
@@ -304,33 +260,21 @@ fn put_is_put_if_absent_and_batches_round_trip() {
     assert!(c.exists_batch(&keys).iter().all(|e| *e == Ok(true)));
 }
 
-fn master_on(port: u16) -> Proc {
-    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_port(&format!("127.0.0.1:{port}"));
-    Proc(child)
-}
-
 #[test]
 fn clients_and_nodes_come_back_after_a_master_restart() {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let first = master_on(port);
+    let (first, addr) = master(&[]);
     let (_n, _) = node(&addr, "32MB");
     let c = client(&addr, Protocol::Auto, 0);
     wait_for("node", 20, || stats(&c).segments == 1);
     c.put("before", b"v1", &Default::default()).unwrap();
+    let first_port = first.port();
     drop(first);
     // While the master is down, calls fail with a transport code rather than hang.
     let err = c.exists("before").unwrap_err();
     assert!(matches!(err, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT), "{err}");
-    let _second = master_on(port);
+    let _second = MasterProc::start_on(TYCHO, first_port, &[]);
     // The first write after the restart re-registers the client by itself (CLIENT_NOT_FOUND →
     // remount → retry) rather than failing until the next heartbeat.
-    wait_port(&addr);
     let mut wrote = false;
     for _ in 0..50 {
         match c.put("first-after", b"v0", &Default::default()) {
@@ -356,9 +300,7 @@ fn clients_and_nodes_come_back_after_a_master_restart() {
 
 #[test]
 fn a_hot_object_is_read_without_asking_the_master_again_within_its_lease() {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let m = master_on(port);
+    let (m, addr) = master(&[]);
     let (_n, _) = node(&addr, "32MB");
     let c = client(&addr, Protocol::Auto, 0);
     wait_for("node", 20, || stats(&c).segments == 1);

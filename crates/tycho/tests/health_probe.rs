@@ -4,42 +4,16 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tycho_proto::*;
 use tycho_rpc::{BlockingClient, ClientConfig};
+use tycho_testkit::MasterProc;
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-struct Master {
-    _proc: Proc,
-    rpc: String,
-    http: String,
-}
-
-fn start(extra: &[&str]) -> Master {
-    let (rpc_port, http_port) = (free_port(), free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &rpc_port.to_string()])
-        .args(["--metrics-address", "127.0.0.1", "--metrics-port", &http_port.to_string()])
-        .args(["--rpc-probe-interval", "0.3", "--rpc-probe-timeout", "0.5"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let m = Master { _proc: Proc(child), rpc: format!("127.0.0.1:{rpc_port}"), http: format!("127.0.0.1:{http_port}") };
+fn start(extra: &[&str]) -> MasterProc {
+    let mut args = vec!["--rpc-probe-interval", "0.3", "--rpc-probe-timeout", "0.5"];
+    args.extend_from_slice(extra);
+    let m = MasterProc::start(env!("CARGO_BIN_EXE_tycho"), &args);
     wait_until("the master to be ready", Duration::from_secs(20), || http(&m.http, "GET", "/readyz", "").0 == 200);
     m
 }

@@ -1,6 +1,5 @@
 //! RPC-level tests against a real `tycho master` process on a free loopback port.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,38 +7,10 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tycho_proto::*;
 use tycho_rpc::{ClientConfig, RpcClient};
-
-struct MasterProc {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for MasterProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use tycho_testkit::MasterProc;
 
 fn start_master(extra: &[&str]) -> MasterProc {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_tycho"))
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawn tycho master");
-    let addr = format!("127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(Instant::now() < deadline, "master did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    MasterProc { child, addr }
+    MasterProc::start(env!("CARGO_BIN_EXE_tycho"), extra)
 }
 
 struct C {
@@ -107,7 +78,7 @@ async fn stats(c: &C) -> MasterStats {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn object_surface_over_rpc() {
     let m = start_master(&["--default-kv-lease-ttl", "300"]);
-    let c = C::connect(&m.addr).await;
+    let c = C::connect(&m.rpc).await;
     let a = ClientId(0xA);
     assert_eq!(c.call(Request::ServiceReady).await, Response::ServiceReady(true));
 
@@ -251,9 +222,9 @@ async fn object_surface_over_rpc() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_garbage_frames_are_refused_without_harm() {
     let m = start_master(&["--max-frame-bytes", "65536"]);
-    let good = C::connect(&m.addr).await;
+    let good = C::connect(&m.rpc).await;
     // A header announcing 1 GiB: the master closes that connection without reading it.
-    let mut raw = tokio::net::TcpStream::connect(&m.addr).await.unwrap();
+    let mut raw = tokio::net::TcpStream::connect(&m.rpc).await.unwrap();
     let h = frame::FrameHeader { kind: frame::FrameKind::Request, len: 1 << 30, request_id: 1 };
     let mut buf = [0u8; frame::HEADER_LEN];
     h.encode(&mut buf);
@@ -261,7 +232,7 @@ async fn oversized_and_garbage_frames_are_refused_without_harm() {
     let mut rest = Vec::new();
     assert_eq!(tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await.unwrap().unwrap(), 0);
     // Garbage.
-    let mut raw = tokio::net::TcpStream::connect(&m.addr).await.unwrap();
+    let mut raw = tokio::net::TcpStream::connect(&m.rpc).await.unwrap();
     raw.write_all(&[0xde; 64]).await.unwrap();
     assert_eq!(tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await.unwrap().unwrap(), 0);
     assert_eq!(good.call(Request::ServiceReady).await, Response::ServiceReady(true));
@@ -282,12 +253,12 @@ fn heartbeat(addr: String, client: ClientId, on: Arc<AtomicBool>) -> tokio::task
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_client_expires_with_exactly_its_replicas() {
     let m = start_master(&["--client-ttl", "1"]);
-    let c = C::connect(&m.addr).await;
+    let c = C::connect(&m.rpc).await;
     let (a, b) = (ClientId(0xA), ClientId(0xB));
     c.call(Request::MountSegment { client: a, segment: seg(1, "e:a", 1 << 20) }).await;
     c.call(Request::MountSegment { client: b, segment: seg(2, "e:b", 1 << 20) }).await;
     let b_alive = Arc::new(AtomicBool::new(true));
-    let hb = heartbeat(m.addr.clone(), b, b_alive.clone());
+    let hb = heartbeat(m.rpc.clone(), b, b_alive.clone());
     for i in 0..20 {
         put(&c, a, &format!("both/{i}"), 100, 2).await;
     }
@@ -332,14 +303,14 @@ async fn silent_client_expires_with_exactly_its_replicas() {
 async fn expiry_sweep_of_a_million_objects_does_not_stall_reads() {
     const N: usize = 1_000_000;
     let m = start_master(&["--client-ttl", "2"]);
-    let c = C::connect(&m.addr).await;
+    let c = C::connect(&m.rpc).await;
     let (victim, reader) = (ClientId(0xDEAD), ClientId(0xBEEF));
     c.call(Request::MountSegment { client: victim, segment: seg(1, "e:v", 64 << 30) }).await;
     c.call(Request::MountSegment { client: reader, segment: seg(2, "e:r", 1 << 30) }).await;
     let reader_alive = Arc::new(AtomicBool::new(true));
-    let hb_reader = heartbeat(m.addr.clone(), reader, reader_alive.clone());
+    let hb_reader = heartbeat(m.rpc.clone(), reader, reader_alive.clone());
     let victim_alive = Arc::new(AtomicBool::new(true));
-    let hb_victim = heartbeat(m.addr.clone(), victim, victim_alive.clone());
+    let hb_victim = heartbeat(m.rpc.clone(), victim, victim_alive.clone());
     for i in 0..100 {
         let mut s = start(reader, &format!("r/{i}"), 4096, 1);
         s.config.preferred_segments = vec!["seg-2".into()];
@@ -365,7 +336,7 @@ async fn expiry_sweep_of_a_million_objects_does_not_stall_reads() {
     let base = s0.sweep_progress;
     let target = base + N as u64;
     let (mut reads, mut during, mut failures) = (0u64, 0u64, 0u64);
-    let r = C::connect(&m.addr).await;
+    let r = C::connect(&m.rpc).await;
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let key = format!("r/{}", reads % 100);
