@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -150,7 +151,8 @@ def run_impl(impl, args):
         # batch_is_exist of 128 keys.
         keys = [f"{tag}-be-{i}" for i in range(128)]
         s.put_batch(keys, [b"x" * 64] * 128)
-        nb = max(20, args.iters // 10)
+        nb = max(20, args.iters // 3)
+        s.batch_is_exist(keys)
         rows["batch_is_exist 128 (calls)"] = timed(nb, lambda i: s.batch_is_exist(keys))
         # batch_put_from / batch_get_into of 32 x 1 MiB.
         size, count = 1 << 20, 32
@@ -162,7 +164,8 @@ def run_impl(impl, args):
         check(s.register_buffer(dp, size * count), "register dst")
         ptrs_s = [sp + j * size for j in range(count)]
         ptrs_d = [dp + j * size for j in range(count)]
-        rounds = max(5, args.iters // 400)
+        # At most 12 rounds (384 MiB) so that the rows stay below the eviction watermark.
+        rounds = max(5, min(12, args.iters // 150))
         batches = [[f"{tag}-bp-{r}-{j}" for j in range(count)] for r in range(rounds)]
 
         def put_round(r):
@@ -206,6 +209,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=["tycho", "mooncake", "both"], default="both")
     ap.add_argument("--iters", type=int, default=3000, help="operations per small-value row")
+    ap.add_argument("--repeat", type=int, default=5, help="alternating runs per implementation; rows report the median")
     ap.add_argument("--client-cpu", type=int, default=0, help="CPU the client (and reader) run on")
     ap.add_argument("--master-cpu", type=int, default=0, help="CPU the master runs on")
     ap.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
@@ -226,14 +230,23 @@ def main():
             print(f"mooncake.store is not importable ({e}); running tycho only", file=sys.stderr)
             impls = ["tycho"]
     print(f"pinning: client and reader on CPU {args.client_cpu}, master on CPU {args.master_cpu}; "
-          f"{args.iters} operations per small-value row")
-    results = {impl: run_impl(impl, args) for impl in impls}
+          f"{args.iters} operations per small-value row; {args.repeat} alternating runs per implementation")
+    # Runs alternate between the implementations so that slow drift in the machine's load
+    # falls on both; each row reports the median over the runs.
+    runs = {impl: [] for impl in impls}
+    for r in range(args.repeat):
+        for impl in impls:
+            runs[impl].append(run_impl(impl, args))
+            print(f"run {r + 1}/{args.repeat} of {impl} done", file=sys.stderr)
+    results = {impl: {n: statistics.median(run[n] for run in rs) for n in rs[0]} for impl, rs in runs.items()}
     names = list(results[impls[0]].keys())
     print(f"{'row':<34}" + "".join(f"{i + ' ops/s':>18}" for i in impls) + ("   ratio tycho/mooncake" if len(impls) == 2 else ""))
     for n in names:
         line = f"{n:<34}" + "".join(f"{results[i].get(n, float('nan')):>18.1f}" for i in impls)
         if len(impls) == 2:
             line += f"   {results['tycho'][n] / results['mooncake'][n]:>8.2f}x"
+            spread = [t[n] / m[n] for t, m in zip(runs["tycho"], runs["mooncake"])]
+            line += f"   (per run {min(spread):.2f}-{max(spread):.2f})"
         print(line)
 
 

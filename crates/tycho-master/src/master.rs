@@ -168,7 +168,7 @@ impl Master {
                 Err(e) => errors.push(Some(e)),
             }
         }
-        routed.sort_by_key(|(_, r)| r.shard);
+        routed.sort_unstable_by_key(|(i, r)| (r.shard, *i));
         (errors, routed)
     }
 

@@ -15,6 +15,11 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use tycho_client::{Client, ClientConfig, Protocol, WriteMode};
 use tycho_proto::{ErrorCode, ReplicaDesc};
 
+// Rust-side allocations of the extension (keys, frames) bypass glibc malloc; Python objects
+// still come from Python's allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn code(e: ErrorCode) -> i64 {
     e.as_i32() as i64
 }

@@ -10,6 +10,9 @@ mod objects;
 
 use clap::{Parser, Subcommand};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Tycho: a distributed KV-cache store for LLM inference.
 #[derive(Parser)]
 #[command(name = "tycho", version, about)]
