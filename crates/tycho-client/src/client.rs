@@ -119,7 +119,7 @@ impl Client {
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
         let registry = Arc::new(SegmentRegistry::default());
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
-        let master = BlockingClient::new(&cfg.master_addr, RpcConfig::default());
+        let master = BlockingClient::new(&cfg.master_addr, RpcConfig { spin: cfg.rpc_spin, ..RpcConfig::default() });
         master.check().map_err(|e| e.code())?;
         let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone());
         let id = ClientId(rand::random());

@@ -53,6 +53,10 @@ pub struct ClientConfig {
     /// promises a complete value, not the latest one); this client's own writes and removes are
     /// seen at once, and metadata queries (exist, size, replica lists) always ask the master.
     pub reuse_leases: bool,
+    /// How long a master call polls for its answer before sleeping (see
+    /// [`tycho_rpc::ClientConfig::spin`]). `TYCHO_RPC_SPIN_US` in the environment overrides
+    /// the default; 0 turns polling off, for hosts where a caller must never busy-wait.
+    pub rpc_spin: Duration,
 }
 
 impl ClientConfig {
@@ -69,6 +73,10 @@ impl ClientConfig {
             rpc_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
             reuse_leases: true,
+            rpc_spin: std::env::var("TYCHO_RPC_SPIN_US")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .map_or(tycho_rpc::DEFAULT_SPIN, Duration::from_micros),
         }
     }
 }

@@ -3,9 +3,15 @@
 //! cross-thread wake-up costs tens of microseconds, which is the whole budget of a metadata
 //! call. Each call takes an idle connection from the pool (or opens one), so concurrent
 //! callers use separate connections.
+//!
+//! Sockets are non-blocking. After sending, the caller polls for the answer for a short,
+//! bounded time ([`ClientConfig::spin`]), yielding the CPU between attempts, before it sleeps
+//! in `poll(2)`: a metadata answer usually arrives within that time, and a caller that never
+//! went to sleep needs no wake-up. Yielding lets a server that shares the caller's CPU run.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -64,6 +70,7 @@ impl BlockingClient {
             .ok_or_else(|| err(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
         let stream = TcpStream::connect_timeout(&addr, self.config.connect_timeout).map_err(err)?;
         stream.set_nodelay(true).map_err(err)?;
+        stream.set_nonblocking(true).map_err(err)?;
         Ok(Conn { stream, next_id: 1, rbuf: Vec::with_capacity(4096), wbuf: Vec::with_capacity(4096) })
     }
 
@@ -98,7 +105,7 @@ impl BlockingClient {
         deadline: Duration,
     ) -> Result<Resp, RpcError> {
         let io = |e: std::io::Error| {
-            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
                 RpcError::Timeout(deadline)
             } else {
                 RpcError::Closed(e.to_string())
@@ -109,36 +116,90 @@ impl BlockingClient {
         conn.wbuf.clear();
         encode_frame(&mut conn.wbuf, FrameKind::Request, id, req)?;
         let end = Instant::now() + deadline;
-        conn.stream.set_write_timeout(Some(deadline)).map_err(io)?;
-        conn.stream.write_all(&conn.wbuf).map_err(io)?;
-        let mut head = [0u8; HEADER_LEN];
-        read_until(&mut conn.stream, &mut head, end).map_err(io)?;
-        let header = FrameHeader::decode(&head, self.config.max_frame)?;
-        conn.rbuf.resize(header.len as usize, 0);
-        read_until(&mut conn.stream, &mut conn.rbuf, end).map_err(io)?;
+        write_until(&mut conn.stream, &conn.wbuf, end).map_err(io)?;
+        // The answer is read in as few reads as possible: whatever is available, up to the
+        // frame's end once the header says where that is.
+        if conn.rbuf.len() < 4096 {
+            conn.rbuf.resize(4096, 0);
+        }
+        let spin_until = Instant::now() + self.config.spin;
+        let mut filled = 0;
+        let mut header: Option<FrameHeader> = None;
+        loop {
+            let want = header.map_or(HEADER_LEN, |h| HEADER_LEN + h.len as usize);
+            if filled >= want {
+                break;
+            }
+            if conn.rbuf.len() < want {
+                conn.rbuf.resize(want, 0);
+            }
+            filled += read_some(&mut conn.stream, &mut conn.rbuf[filled..want], spin_until, end).map_err(io)?;
+            if header.is_none() && filled >= HEADER_LEN {
+                let head: &[u8; HEADER_LEN] = conn.rbuf[..HEADER_LEN].try_into().expect("header length");
+                header = Some(FrameHeader::decode(head, self.config.max_frame)?);
+            }
+        }
+        let header = header.expect("read at least a header");
+        let payload = &conn.rbuf[HEADER_LEN..HEADER_LEN + header.len as usize];
         // One call at a time per connection, and a connection whose call failed is dropped,
         // so the next frame must be this call's answer.
         if header.kind != FrameKind::Response || header.request_id != id {
             return Err(RpcError::Closed(format!("unexpected frame id {} (wanted {id})", header.request_id)));
         }
-        Ok(decode_payload(&conn.rbuf)?)
+        Ok(decode_payload(payload)?)
     }
 }
 
-fn read_until(stream: &mut TcpStream, buf: &mut [u8], end: Instant) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let left = end.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+/// Reads what is available into `buf` (at least one byte), polling without sleeping until
+/// `spin_until` and then sleeping in `poll(2)` until `end`.
+fn read_some(stream: &mut TcpStream, buf: &mut [u8], spin_until: Instant, end: Instant) -> std::io::Result<usize> {
+    loop {
+        match stream.read(buf) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() < spin_until {
+                    std::thread::yield_now();
+                } else {
+                    wait_ready(stream, libc::POLLIN, end)?;
+                }
+            }
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Writes all of `buf`, waiting for room in the socket buffer until `end`.
+fn write_until(stream: &mut TcpStream, mut buf: &[u8], end: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match stream.write(buf) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => wait_ready(stream, libc::POLLOUT, end)?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Sleeps until the socket is ready for `events` or `end` passes (then `TimedOut`).
+fn wait_ready(stream: &TcpStream, events: libc::c_short, end: Instant) -> std::io::Result<()> {
+    let left = end.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(ErrorKind::TimedOut.into());
+    }
+    // Round up so that a sub-millisecond remainder still waits rather than spinning.
+    let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let rc = unsafe { libc::poll(&mut fd, 1, ms) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == ErrorKind::Interrupted { Ok(()) } else { Err(e) };
+    }
+    // Readiness, a timeout (the next read or write says WouldBlock again and the deadline
+    // check above ends the call) or an error condition (the next read or write reports it).
     Ok(())
 }

@@ -23,13 +23,20 @@ pub struct ClientConfig {
     pub max_frame: u32,
     /// Deadline for establishing the connection.
     pub connect_timeout: Duration,
+    /// How long a [`BlockingClient`](crate::BlockingClient) caller polls for an answer,
+    /// yielding between attempts, before it sleeps until the answer arrives. Zero sleeps at once.
+    pub spin: Duration,
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
-        ClientConfig { max_frame: DEFAULT_MAX_FRAME, connect_timeout: Duration::from_secs(3) }
+        ClientConfig { max_frame: DEFAULT_MAX_FRAME, connect_timeout: Duration::from_secs(3), spin: DEFAULT_SPIN }
     }
 }
+
+/// Default [`ClientConfig::spin`]: about one loopback round trip between two CPUs of a small
+/// VM, so that most metadata answers are picked up without a wake-up.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
 
 type Waiter = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 

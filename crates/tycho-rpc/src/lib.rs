@@ -16,7 +16,7 @@ mod pool;
 mod server;
 
 pub use blocking::BlockingClient;
-pub use client::{ClientConfig, RpcClient};
+pub use client::{ClientConfig, RpcClient, DEFAULT_SPIN};
 pub use error::RpcError;
 pub use pool::RpcPool;
 pub use server::{serve, Reply, ServerConfig, ServerHandle, Service};

@@ -15,12 +15,14 @@ enum Req {
     Echo(u64),
     SleepMs(u64, u64),
     Blob(Vec<u8>),
+    Fill(usize),
 }
 
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
 enum Resp {
     Echo(u64),
     Len(usize),
+    Blob(Vec<u8>),
     Bad(String),
 }
 
@@ -41,6 +43,7 @@ impl Service for TestService {
                 Resp::Echo(n)
             })),
             Req::Blob(b) => Reply::Ready(Resp::Len(b.len())),
+            Req::Fill(n) => Reply::Ready(Resp::Blob((0..n).map(|i| i as u8).collect())),
         }
     }
     fn malformed(&self, err: &FrameError) -> Resp {
@@ -218,4 +221,57 @@ async fn blocking_client_calls_from_plain_threads() {
     let c3 = client.clone();
     let r: Resp = tokio::task::spawn_blocking(move || c3.call(&Req::Echo(5), T)).await.unwrap().unwrap();
     assert_eq!(r, Resp::Echo(5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_client_moves_frames_larger_than_socket_buffers_with_and_without_polling() {
+    let (_h, _svc, addr) = start(64 << 20).await;
+    for spin in [Duration::ZERO, tycho_rpc::DEFAULT_SPIN] {
+        let cfg = ClientConfig { max_frame: 64 << 20, spin, ..ClientConfig::default() };
+        let client = tycho_rpc::BlockingClient::new(&addr, cfg);
+        tokio::task::spawn_blocking(move || {
+            let r: Resp = client.call(&Req::Blob(vec![7; 12 << 20]), T).unwrap();
+            assert_eq!(r, Resp::Len(12 << 20));
+            let Resp::Blob(b) = client.call(&Req::Fill(9 << 20), T).unwrap() else { panic!("wrong variant") };
+            assert_eq!(b.len(), 9 << 20);
+            assert!(b.iter().enumerate().all(|(i, &x)| x == i as u8));
+            // The connection went back to the pool in a clean state.
+            assert_eq!(client.call::<_, Resp>(&Req::Echo(9), T).unwrap(), Resp::Echo(9));
+        })
+        .await
+        .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_client_refuses_oversized_and_garbage_answers() {
+    // An answer above the client's frame limit is an error, not an allocation.
+    let (_h, _svc, addr) = start(64 << 20).await;
+    let small = tycho_rpc::BlockingClient::new(&addr, ClientConfig { max_frame: 1 << 20, ..ClientConfig::default() });
+    let err =
+        tokio::task::spawn_blocking(move || small.call::<_, Resp>(&Req::Fill(2 << 20), T).unwrap_err()).await.unwrap();
+    assert!(matches!(err, RpcError::Frame(_)), "{err:?}");
+    // A peer that answers with garbage, or hangs up, gives an error rather than a panic.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for (i, conn) in listener.incoming().take(2).enumerate() {
+            let mut conn = conn.unwrap();
+            let mut buf = [0u8; 64];
+            let _ = conn.read(&mut buf);
+            if i == 0 {
+                let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            }
+        }
+    });
+    let client = tycho_rpc::BlockingClient::new(&addr, ClientConfig::default());
+    tokio::task::spawn_blocking(move || {
+        let garbage = client.call::<_, Resp>(&Req::Echo(1), T).unwrap_err();
+        assert!(matches!(garbage, RpcError::Frame(_)), "{garbage:?}");
+        let hangup = client.call::<_, Resp>(&Req::Echo(2), T).unwrap_err();
+        assert!(matches!(hangup, RpcError::Closed(_)), "{hangup:?}");
+    })
+    .await
+    .unwrap();
 }
