@@ -52,7 +52,7 @@ pub struct RmArgs {
     /// Remove every key matching this regular expression.
     #[arg(long, conflicts_with_all = ["all", "key"])]
     regex: Option<String>,
-    /// Remove every object.
+    /// Remove every object; with a non-empty --tenant, every object of that tenant.
     #[arg(long, conflicts_with = "key")]
     all: bool,
     /// Remove even objects under a read lease.
@@ -141,8 +141,10 @@ pub fn exist(a: KeyArgs) -> i32 {
 /// `tycho rm`.
 pub fn rm(a: RmArgs) -> i32 {
     with_master(&a.target.master, |c| async move {
-        let req = if a.all {
+        let req = if a.all && a.tenant.is_empty() {
             Request::RemoveAll { force: a.force }
+        } else if a.all {
+            Request::RemoveByRegex { tenant: a.tenant, regex: ".*".into(), force: a.force }
         } else if let Some(regex) = a.regex {
             Request::RemoveByRegex { tenant: a.tenant, regex, force: a.force }
         } else {

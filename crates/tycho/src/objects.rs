@@ -86,9 +86,16 @@ pub fn put(a: PutArgs) -> i32 {
         Err(code) => return code,
     };
     let config = ReplicateConfig { replica_num: a.replicas, ..Default::default() };
+    // Put keeps an existing value and still succeeds (Mooncake's put-if-absent); ask first so
+    // that the message says which happened.
+    let existed = !a.upsert && c.exists(&a.key) == Ok(true);
     let r = if a.upsert { c.upsert(&a.key, &data, &config) } else { c.put(&a.key, &data, &config) };
     let _ = c.close();
     match r {
+        Ok(()) if existed => {
+            eprintln!("{} already holds a value; kept it (--upsert replaces it)", a.key);
+            0
+        }
         Ok(()) => {
             eprintln!("stored {} bytes under {}", data.len(), a.key);
             0
