@@ -439,6 +439,15 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
     for r in &rpcs {
         let _ = writeln!(out, "tycho_master_rpc_failures_total{{rpc=\"{}\"}} {}", r.name, r.failures);
     }
+    family(
+        &mut out,
+        "tycho_master_rpc_failed_items_total",
+        "counter",
+        "Keys of batch RPCs that failed on their own while the call answered, by RPC.",
+    );
+    for r in rpcs.iter().filter(|r| r.name.starts_with("batch_")) {
+        let _ = writeln!(out, "tycho_master_rpc_failed_items_total{{rpc=\"{}\"}} {}", r.name, r.failed_items);
+    }
     family(&mut out, "tycho_master_rpc_duration_seconds", "histogram", "Time to handle an RPC, by RPC.");
     for r in &rpcs {
         for (le, n) in LATENCY_BUCKETS.iter().zip(&r.cumulative) {

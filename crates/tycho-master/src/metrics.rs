@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tycho_proto::Request;
+use tycho_proto::{Request, Response};
 
 /// Upper bounds of the latency histogram buckets, in seconds.
 pub const LATENCY_BUCKETS: [f64; 14] =
@@ -14,6 +14,7 @@ pub const LATENCY_BUCKETS: [f64; 14] =
 struct Series {
     requests: AtomicU64,
     failures: AtomicU64,
+    failed_items: AtomicU64,
     sum_ns: AtomicU64,
     buckets: [AtomicU64; LATENCY_BUCKETS.len()],
 }
@@ -37,6 +38,8 @@ pub struct RpcSnapshot {
     pub requests: u64,
     /// Calls answered with an error.
     pub failures: u64,
+    /// Keys of batch calls that failed on their own while the call as a whole answered.
+    pub failed_items: u64,
     /// Sum of latencies, seconds.
     pub sum_seconds: f64,
     /// Cumulative counts per bucket of [`LATENCY_BUCKETS`].
@@ -44,12 +47,16 @@ pub struct RpcSnapshot {
 }
 
 impl RpcMetrics {
-    /// Records one call of RPC `index`.
-    pub fn record(&self, index: usize, elapsed: Duration, failed: bool) {
+    /// Records one call of RPC `index` that was answered with `resp`.
+    pub fn record(&self, index: usize, elapsed: Duration, resp: &Response) {
         let s = &self.series[index];
         s.requests.fetch_add(1, Ordering::Relaxed);
-        if failed {
+        if matches!(resp, Response::Error(_)) {
             s.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        let items = failed_items(resp);
+        if items > 0 {
+            s.failed_items.fetch_add(items, Ordering::Relaxed);
         }
         s.sum_ns.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
@@ -77,10 +84,42 @@ impl RpcMetrics {
                     name,
                     requests: s.requests.load(Ordering::Relaxed),
                     failures: s.failures.load(Ordering::Relaxed),
+                    failed_items: s.failed_items.load(Ordering::Relaxed),
                     sum_seconds: s.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
                     cumulative,
                 }
             })
             .collect()
+    }
+}
+
+/// Keys of a batch answer that carry an error.
+fn failed_items(resp: &Response) -> u64 {
+    let errors = match resp {
+        Response::BatchWriteStarted(r) => r.iter().filter(|x| x.is_err()).count(),
+        Response::BatchDone(r) => r.iter().filter(|x| x.is_err()).count(),
+        Response::BatchReplicas(r) => r.iter().filter(|x| x.is_err()).count(),
+        Response::BatchExists(r) => r.iter().filter(|x| x.is_err()).count(),
+        _ => 0,
+    };
+    errors as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tycho_proto::ErrorCode;
+
+    #[test]
+    fn whole_call_errors_and_per_key_errors_are_counted_apart() {
+        let m = RpcMetrics::default();
+        let batch = Request::NAMES.iter().position(|n| *n == "batch_exist_key").expect("batch_exist_key");
+        let t = Duration::from_micros(30);
+        m.record(batch, t, &Response::BatchExists(vec![Ok(true), Err(ErrorCode::INVALID_KEY), Ok(false)]));
+        m.record(batch, t, &Response::Error(ErrorCode::CLIENT_NOT_FOUND));
+        m.record(batch, t, &Response::BatchExists(vec![Ok(true)]));
+        let s = &m.snapshot()[batch];
+        assert_eq!((s.requests, s.failures, s.failed_items), (3, 1, 1));
+        assert_eq!(s.cumulative.last().copied(), Some(3));
     }
 }

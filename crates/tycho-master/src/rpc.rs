@@ -56,14 +56,14 @@ impl Service for MasterRpc {
         let start = Instant::now();
         match self.dispatch(req) {
             Reply::Ready(resp) => {
-                self.metrics.record(index, start.elapsed(), matches!(resp, Response::Error(_)));
+                self.metrics.record(index, start.elapsed(), &resp);
                 Reply::Ready(resp)
             }
             Reply::Later(fut) => {
                 let metrics = self.metrics.clone();
                 Reply::Later(Box::pin(async move {
                     let resp = fut.await;
-                    metrics.record(index, start.elapsed(), matches!(resp, Response::Error(_)));
+                    metrics.record(index, start.elapsed(), &resp);
                     resp
                 }))
             }

@@ -148,7 +148,18 @@ fn metrics_parse_and_counters_move_with_rpcs() {
         rpc.call::<_, Response>(&Request::PutStart(bad), t).unwrap(),
         Response::Error(ErrorCode::INVALID_PARAMS)
     );
+    // A batch that answers, with one of its three keys missing: a per-key failure only.
+    let keys = ["k0", "missing", "k1"]
+        .iter()
+        .map(|k| KeyRef { key: k.to_string(), route: tycho_routing::route_for("", k, 1) })
+        .collect();
+    let batch =
+        rpc.call::<_, Response>(&Request::BatchGetReplicaList(BatchKeyQuery { tenant: String::new(), keys }), t);
+    assert!(matches!(batch.unwrap(), Response::BatchReplicas(r) if r.iter().filter(|x| x.is_err()).count() == 1));
     let after = scrape(&m.http);
+    let batch_rpc = Some(("rpc", "batch_get_replica_list"));
+    assert_eq!(value(&after, "tycho_master_rpc_failures_total", batch_rpc), 0.0);
+    assert_eq!(value(&after, "tycho_master_rpc_failed_items_total", batch_rpc), 1.0);
     assert_eq!(put(&after), 6.0);
     assert_eq!(fails(&after) - fails(&before), 1.0);
     assert_eq!(value(&after, "tycho_master_rpc_requests_total", Some(("rpc", "get_replica_list"))), 5.0);
