@@ -262,23 +262,12 @@ async fn query_key(State(s): State<Arc<AdminState>>, Query(q): Query<HashMap<Str
     };
     let tenant = q.get("tenant").cloned().unwrap_or_default();
     let m = s.master.clone();
-    let pattern = regex_escape(&key);
-    match tokio::task::spawn_blocking(move || m.list_keys(Some(&tenant), Some(&pattern), 1)).await {
-        Ok(Ok(mut keys)) if !keys.is_empty() => json(&keys.remove(0)),
-        Ok(Ok(_)) => (StatusCode::NOT_FOUND, "no such key\n").into_response(),
-        _ => (StatusCode::INTERNAL_SERVER_ERROR, "lookup failed\n").into_response(),
+    match tokio::task::spawn_blocking(move || m.query_key(&tenant, &key)).await {
+        Ok(Ok(Some(info))) => json(&info),
+        Ok(Ok(None)) => (StatusCode::NOT_FOUND, "no such key\n").into_response(),
+        Ok(Err(code)) => (StatusCode::BAD_REQUEST, format!("{code}: {}\n", code.hint())).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "lookup failed\n").into_response(),
     }
-}
-
-fn regex_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 #[cfg(feature = "failpoints")]

@@ -717,19 +717,19 @@ impl Master {
                 if out.len() >= limit as usize {
                     break 'shards;
                 }
-                out.push(KeyInfo {
-                    tenant: t.to_string(),
-                    key: key.to_string(),
-                    size: o.pending.as_ref().filter(|_| !o.is_complete()).map_or(o.size, |p| p.size),
-                    replicas: o.replicas.len() as u32,
-                    complete: o.is_complete(),
-                    lease_remaining_ms: o.lease().saturating_sub(now),
-                    soft_pinned: o.is_soft_pinned(now),
-                    hard_pinned: o.hard_pin,
-                });
+                out.push(key_info(t, key, o, now));
             }
         }
         Ok(out)
+    }
+
+    /// What the master holds for one key, found through its partition's shard.
+    pub fn query_key(&self, tenant: &str, key: &str) -> WireResult<Option<KeyInfo>> {
+        validate_key(tenant, key)?;
+        let encoded = encode_object_key(tenant, key);
+        let shard = Shards::index_of(partition_of_encoded(&encoded));
+        let map = self.shards.shard(shard).read();
+        Ok(map.get(encoded.as_slice()).map(|o| key_info(tenant, key, o, self.now())))
     }
 
     /// Whole-master figures.
@@ -937,6 +937,19 @@ impl Master {
 
 /// Compiles `pattern` to match whole keys. The pattern is checked on its own first: wrapped,
 /// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key.
+fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
+    KeyInfo {
+        tenant: tenant.to_string(),
+        key: key.to_string(),
+        size: o.pending.as_ref().filter(|_| !o.is_complete()).map_or(o.size, |p| p.size),
+        replicas: o.replicas.len() as u32,
+        complete: o.is_complete(),
+        lease_remaining_ms: o.lease().saturating_sub(now),
+        soft_pinned: o.is_soft_pinned(now),
+        hard_pinned: o.hard_pin,
+    }
+}
+
 fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
     regex::Regex::new(pattern).map_err(|_| ErrorCode::INVALID_PARAMS)?;
     regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|_| ErrorCode::INVALID_PARAMS)

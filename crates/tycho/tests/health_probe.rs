@@ -156,6 +156,12 @@ fn metrics_parse_and_counters_move_with_rpcs() {
     let batch =
         rpc.call::<_, Response>(&Request::BatchGetReplicaList(BatchKeyQuery { tenant: String::new(), keys }), t);
     assert!(matches!(batch.unwrap(), Response::BatchReplicas(r) if r.iter().filter(|x| x.is_err()).count() == 1));
+    // The admin key lookup goes straight to the key's shard.
+    let (status, body) = http(&m.http, "GET", "/query_key?key=k0", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"key\":\"k0\"") && body.contains("\"size\":100"), "{body}");
+    assert_eq!(http(&m.http, "GET", "/query_key?key=missing", "").0, 404);
+    assert_eq!(http(&m.http, "GET", "/query_key?key=", "").0, 400);
     let after = scrape(&m.http);
     let batch_rpc = Some(("rpc", "batch_get_replica_list"));
     assert_eq!(value(&after, "tycho_master_rpc_failures_total", batch_rpc), 0.0);
