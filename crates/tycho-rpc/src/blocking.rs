@@ -23,6 +23,9 @@ use crate::{ClientConfig, RpcError};
 /// Most idle connections kept per pool.
 const MAX_IDLE: usize = 64;
 
+/// Largest read or write buffer a pooled connection keeps between calls.
+const KEEP_BUFFER: usize = 1 << 20;
+
 /// A pool of blocking connections to one server.
 pub struct BlockingClient {
     addr: String,
@@ -146,7 +149,16 @@ impl BlockingClient {
         if header.kind != FrameKind::Response || header.request_id != id {
             return Err(RpcError::Closed(format!("unexpected frame id {} (wanted {id})", header.request_id)));
         }
-        Ok(decode_payload(payload)?)
+        let resp = decode_payload(payload);
+        // A pooled connection keeps its buffers; do not let one large answer (a key listing)
+        // pin its size for the connection's life.
+        if conn.rbuf.len() > KEEP_BUFFER {
+            conn.rbuf = Vec::new();
+        }
+        if conn.wbuf.capacity() > KEEP_BUFFER {
+            conn.wbuf = Vec::new();
+        }
+        Ok(resp?)
     }
 }
 
