@@ -73,10 +73,22 @@ impl ClientConfig {
             rpc_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
             reuse_leases: true,
-            rpc_spin: std::env::var("TYCHO_RPC_SPIN_US")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .map_or(tycho_rpc::DEFAULT_SPIN, Duration::from_micros),
+            rpc_spin: spin_from_env(),
+        }
+    }
+}
+
+/// Longest poll the environment may ask for: past this, sleeping is cheaper than spinning.
+const MAX_SPIN: Duration = Duration::from_millis(10);
+
+/// `TYCHO_RPC_SPIN_US`, bounded by [`MAX_SPIN`]; the default when unset or unreadable.
+fn spin_from_env() -> Duration {
+    let Ok(value) = std::env::var("TYCHO_RPC_SPIN_US") else { return tycho_rpc::DEFAULT_SPIN };
+    match value.trim().parse::<u64>() {
+        Ok(us) => Duration::from_micros(us).min(MAX_SPIN),
+        Err(_) => {
+            tracing::warn!(value, "TYCHO_RPC_SPIN_US is not a number of microseconds; using the default");
+            tycho_rpc::DEFAULT_SPIN
         }
     }
 }

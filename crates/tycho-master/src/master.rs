@@ -935,8 +935,7 @@ impl Master {
     }
 }
 
-/// Compiles `pattern` to match whole keys. The pattern is checked on its own first: wrapped,
-/// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key.
+/// What `list_keys` and `query_key` report for one object.
 fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
     KeyInfo {
         tenant: tenant.to_string(),
@@ -950,6 +949,8 @@ fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
     }
 }
 
+/// Compiles `pattern` to match whole keys. The pattern is checked on its own first: wrapped,
+/// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key.
 fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
     regex::Regex::new(pattern).map_err(|_| ErrorCode::INVALID_PARAMS)?;
     regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|_| ErrorCode::INVALID_PARAMS)

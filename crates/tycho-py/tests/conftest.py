@@ -3,7 +3,9 @@ against it."""
 
 import os
 import subprocess
+import queue
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,17 +34,29 @@ class Master:
         args = [_tycho_bin(), "master", "--rpc-address", "127.0.0.1", "--rpc-port", "0",
                 "--metrics-address", "127.0.0.1", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        lines = queue.Queue()
+
+        def drain():
+            # Keeps reading for the master's whole life, so it never blocks on a full pipe.
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
         prefix = "tycho master listening on "
-        for line in self.proc.stdout:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.stop()
+                raise RuntimeError("tycho master did not print its address within 30 s")
             if line.startswith(prefix):
                 self.addr = line[len(prefix):].strip()
                 break
-        else:
-            self.stop()
-            raise RuntimeError("tycho master did not start")
         self.port = int(self.addr.rsplit(":", 1)[1])
-        # Keep draining stdout so the master never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def stop(self):
         self.proc.kill()

@@ -120,23 +120,30 @@ impl BlockingClient {
         encode_frame(&mut conn.wbuf, FrameKind::Request, id, req)?;
         let end = Instant::now() + deadline;
         write_until(&mut conn.stream, &conn.wbuf, end).map_err(io)?;
-        // The answer is read in as few reads as possible: whatever is available, up to the
-        // frame's end once the header says where that is.
+        // The answer is read in as few reads as it arrived in: up to the buffer's size until the
+        // header says where the frame ends, then exactly to that end. The server sends one
+        // frame per call, so bytes past the frame mean a broken peer.
         if conn.rbuf.len() < 4096 {
             conn.rbuf.resize(4096, 0);
         }
-        let spin_until = Instant::now() + self.config.spin;
+        let spin_until = (Instant::now() + self.config.spin).min(end);
         let mut filled = 0;
         let mut header: Option<FrameHeader> = None;
         loop {
-            let want = header.map_or(HEADER_LEN, |h| HEADER_LEN + h.len as usize);
-            if filled >= want {
+            let limit = match header {
+                Some(h) => HEADER_LEN + h.len as usize,
+                None => conn.rbuf.len(),
+            };
+            if header.is_some() && filled >= limit {
+                if filled > limit {
+                    return Err(RpcError::Closed(format!("{} bytes after the answer", filled - limit)));
+                }
                 break;
             }
-            if conn.rbuf.len() < want {
-                conn.rbuf.resize(want, 0);
+            if conn.rbuf.len() < limit {
+                conn.rbuf.resize(limit, 0);
             }
-            filled += read_some(&mut conn.stream, &mut conn.rbuf[filled..want], spin_until, end).map_err(io)?;
+            filled += read_some(&mut conn.stream, &mut conn.rbuf[filled..limit], spin_until, end).map_err(io)?;
             if header.is_none() && filled >= HEADER_LEN {
                 let head: &[u8; HEADER_LEN] = conn.rbuf[..HEADER_LEN].try_into().expect("header length");
                 header = Some(FrameHeader::decode(head, self.config.max_frame)?);

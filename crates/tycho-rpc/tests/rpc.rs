@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tycho_proto::frame::FrameError;
+use tycho_proto::frame::{encode_frame, FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use tycho_rpc::{serve, ClientConfig, Reply, RpcClient, RpcError, RpcPool, ServerConfig, Service};
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -256,12 +256,24 @@ async fn blocking_client_refuses_oversized_and_garbage_answers() {
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
         use std::io::{Read, Write};
-        for (i, conn) in listener.incoming().take(2).enumerate() {
+        for (i, conn) in listener.incoming().take(3).enumerate() {
             let mut conn = conn.unwrap();
             let mut buf = [0u8; 64];
-            let _ = conn.read(&mut buf);
-            if i == 0 {
-                let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+            let n = conn.read(&mut buf).unwrap_or(0);
+            match i {
+                0 => {
+                    let _ = conn.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+                }
+                1 => {}
+                _ => {
+                    // A well-formed answer with bytes trailing it, in one write.
+                    let head: &[u8; HEADER_LEN] = buf[..HEADER_LEN.min(n)].try_into().expect("a request header");
+                    let id = FrameHeader::decode(head, 1 << 20).expect("request header").request_id;
+                    let mut out = Vec::new();
+                    encode_frame(&mut out, FrameKind::Response, id, &Resp::Echo(3)).unwrap();
+                    out.extend_from_slice(b"trailing junk");
+                    let _ = conn.write_all(&out);
+                }
             }
         }
     });
@@ -271,6 +283,8 @@ async fn blocking_client_refuses_oversized_and_garbage_answers() {
         assert!(matches!(garbage, RpcError::Frame(_)), "{garbage:?}");
         let hangup = client.call::<_, Resp>(&Req::Echo(2), T).unwrap_err();
         assert!(matches!(hangup, RpcError::Closed(_)), "{hangup:?}");
+        let trailing = client.call::<_, Resp>(&Req::Echo(3), T).unwrap_err();
+        assert!(matches!(trailing, RpcError::Closed(_)), "{trailing:?}");
     })
     .await
     .unwrap();

@@ -69,13 +69,17 @@ impl Proc {
         self.child.id()
     }
 
-    /// Sends a signal (for example 15 for SIGTERM, 9 for SIGKILL).
-    pub fn signal(&self, signal: i32) {
+    /// Sends a signal (for example 15 for SIGTERM, 9 for SIGKILL) unless the process has
+    /// already exited and been reaped.
+    pub fn signal(&mut self, signal: i32) {
         extern "C" {
             fn kill(pid: i32, sig: i32) -> i32;
         }
-        // SAFETY: `kill` takes plain integers; the pid is our own unreaped child, so it cannot
-        // name a recycled process.
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        // SAFETY: `kill` takes plain integers; the pid is our own child, still running or a
+        // zombie we have not reaped, so it cannot name a recycled process.
         unsafe { kill(self.child.id() as i32, signal) };
     }
 

@@ -144,7 +144,8 @@ pub fn rm(a: RmArgs) -> i32 {
         let req = if a.all && a.tenant.is_empty() {
             Request::RemoveAll { force: a.force }
         } else if a.all {
-            Request::RemoveByRegex { tenant: a.tenant, regex: ".*".into(), force: a.force }
+            // `(?s)`: keys may contain newlines, which `.` alone does not match.
+            Request::RemoveByRegex { tenant: a.tenant, regex: "(?s).*".into(), force: a.force }
         } else if let Some(regex) = a.regex {
             Request::RemoveByRegex { tenant: a.tenant, regex, force: a.force }
         } else {

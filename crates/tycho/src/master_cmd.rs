@@ -10,6 +10,8 @@ use tycho_master::{run_housekeeping, Master, MasterConfig, MasterRpc, SystemCloc
 use tycho_proto::AllocStrategy;
 use tycho_rpc::{serve, ServerConfig};
 
+use crate::node::Signals;
+
 /// Master flags. Names and defaults are Mooncake's; the underscore spellings Mooncake's
 /// scripts use (`--rpc_port=50051`) are accepted as aliases.
 #[derive(Args, Debug, Clone)]
@@ -247,10 +249,11 @@ pub fn run_master(args: MasterArgs) -> i32 {
                 return 1;
             }
         };
+        let signals = Signals::install();
         admin.probe().set_serving(true);
         println!("tycho master listening on {}", running.addr);
         println!("tycho master admin HTTP on http://{}", admin.local_addr());
-        wait_for_signal().await;
+        signals.wait().await;
         admin.probe().set_serving(false);
         running.stop().await;
         drop(admin);
@@ -303,6 +306,7 @@ pub fn run_up(args: UpArgs) -> i32 {
             return 1;
         }
     };
+    let signals = rt.block_on(async { Signals::install() });
     println!("tycho up");
     println!("  master RPC     {master_addr}");
     println!("  node segment   {} bytes, transfer server {}", args.segment_size, node.hostname());
@@ -313,7 +317,7 @@ pub fn run_up(args: UpArgs) -> i32 {
     }
     println!("  try            echo hello | tycho put greeting - && tycho get greeting");
     println!("  stop           Ctrl-C");
-    rt.block_on(wait_for_signal());
+    rt.block_on(signals.wait());
     admin.probe().set_serving(false);
     let _ = node.close();
     rt.block_on(running.stop());
@@ -366,13 +370,4 @@ async fn start_master(addr: &str, cfg: MasterConfig, max_frame: u32) -> std::io:
     let stop = Arc::new(AtomicBool::new(false));
     let housekeeping = run_housekeeping(master.clone(), Duration::from_millis(100), stop.clone());
     Ok(RunningMaster { addr: server.local_addr(), master, metrics, server, stop, housekeeping })
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }

@@ -47,8 +47,10 @@ pub fn run(args: NodeArgs) -> i32 {
             return 1;
         }
     };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
-    wait_for_signal();
+    rt.block_on(signals.wait());
     match client.close() {
         Ok(()) => {
             println!("tycho node: segment unmounted");
@@ -61,15 +63,28 @@ pub fn run(args: NodeArgs) -> i32 {
     }
 }
 
-/// Blocks until SIGINT or SIGTERM.
-pub fn wait_for_signal() {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    rt.block_on(async {
+/// SIGINT and SIGTERM handlers. A process installs them before it prints that it is ready,
+/// so that a signal sent right after that line still shuts it down cleanly.
+pub struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers; must run inside a Tokio runtime.
+    pub fn install() -> Signals {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        Signals {
+            term: signal(SignalKind::terminate()).expect("SIGTERM handler"),
+            int: signal(SignalKind::interrupt()).expect("SIGINT handler"),
         }
-    });
+    }
+
+    /// Waits for either signal.
+    pub async fn wait(mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+    }
 }

@@ -70,7 +70,7 @@ fn verify(key: &str, bytes: &[u8]) -> bool {
 #[test]
 fn replicas_survive_a_killed_node_and_expire_with_it() {
     let (_m, addr) = master(&["--client-ttl", "2"]);
-    let (n1, h1) = node(&addr, "64MB");
+    let (mut n1, h1) = node(&addr, "64MB");
     let (_n2, h2) = node(&addr, "64MB");
     let c = client(&addr, Protocol::Auto, 0);
     wait_for("two nodes", 20, || stats(&c).segments == 2);
@@ -112,7 +112,7 @@ fn replicas_survive_a_killed_node_and_expire_with_it() {
 #[test]
 fn sigterm_unmounts_and_close_drops_objects_stored_only_there() {
     let (_m, addr) = master(&[]);
-    let (n1, _h1) = node(&addr, "32MB");
+    let (mut n1, _h1) = node(&addr, "32MB");
     let observer = client(&addr, Protocol::Auto, 0);
     wait_for("node", 20, || stats(&observer).segments == 1);
     let owner = client(&addr, Protocol::Auto, 32 << 20);
@@ -272,6 +272,9 @@ fn clients_and_nodes_come_back_after_a_master_restart() {
     // While the master is down, calls fail with a transport code rather than hang.
     let err = c.exists("before").unwrap_err();
     assert!(matches!(err, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT), "{err}");
+    // The new master must come back on the same port for the clients to find it. That port is
+    // free for a moment in between; unlike a port chosen for a first start, this window is
+    // inherent to a restart test.
     let _second = MasterProc::start_on(TYCHO, first_port, &[]);
     // The first write after the restart re-registers the client by itself (CLIENT_NOT_FOUND →
     // remount → retry) rather than failing until the next heartbeat.
