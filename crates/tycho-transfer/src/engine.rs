@@ -105,25 +105,29 @@ impl TransferEngine {
 
     /// Runs every part; succeeds only if all of them do. Parts run in parallel when the batch
     /// is large enough to gain from it.
+    /// A batch larger than [`streaming_threshold`](crate::streaming_threshold) in total copies
+    /// with streaming stores, as one part of that size does.
     pub fn run(&self, parts: Vec<Part<'_>>) -> Result<(), TransferError> {
         let total: usize = parts.iter().map(Part::len).sum();
+        let streaming = total >= crate::streaming_threshold();
         if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
-            return parts.into_iter().try_for_each(|p| self.run_part(p));
+            return parts.into_iter().try_for_each(|p| self.run_part(p, streaming));
         }
-        in_parallel(parts, |p| self.run_part(p))
+        in_parallel(parts, |p| self.run_part(p, streaming))
     }
 
     /// Reads `dst.len()` bytes of `replica` starting at object offset `at`.
     pub fn read(&self, replica: &ReplicaDesc, at: u64, dst: &mut [u8]) -> Result<(), TransferError> {
-        self.run_part(Part::Read { replica, at, dst })
+        let streaming = dst.len() >= crate::streaming_threshold();
+        self.run_part(Part::Read { replica, at, dst }, streaming)
     }
 
     /// Writes `src` into `replica` at object offset `at`.
     pub fn write(&self, replica: &ReplicaDesc, at: u64, src: &[u8]) -> Result<(), TransferError> {
-        self.run_part(Part::Write { replica, at, src })
+        self.run_part(Part::Write { replica, at, src }, src.len() >= crate::streaming_threshold())
     }
 
-    fn run_part(&self, part: Part<'_>) -> Result<(), TransferError> {
+    fn run_part(&self, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
         let (replica, at, len) = match &part {
             Part::Read { replica, at, dst } => (*replica, *at, dst.len()),
             Part::Write { replica, at, src } => (*replica, *at, src.len()),
@@ -138,9 +142,9 @@ impl TransferEngine {
         match self.transport_for(replica) {
             Transport::Local => {
                 let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
-                copy_mapped(&m, offset, part)
+                copy_mapped(&m, offset, part, streaming)
             }
-            Transport::SharedMemory => copy_mapped(&*self.map_peer(replica)?, offset, part),
+            Transport::SharedMemory => copy_mapped(&*self.map_peer(replica)?, offset, part, streaming),
             Transport::Tcp => self.tcp(replica, offset, part),
         }
     }
@@ -287,12 +291,12 @@ fn in_parallel<T: Send>(
 /// saturate the memory bus on this class of machine.
 pub const PARALLEL_COPY_BYTES: usize = 8 << 20;
 
-fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
+fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
     let len = part.len();
     if len < PARALLEL_COPY_BYTES || usable_cpus() < 2 {
         return match part {
-            Part::Read { dst, .. } => m.read(offset, dst),
-            Part::Write { src, .. } => m.write(offset, src),
+            Part::Read { dst, .. } => m.read_with(offset, dst, streaming),
+            Part::Write { src, .. } => m.write_with(offset, src, streaming),
         };
     }
     // Two halves, split on a page boundary; the caller's thread copies one of them.
@@ -300,14 +304,14 @@ fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>) -> Result<(), TransferE
     std::thread::scope(|s| match part {
         Part::Read { dst, .. } => {
             let (a, b) = dst.split_at_mut(half);
-            let other = s.spawn(move || m.read(offset + half as u64, b));
-            let first = m.read(offset, a);
+            let other = s.spawn(move || m.read_with(offset + half as u64, b, streaming));
+            let first = m.read_with(offset, a, streaming);
             first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
         }
         Part::Write { src, .. } => {
             let (a, b) = src.split_at(half);
-            let other = s.spawn(move || m.write(offset + half as u64, b));
-            let first = m.write(offset, a);
+            let other = s.spawn(move || m.write_with(offset + half as u64, b, streaming));
+            let first = m.write_with(offset, a, streaming);
             first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
         }
     })

@@ -6,6 +6,7 @@
 //! - [`TransferEngine`]: moves bytes between local memory and replicas, choosing per replica
 //!   between a local copy, mapped shared memory and TCP.
 
+mod copy;
 mod engine;
 mod error;
 mod registry;
@@ -13,6 +14,7 @@ mod segment;
 mod server;
 pub mod wire;
 
+pub use copy::streaming_threshold;
 pub use engine::{Part, TransferEngine, Transport, MAX_PARALLEL, SLICE_BYTES};
 pub use error::TransferError;
 pub use registry::SegmentRegistry;

@@ -117,17 +117,27 @@ impl Mapping {
 
     /// Copies `dst.len()` bytes starting at `offset` out of the mapping.
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), TransferError> {
-        let off = self.check(offset, dst.len())?;
-        // SAFETY: the range is inside the mapping (checked); dst is a distinct buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        self.read_with(offset, dst, false)
     }
 
     /// Copies `src` into the mapping at `offset`.
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), TransferError> {
+        self.write_with(offset, src, false)
+    }
+
+    /// [`read`](Self::read), with streaming stores when `streaming` is set (see `copy`).
+    pub fn read_with(&self, offset: u64, dst: &mut [u8], streaming: bool) -> Result<(), TransferError> {
+        let off = self.check(offset, dst.len())?;
+        // SAFETY: the range is inside the mapping (checked); dst is a distinct buffer.
+        unsafe { crate::copy::copy(dst.as_mut_ptr(), self.ptr.add(off), dst.len(), streaming) };
+        Ok(())
+    }
+
+    /// [`write`](Self::write), with streaming stores when `streaming` is set.
+    pub fn write_with(&self, offset: u64, src: &[u8], streaming: bool) -> Result<(), TransferError> {
         let off = self.check(offset, src.len())?;
         // SAFETY: the range is inside the mapping (checked); src is a distinct buffer.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(off), src.len()) };
+        unsafe { crate::copy::copy(self.ptr.add(off), src.as_ptr(), src.len(), streaming) };
         Ok(())
     }
 
