@@ -129,16 +129,16 @@ impl BlockingClient {
         let spin_until = (Instant::now() + self.config.spin).min(end);
         let mut filled = 0;
         let mut header: Option<FrameHeader> = None;
-        loop {
+        let header = loop {
             let limit = match header {
                 Some(h) => HEADER_LEN + h.len as usize,
                 None => conn.rbuf.len(),
             };
-            if header.is_some() && filled >= limit {
+            if let Some(h) = header.filter(|_| filled >= limit) {
                 if filled > limit {
                     return Err(RpcError::Closed(format!("{} bytes after the answer", filled - limit)));
                 }
-                break;
+                break h;
             }
             if conn.rbuf.len() < limit {
                 conn.rbuf.resize(limit, 0);
@@ -148,8 +148,7 @@ impl BlockingClient {
                 let head: &[u8; HEADER_LEN] = conn.rbuf[..HEADER_LEN].try_into().expect("header length");
                 header = Some(FrameHeader::decode(head, self.config.max_frame)?);
             }
-        }
-        let header = header.expect("read at least a header");
+        };
         let payload = &conn.rbuf[HEADER_LEN..HEADER_LEN + header.len as usize];
         // One call at a time per connection, and a connection whose call failed is dropped,
         // so the next frame must be this call's answer.

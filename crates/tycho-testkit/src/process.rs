@@ -64,11 +64,6 @@ impl Proc {
         }
     }
 
-    /// The operating-system process id.
-    pub fn id(&self) -> u32 {
-        self.child.id()
-    }
-
     /// Sends a signal (for example 15 for SIGTERM, 9 for SIGKILL) unless the process has
     /// already exited and been reaped.
     pub fn signal(&mut self, signal: i32) {
@@ -81,20 +76,6 @@ impl Proc {
         // SAFETY: `kill` takes plain integers; the pid is our own child, still running or a
         // zombie we have not reaped, so it cannot name a recycled process.
         unsafe { kill(self.child.id() as i32, signal) };
-    }
-
-    /// Waits for the process to exit on its own, up to `limit`.
-    pub fn wait_exit(&mut self, limit: Duration) -> std::io::Result<std::process::ExitStatus> {
-        let end = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() >= end {
-                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the process did not exit"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 }
 

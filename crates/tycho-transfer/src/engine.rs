@@ -104,8 +104,7 @@ impl TransferEngine {
     }
 
     /// Runs every part; succeeds only if all of them do. Parts run in parallel when the batch
-    /// is large enough to gain from it.
-    /// A batch larger than [`streaming_threshold`](crate::streaming_threshold) in total copies
+    /// is large enough to gain from it. A batch larger than [`streaming_threshold`](crate::streaming_threshold) in total copies
     /// with streaming stores, as one part of that size does.
     pub fn run(&self, parts: Vec<Part<'_>>) -> Result<(), TransferError> {
         let total: usize = parts.iter().map(Part::len).sum();
