@@ -328,16 +328,30 @@ impl Client {
         config: &ReplicateConfig,
         bounded: bool,
     ) -> Vec<Result<(), ErrorCode>> {
+        let single: Vec<[&[u8]; 1]> = items.iter().map(|(_, v)| [*v]).collect();
+        let items: Vec<(&str, &[&[u8]])> = items.iter().zip(&single).map(|((k, _), v)| (*k, &v[..])).collect();
+        self.write_batch_parts(mode, &items, config, bounded)
+    }
+
+    /// [`Client::write_batch`] where each value is the concatenation of its parts.
+    pub fn write_batch_parts(
+        &self,
+        mode: WriteMode,
+        items: &[(&str, &[&[u8]])],
+        config: &ReplicateConfig,
+        bounded: bool,
+    ) -> Vec<Result<(), ErrorCode>> {
         let n = items.len();
         if let Err(e) = self.check_open() {
             return vec![Err(e); n];
         }
         let mut out: Vec<Result<(), ErrorCode>> = vec![Ok(()); n];
         let mut live: Vec<usize> = Vec::with_capacity(n);
-        for (i, (_, v)) in items.iter().enumerate() {
-            if v.is_empty() {
+        let sizes: Vec<u64> = items.iter().map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum()).collect();
+        for (i, &size) in sizes.iter().enumerate() {
+            if size == 0 {
                 out[i] = Err(ErrorCode::INVALID_PARAMS);
-            } else if bounded && v.len() as u64 > self.inner.cfg.staging_buffer_size {
+            } else if bounded && size > self.inner.cfg.staging_buffer_size {
                 out[i] = Err(ErrorCode::BUFFER_OVERFLOW);
             } else {
                 live.push(i);
@@ -352,7 +366,7 @@ impl Client {
         let start = BatchWriteStart {
             client: self.inner.id,
             tenant: self.tenant(),
-            items: live.iter().map(|&i| (self.key(items[i].0), items[i].1.len() as u64)).collect(),
+            items: live.iter().map(|&i| (self.key(items[i].0), sizes[i])).collect(),
             config: config.clone(),
         };
         let req = if mode == WriteMode::Put { Request::BatchPutStart(start) } else { Request::BatchUpsertStart(start) };
@@ -375,8 +389,14 @@ impl Client {
                 Err(e) => out[i] = Err(*e),
             }
         }
-        let parts: Vec<Part<'_>> =
-            work.iter().map(|(i, r)| Part::Write { replica: r, at: 0, src: items[*i].1 }).collect();
+        let mut parts: Vec<Part<'_>> = Vec::with_capacity(work.len());
+        for (i, r) in &work {
+            let mut at = 0u64;
+            for src in items[*i].1.iter().filter(|p| !p.is_empty()) {
+                parts.push(Part::Write { replica: r, at, src });
+                at += src.len() as u64;
+            }
+        }
         let transfer = self.inner.engine.run(parts);
         let keys: Vec<KeyRef> = to_finish.iter().map(|&i| self.key(items[i].0)).collect();
         let finish = BatchWriteFinish { client: self.inner.id, tenant: self.tenant(), keys };
@@ -452,6 +472,29 @@ impl Client {
         // SAFETY: the caller vouches for the memory; it lies in a registered buffer.
         let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
         self.write_unbounded(mode, key, &[src], config)
+    }
+
+    /// Writes the concatenation of `parts` (address, length; each inside a registered buffer)
+    /// under `key`, with no intermediate copy.
+    ///
+    /// # Safety
+    /// Every part must be readable memory that stays valid for the call.
+    pub unsafe fn write_parts_from(
+        &self,
+        mode: WriteMode,
+        key: &str,
+        parts: &[(u64, u64)],
+        config: &ReplicateConfig,
+    ) -> Result<(), ErrorCode> {
+        if parts.iter().any(|&(addr, len)| !self.is_registered(addr, len)) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        // SAFETY: the caller vouches for the memory; every part lies in a registered buffer.
+        let srcs: Vec<&[u8]> = parts
+            .iter()
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) })
+            .collect();
+        self.write_unbounded(mode, key, &srcs, config)
     }
 
     /// Reads `key` into `len` bytes at `addr` (inside a registered buffer). Returns the size.
@@ -603,7 +646,15 @@ impl Client {
     /// key. A buffer smaller than its object gets BUFFER_OVERFLOW.
     pub fn get_batch_into(&self, keys: &[&str], dsts: Vec<&mut [u8]>) -> Vec<Result<usize, ErrorCode>> {
         let lookups = self.lookup_batch(keys);
-        self.read_lookups(&lookups, dsts)
+        self.read_lookups(&lookups, dsts.into_iter().map(|d| vec![d]).collect(), ErrorCode::BUFFER_OVERFLOW)
+    }
+
+    /// Reads many objects, each scattered over its buffers in order (the first bytes fill the
+    /// first buffer); one result (size or error) per key. Buffers smaller in total than their
+    /// object get INVALID_PARAMS, as in Mooncake; room beyond the object is left untouched.
+    pub fn get_batch_into_scattered(&self, keys: &[&str], dsts: Vec<Vec<&mut [u8]>>) -> Vec<Result<usize, ErrorCode>> {
+        let lookups = self.lookup_batch(keys);
+        self.read_lookups(&lookups, dsts, ErrorCode::INVALID_PARAMS)
     }
 
     /// Reads each found object into its buffer, all transfers in parallel; fails every read with
@@ -611,19 +662,28 @@ impl Client {
     fn read_lookups(
         &self,
         lookups: &[Result<Lookup, ErrorCode>],
-        dsts: Vec<&mut [u8]>,
+        dsts: Vec<Vec<&mut [u8]>>,
+        too_small: ErrorCode,
     ) -> Vec<Result<usize, ErrorCode>> {
         let mut out: Vec<Result<usize, ErrorCode>> = vec![Ok(0); lookups.len()];
         let mut parts = Vec::new();
         let mut reading = Vec::new();
         for (i, (l, dst)) in lookups.iter().zip(dsts).enumerate() {
+            let room: u64 = dst.iter().map(|d| d.len() as u64).sum();
             match l {
                 Err(e) => out[i] = Err(*e),
-                Ok(l) if (dst.len() as u64) < l.list.size => out[i] = Err(ErrorCode::BUFFER_OVERFLOW),
+                Ok(l) if room < l.list.size => out[i] = Err(too_small),
                 Ok(l) => match self.by_preference(&l.list.replicas).first() {
                     Some(r) => {
                         let size = l.list.size as usize;
-                        parts.push(Part::Read { replica: r, at: 0, dst: &mut dst[..size] });
+                        let mut at = 0usize;
+                        for d in dst {
+                            let n = d.len().min(size - at);
+                            if n > 0 {
+                                parts.push(Part::Read { replica: r, at: at as u64, dst: &mut d[..n] });
+                            }
+                            at += n;
+                        }
                         reading.push((i, size));
                     }
                     None => out[i] = Err(ErrorCode::REPLICA_NOT_FOUND),
@@ -677,7 +737,8 @@ impl Client {
         let lookups = self.lookup_batch(keys);
         let mut bufs: Vec<Vec<u8>> =
             lookups.iter().map(|l| l.as_ref().map_or(Vec::new(), |l| vec![0u8; l.size() as usize])).collect();
-        let sizes = self.read_lookups(&lookups, bufs.iter_mut().map(|b| b.as_mut_slice()).collect());
+        let dsts = bufs.iter_mut().map(|b| vec![b.as_mut_slice()]).collect();
+        let sizes = self.read_lookups(&lookups, dsts, ErrorCode::BUFFER_OVERFLOW);
         sizes.into_iter().zip(bufs).map(|(r, buf)| r.map(|_| buf)).collect()
     }
 
@@ -740,6 +801,27 @@ impl Client {
         });
         match self.inner.call(&req) {
             Ok(Response::BatchDone(r)) => r,
+            Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
+            Err(e) => vec![Err(e); keys.len()],
+        }
+    }
+
+    /// Drops the replicas of objects this client wrote whose read lease has ended: whole objects,
+    /// or only their replicas on `segment` (a segment name, `host:port`) when it is not empty.
+    /// One result per key: Ok when cleared, otherwise why not.
+    pub fn replica_clear(&self, keys: &[&str], segment: &str) -> Vec<Result<(), ErrorCode>> {
+        if let Err(e) = self.check_open() {
+            return vec![Err(e); keys.len()];
+        }
+        keys.iter().for_each(|k| self.forget_lease(k));
+        let req = Request::BatchReplicaClear(ReplicaClear {
+            client: self.inner.id,
+            tenant: self.tenant(),
+            keys: keys.iter().map(|k| self.key(k)).collect(),
+            segment: segment.to_string(),
+        });
+        match self.inner.call(&req) {
+            Ok(Response::BatchDone(r)) if r.len() == keys.len() => r,
             Ok(_) => vec![Err(ErrorCode::INTERNAL_ERROR); keys.len()],
             Err(e) => vec![Err(e); keys.len()],
         }

@@ -37,6 +37,10 @@ pub struct MasterConfig {
     pub put_start_discard_timeout_ms: u64,
     /// Reclaim age of an unfinished write, ms.
     pub put_start_release_timeout_ms: u64,
+    /// Longest soft-pin TTL a write may ask for, ms.
+    pub max_kv_soft_pin_ttl_ms: u64,
+    /// Whether eviction may take soft-pinned objects when unpinned ones are too few.
+    pub allow_evict_soft_pinned_objects: bool,
     /// Placement strategy when a write does not name one.
     pub default_strategy: AllocStrategy,
     /// Number of KVPT groups in the cluster (G). 1 today.
@@ -55,6 +59,8 @@ impl Default for MasterConfig {
             eviction_ratio: 0.05,
             put_start_discard_timeout_ms: DEFAULT_PUT_START_DISCARD_MS,
             put_start_release_timeout_ms: DEFAULT_PUT_START_RELEASE_MS,
+            max_kv_soft_pin_ttl_ms: MAX_SOFT_PIN_TTL_MS,
+            allow_evict_soft_pinned_objects: true,
             default_strategy: AllocStrategy::Random,
             group_count: 1,
             group_epoch: tycho_routing::INITIAL_GROUP_EPOCH,

@@ -13,7 +13,7 @@ use tycho_proto::*;
 use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partition_of_encoded, validate_key};
 
 use crate::clock::Clock;
-use crate::config::{MasterConfig, MAX_REPLICA_NUM, MAX_SOFT_PIN_TTL_MS, SWEEP_BATCH};
+use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
 use crate::segment::{Placement, Replica, SegmentTable};
 
@@ -256,7 +256,7 @@ impl Master {
     fn pins_of(&self, cfg: &ReplicateConfig) -> WireResult<Pins> {
         let soft_pin_ttl_ms = match (cfg.soft_pin_action, cfg.soft_pin_ttl_ms) {
             (SoftPinAction::Enable, None) => Some(self.cfg.default_kv_soft_pin_ttl_ms),
-            (SoftPinAction::Enable, Some(ttl)) if ttl == 0 || ttl > MAX_SOFT_PIN_TTL_MS => {
+            (SoftPinAction::Enable, Some(ttl)) if ttl == 0 || ttl > self.cfg.max_kv_soft_pin_ttl_ms => {
                 return Err(ErrorCode::INVALID_PARAMS)
             }
             (SoftPinAction::Enable, Some(ttl)) => Some(ttl),
@@ -657,6 +657,40 @@ impl Master {
         self.batch_write(&req.tenant, &req.keys, |map, key| self.remove_one(map, key, req.force, now))
     }
 
+    /// BatchReplicaClear: drops the replicas of objects whose current value `req.client` wrote,
+    /// once no read lease holds them — all of an object, or only its replicas on the named
+    /// segment (the object goes when none is left). Objects with a write in progress stay.
+    pub fn batch_replica_clear(&self, req: &ReplicaClear) -> Vec<WireResult<()>> {
+        let now = self.now();
+        self.batch_write(&req.tenant, &req.keys, |map, key| {
+            let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+            if obj.writer != req.client {
+                return Err(ErrorCode::ILLEGAL_CLIENT);
+            }
+            if !obj.is_complete() || obj.pending.is_some() {
+                return Err(ErrorCode::REPLICA_IS_NOT_READY);
+            }
+            if obj.is_leased(now) {
+                return Err(ErrorCode::OBJECT_HAS_LEASE);
+            }
+            if !req.segment.is_empty() {
+                let (gone, kept): (Vec<Replica>, Vec<Replica>) =
+                    std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.name == req.segment);
+                obj.replicas = kept;
+                if gone.is_empty() {
+                    return Err(ErrorCode::REPLICA_NOT_FOUND);
+                }
+                self.defer(gone, obj.lease(), now);
+                if obj.is_complete() {
+                    return Ok(());
+                }
+            }
+            let obj = map.remove(key).expect("present");
+            self.dispose(obj, now);
+            Ok(())
+        })
+    }
+
     /// Removes every object for which `pick` holds, shard by shard, in bounded batches; leased
     /// and unfinished objects are skipped unless `force`. Returns the number removed.
     fn remove_matching<F>(&self, force: bool, pick: F) -> u64
@@ -905,7 +939,7 @@ impl Master {
         }
         let target = ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1);
         let mut victims = take_oldest(plain, target);
-        if victims.len() < target {
+        if victims.len() < target && self.cfg.allow_evict_soft_pinned_objects {
             let more = take_oldest(pinned, target - victims.len());
             victims.extend(more);
         }

@@ -118,6 +118,7 @@ impl MasterRpc {
                     m.list_keys(tenant.as_deref(), regex.as_deref(), limit).map_or_else(Response::Error, Response::Keys)
                 })
             }
+            Request::BatchReplicaClear(r) => Response::BatchDone(m.batch_replica_clear(&r)),
             Request::Stats => Response::Stats(m.stats()),
             Request::HealthCheck => match m.health_check_now() {
                 Some(report) => Response::Health(report),

@@ -1117,3 +1117,78 @@ fn sweep_does_not_stall_readers_of_other_segments() {
         assert!(during > 0, "no read completed while the sweep was running ({reads} reads in all)");
     }
 }
+
+fn clear(m: &Master, client: ClientId, keys: &[&str], segment: &str) -> Vec<WireResult<()>> {
+    m.batch_replica_clear(&ReplicaClear {
+        client,
+        tenant: T.into(),
+        keys: keys.iter().map(|k| kref(k)).collect(),
+        segment: segment.into(),
+    })
+}
+
+#[test]
+fn replica_clear_takes_only_the_callers_unleased_complete_objects() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    mount(m, B, 2, MIB);
+    put(m, A, "mine", OBJ);
+    put(m, B, "theirs", OBJ);
+    put(m, A, "leased", OBJ);
+    start(m, A, "pending", OBJ).unwrap();
+    get(m, "leased").unwrap();
+    let r = clear(m, A, &["mine", "theirs", "leased", "pending", "missing"], "");
+    assert_eq!(
+        r,
+        vec![
+            Ok(()),
+            Err(ErrorCode::ILLEGAL_CLIENT),
+            Err(ErrorCode::OBJECT_HAS_LEASE),
+            Err(ErrorCode::REPLICA_IS_NOT_READY),
+            Err(ErrorCode::OBJECT_NOT_FOUND),
+        ]
+    );
+    assert_eq!(keys(m), set(&["theirs", "leased", "pending"]));
+    e.advance(LEASE + 1);
+    assert_eq!(clear(m, A, &["leased"], ""), vec![Ok(())]);
+    assert_eq!(keys(m), set(&["theirs", "pending"]));
+    // The cleared objects' space is free again: only "theirs" and the pending write hold any.
+    assert_eq!(used(m), 2 * OBJ);
+}
+
+#[test]
+fn replica_clear_on_a_segment_keeps_the_other_replicas() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    mount(m, A, 2, MIB);
+    let cfg = ReplicateConfig { replica_num: 2, ..Default::default() };
+    assert_eq!(put_cfg(m, A, "two", OBJ, cfg).len(), 2);
+    put(m, A, "one", OBJ);
+    let one_on = |m: &Master| get(m, "one").unwrap().replicas[0].segment;
+    let seg_of_one = one_on(m);
+    let other = if seg_of_one == SegmentId(1) { "seg-2" } else { "seg-1" };
+    e.advance(LEASE + 1);
+    // "one" has no replica on the other segment; "two" loses one of its two.
+    assert_eq!(clear(m, A, &["two", "one"], other), vec![Ok(()), Err(ErrorCode::REPLICA_NOT_FOUND)]);
+    let left = get(m, "two").unwrap();
+    assert_eq!(left.replicas.len(), 1);
+    assert_ne!(format!("seg-{}", left.replicas[0].segment.0), other);
+    e.advance(LEASE + 1);
+    // Clearing the last replica removes the object.
+    let last = format!("seg-{}", left.replicas[0].segment.0);
+    assert_eq!(clear(m, A, &["two"], &last), vec![Ok(())]);
+    assert_eq!(get(m, "two").unwrap_err(), ErrorCode::OBJECT_NOT_FOUND);
+    assert_eq!(used(m), OBJ);
+}
+
+#[test]
+fn soft_pinned_objects_stay_when_eviction_may_not_take_them() {
+    let e = Env::with(MasterConfig { allow_evict_soft_pinned_objects: false, ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    put_cfg(m, A, "soft", OBJ, soft(None));
+    assert_eq!(m.evict(), (0, 0));
+    assert_eq!(keys(m), set(&["soft"]));
+}

@@ -107,6 +107,21 @@ pub struct BatchRemoveKeys {
     pub force: bool,
 }
 
+/// Drop the replicas of objects the caller wrote, once no read lease holds them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct ReplicaClear {
+    /// The caller; only objects whose current value it wrote are cleared.
+    pub client: ClientId,
+    /// Tenant namespace of the keys.
+    pub tenant: String,
+    /// Keys and routes.
+    pub keys: Vec<KeyRef>,
+    /// Segment name: clear only replicas on it (the object goes when none is left);
+    /// empty clears the whole object.
+    pub segment: String,
+}
+
 /// Every call a client can make to a master.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(Arbitrary))]
@@ -205,6 +220,9 @@ pub enum Request {
     /// Whether every metadata shard can be read-locked within the master's budget (spec 02).
     /// Read-only; answers on a standby too.
     HealthCheck,
+    /// Drop replicas of objects whose lease has ended (Mooncake's BatchReplicaClear); one result
+    /// per key, Ok for each one cleared.
+    BatchReplicaClear(ReplicaClear),
 }
 
 /// The answer to a [`Request`]; each variant answers the request of the same name.
@@ -277,6 +295,7 @@ impl Request {
         "list_keys",
         "stats",
         "health_check",
+        "batch_replica_clear",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -316,6 +335,7 @@ impl Request {
             Request::ListKeys { .. } => 26,
             Request::Stats => 27,
             Request::HealthCheck => 28,
+            Request::BatchReplicaClear(_) => 29,
         }
     }
 }
@@ -377,7 +397,13 @@ mod tests {
     fn names_and_indices_agree() {
         assert_eq!(Request::HealthCheck.name(), "health_check");
         assert_eq!(Request::Stats.name(), "stats");
-        assert_eq!(Request::NAMES.len(), Request::HealthCheck.index() + 1);
+        let last = Request::BatchReplicaClear(ReplicaClear {
+            client: ClientId(1),
+            tenant: String::new(),
+            keys: Vec::new(),
+            segment: String::new(),
+        });
+        assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();
         sorted.dedup();

@@ -7,11 +7,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::RwLock;
-use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 use tycho_client::{Client, ClientConfig, Protocol, WriteMode};
 use tycho_proto::{ErrorCode, ReplicaDesc};
 
@@ -28,39 +27,52 @@ fn status(r: Result<(), ErrorCode>) -> i64 {
     r.map_or_else(code, |()| 0)
 }
 
-/// How a write treats the soft pin.
+/// How a write treats the soft pin (Mooncake's numbering).
 #[pyclass(module = "tycho._tycho", eq, eq_int)]
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[allow(clippy::upper_case_acronyms)]
 enum SoftPinAction {
-    /// No soft pin.
-    DISABLE,
+    /// Keep the object's current pin (an upsert); a new object gets none. The default.
+    PRESERVE = 0,
     /// Soft-pin for `soft_pin_ttl_ms` or the master's default.
-    ENABLE,
-    /// Keep the object's current pin (upserts).
-    PRESERVE,
+    ENABLE = 1,
+    /// No soft pin.
+    DISABLE = 2,
 }
 
 /// Placement and pinning of a write (Mooncake's `ReplicateConfig`).
-#[pyclass(module = "tycho._tycho", get_all, set_all)]
+#[pyclass(module = "tycho._tycho", get_all)]
 #[derive(Clone)]
 struct ReplicateConfig {
     /// Replicas wanted (best effort).
+    #[pyo3(set)]
     replica_num: u32,
-    /// Shorthand for `soft_pin_action = ENABLE`.
+    /// Shorthand for `soft_pin_action = ENABLE` (an older Mooncake field).
+    #[pyo3(set)]
     with_soft_pin: bool,
     /// Soft-pin handling.
+    #[pyo3(set)]
     soft_pin_action: SoftPinAction,
-    /// Soft-pin TTL in ms; only with ENABLE.
+    /// Soft-pin TTL in ms; only with ENABLE. Set through the checking setter below.
     soft_pin_ttl_ms: Option<u64>,
     /// Never evict.
+    #[pyo3(set)]
     with_hard_pin: bool,
     /// One preferred segment (`host:port`), as Mooncake's field.
+    #[pyo3(set)]
     preferred_segment: String,
     /// Preferred segments, in order.
+    #[pyo3(set)]
     preferred_segments: Vec<String>,
     /// Place the first replica on this host when possible.
+    #[pyo3(set)]
     prefer_alloc_in_same_node: bool,
+    /// Mooncake's placement groups; accepted and kept, not yet used for placement.
+    #[pyo3(set)]
+    group_ids: Option<Vec<String>>,
+    /// Mooncake's KV-session ids; accepted and kept, not yet used for placement.
+    #[pyo3(set)]
+    session_ids: Option<Vec<String>>,
 }
 
 #[pymethods]
@@ -70,13 +82,31 @@ impl ReplicateConfig {
         ReplicateConfig {
             replica_num: 1,
             with_soft_pin: false,
-            soft_pin_action: SoftPinAction::DISABLE,
+            soft_pin_action: SoftPinAction::PRESERVE,
             soft_pin_ttl_ms: None,
             with_hard_pin: false,
             preferred_segment: String::new(),
             preferred_segments: Vec::new(),
             prefer_alloc_in_same_node: false,
+            group_ids: None,
+            session_ids: None,
         }
+    }
+
+    /// None or an int in [0, 2^64); anything else is a TypeError, as in Mooncake.
+    #[setter]
+    fn set_soft_pin_ttl_ms(&mut self, value: Bound<'_, PyAny>) -> PyResult<()> {
+        if value.is_none() {
+            self.soft_pin_ttl_ms = None;
+            return Ok(());
+        }
+        let ttl = value
+            .downcast::<PyInt>()
+            .ok()
+            .and_then(|v| v.extract::<u64>().ok())
+            .ok_or_else(|| PyTypeError::new_err("soft_pin_ttl_ms takes None or an int in [0, 2**64)"))?;
+        self.soft_pin_ttl_ms = Some(ttl);
+        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -90,10 +120,9 @@ impl ReplicateConfig {
 impl ReplicateConfig {
     fn to_wire(&self) -> tycho_proto::ReplicateConfig {
         let action = match (self.soft_pin_action, self.with_soft_pin) {
-            (SoftPinAction::DISABLE, true) => tycho_proto::SoftPinAction::Enable,
+            (SoftPinAction::ENABLE, _) | (_, true) => tycho_proto::SoftPinAction::Enable,
             (SoftPinAction::DISABLE, false) => tycho_proto::SoftPinAction::Disable,
-            (SoftPinAction::ENABLE, _) => tycho_proto::SoftPinAction::Enable,
-            (SoftPinAction::PRESERVE, _) => tycho_proto::SoftPinAction::Preserve,
+            (SoftPinAction::PRESERVE, false) => tycho_proto::SoftPinAction::Preserve,
         };
         let mut preferred = self.preferred_segments.clone();
         if !self.preferred_segment.is_empty() && !preferred.contains(&self.preferred_segment) {
@@ -228,20 +257,60 @@ impl BufferHandle {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
-/// Raw bytes of a bytes-like object, for use with the GIL released.
+/// A buffer view held for the length of a call and released (with the GIL) on drop.
+struct View(Box<ffi::Py_buffer>);
+
+// SAFETY: the view only pins the exporter's memory; it is released with the GIL held.
+unsafe impl Send for View {}
+unsafe impl Sync for View {}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released once.
+        Python::with_gil(|_| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
+    }
+}
+
+/// The raw bytes of any buffer-protocol object, for use with the GIL released. The item
+/// format does not matter (ctypes arrays export `<B`, `array('b')` exports `b`): the value is
+/// the buffer's bytes. A non-contiguous buffer (a strided slice) is copied into order first.
 struct Bytes {
     ptr: usize,
     len: usize,
-    _keep: PyBuffer<u8>,
+    _view: View,
+    _copy: Option<Vec<u8>>,
 }
 
 impl Bytes {
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Bytes> {
-        let buf = PyBuffer::<u8>::get(obj)?;
-        if !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err("value must be a contiguous bytes-like object"));
+        // SAFETY: a zeroed Py_buffer is a valid target for PyObject_GetBuffer, which fills it
+        // or fails with a Python error set (a TypeError for objects without the protocol).
+        let view = unsafe {
+            let mut raw: Box<ffi::Py_buffer> = Box::new(std::mem::zeroed());
+            if ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *raw, ffi::PyBUF_FULL_RO) == -1 {
+                return Err(PyErr::fetch(obj.py()));
+            }
+            View(raw)
+        };
+        let len = view.0.len.max(0) as usize;
+        // SAFETY: `view` is a live buffer view.
+        if unsafe { ffi::PyBuffer_IsContiguous(&*view.0, b'C' as std::os::raw::c_char) } != 0 {
+            return Ok(Bytes { ptr: view.0.buf as usize, len, _view: view, _copy: None });
         }
-        Ok(Bytes { ptr: buf.buf_ptr() as usize, len: buf.len_bytes(), _keep: buf })
+        let mut copy = vec![0u8; len];
+        // SAFETY: `copy` has room for the view's `len` bytes.
+        let rc = unsafe {
+            ffi::PyBuffer_ToContiguous(
+                copy.as_mut_ptr().cast(),
+                &*view.0,
+                len as ffi::Py_ssize_t,
+                b'C' as std::os::raw::c_char,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        Ok(Bytes { ptr: copy.as_ptr() as usize, len, _view: view, _copy: Some(copy) })
     }
     /// # Safety
     /// The object stays alive (`_keep`) and the caller does not mutate it meanwhile.
@@ -572,7 +641,8 @@ impl Store {
             && all_src_offsets.len() == buffer_ptrs.len()
             && all_sizes.len() == buffer_ptrs.len();
         if !shape_ok {
-            return all_sizes.iter().map(|b| b.iter().map(|k| vec![bad; k.len()]).collect()).collect();
+            // Mooncake's answer: one code per buffer.
+            return buffer_ptrs.iter().map(|_| vec![vec![bad]]).collect();
         }
         let c = self.client();
         py.allow_threads(|| {
@@ -580,14 +650,16 @@ impl Store {
             for (i, &buf) in buffer_ptrs.iter().enumerate() {
                 let mut per_key = Vec::new();
                 for (j, key) in all_keys[i].iter().enumerate() {
-                    let sizes = all_sizes[i].get(j).cloned().unwrap_or_default();
-                    let (dsts, srcs) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j));
-                    let (Some(dsts), Some(srcs)) = (dsts, srcs) else {
-                        per_key.push(vec![bad; sizes.len()]);
+                    let (dsts, srcs, sizes) =
+                        (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
+                    // A key whose lists disagree in length gets one code in its slot, as in
+                    // Mooncake; the other keys are still read.
+                    let (Some(dsts), Some(srcs), Some(sizes)) = (dsts, srcs, sizes) else {
+                        per_key.push(vec![bad]);
                         continue;
                     };
                     if dsts.len() != sizes.len() || srcs.len() != sizes.len() {
-                        per_key.push(vec![bad; sizes.len()]);
+                        per_key.push(vec![bad]);
                         continue;
                     }
                     let c = match &c {
@@ -623,6 +695,220 @@ impl Store {
             }
             out
         })
+    }
+
+    /// Stores, per key, the concatenation of its registered buffers; one code per key. Lists
+    /// of different lengths fail every key with INVALID_PARAMS, as in Mooncake.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, config = None))]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<u64>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let shape_ok = all_buffer_ptrs.len() == n
+            && all_sizes.len() == n
+            && all_buffer_ptrs.iter().zip(&all_sizes).all(|(p, s)| p.len() == s.len());
+        if !shape_ok {
+            return vec![code(ErrorCode::INVALID_PARAMS); n];
+        }
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            let mut out = vec![0i64; n];
+            let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for i in 0..n {
+                let ranges: Vec<(u64, u64)> =
+                    all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied()).collect();
+                if ranges.iter().any(|&(a, l)| !c.is_registered(a, l)) {
+                    out[i] = code(ErrorCode::INVALID_PARAMS);
+                    continue;
+                }
+                // SAFETY: registered caller memory, kept alive by the caller for the call.
+                parts.push(
+                    ranges
+                        .iter()
+                        .map(|&(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) })
+                        .collect(),
+                );
+                idx.push(i);
+            }
+            let items: Vec<(&str, &[&[u8]])> =
+                idx.iter().zip(&parts).map(|(&i, p)| (keys[i].as_str(), &p[..])).collect();
+            for (r, &i) in c.write_batch_parts(WriteMode::Put, &items, &cfg, false).into_iter().zip(&idx) {
+                out[i] = status(r);
+            }
+            out
+        })
+    }
+
+    /// Reads, per key, the object scattered over its registered buffers in order; per key the
+    /// object size or a negative code (INVALID_PARAMS when the buffers are too small in total).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node = false))]
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<u64>>,
+        prefer_alloc_in_same_node: bool,
+    ) -> Vec<i64> {
+        // Reads always prefer a replica on this host; the flag has nothing left to choose.
+        let _ = prefer_alloc_in_same_node;
+        let n = keys.len();
+        let shape_ok = all_buffer_ptrs.len() == n
+            && all_sizes.len() == n
+            && all_buffer_ptrs.iter().zip(&all_sizes).all(|(p, s)| p.len() == s.len());
+        if !shape_ok {
+            return vec![code(ErrorCode::INVALID_PARAMS); n];
+        }
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            let mut out = vec![0i64; n];
+            let mut ks = Vec::with_capacity(n);
+            let mut dsts = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for i in 0..n {
+                let ranges: Vec<(u64, u64)> =
+                    all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied()).collect();
+                if ranges.iter().any(|&(a, l)| !c.is_registered(a, l)) {
+                    out[i] = code(ErrorCode::INVALID_PARAMS);
+                    continue;
+                }
+                // SAFETY: registered caller memory, distinct per buffer by the caller's contract.
+                dsts.push(
+                    ranges
+                        .iter()
+                        .map(|&(a, l)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, l as usize) })
+                        .collect(),
+                );
+                ks.push(keys[i].as_str());
+                idx.push(i);
+            }
+            for (r, i) in c.get_batch_into_scattered(&ks, dsts).into_iter().zip(idx) {
+                out[i] = r.map_or_else(code, |n| n as i64);
+            }
+            out
+        })
+    }
+
+    /// Ranged writes into objects reserved by a put session (`batch_put_session_start`), which
+    /// Tycho does not have yet: every key answers INVALID_PARAMS, Mooncake's answer for a key
+    /// without a session.
+    fn batch_put_from_multi_buffer_ranges(
+        &self,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<u64>>,
+        all_dst_offsets: Vec<Vec<u64>>,
+    ) -> Vec<i64> {
+        let _ = (all_buffer_ptrs, all_sizes, all_dst_offsets);
+        vec![code(ErrorCode::INVALID_PARAMS); keys.len()]
+    }
+
+    /// Per key, reads `all_sizes[i][j]` bytes at object offset `all_src_offsets[i][j]` into the
+    /// registered buffer `all_buffer_ptrs[i][j]`; per key the bytes read or a negative code.
+    /// Without a get session the replicas are asked of the master once per call.
+    fn batch_get_into_multi_buffer_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<u64>>,
+        all_sizes: Vec<Vec<u64>>,
+        all_src_offsets: Vec<Vec<u64>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let bad = code(ErrorCode::INVALID_PARAMS);
+        if all_buffer_ptrs.len() != n || all_sizes.len() != n || all_src_offsets.len() != n {
+            return vec![bad; n];
+        }
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            let lookups = c.lookup_batch(&ks);
+            let mut out = Vec::with_capacity(n);
+            for (i, lookup) in lookups.iter().enumerate() {
+                let (ptrs, sizes, srcs) = (&all_buffer_ptrs[i], &all_sizes[i], &all_src_offsets[i]);
+                if ptrs.len() != sizes.len() || srcs.len() != sizes.len() {
+                    out.push(bad);
+                    continue;
+                }
+                let l = match lookup {
+                    Ok(l) => l,
+                    Err(e) => {
+                        out.push(code(*e));
+                        continue;
+                    }
+                };
+                let mut total = 0i64;
+                for j in 0..sizes.len() {
+                    if !c.is_registered(ptrs[j], sizes[j]) {
+                        total = bad;
+                        break;
+                    }
+                    // SAFETY: inside a registered buffer (checked above).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptrs[j] as *mut u8, sizes[j] as usize) };
+                    match c.read_range(l, srcs[j], dst) {
+                        Ok(k) => total += k as i64,
+                        Err(e) => {
+                            total = code(e);
+                            break;
+                        }
+                    }
+                }
+                out.push(total);
+            }
+            out
+        })
+    }
+
+    /// Stores `metadata_size` bytes at `metadata_buffer_ptr` followed by `size` bytes at
+    /// `buffer_ptr` as one object; both must lie in registered buffers.
+    #[pyo3(signature = (key, buffer_ptr, metadata_buffer_ptr, size, metadata_size, config = None))]
+    fn put_from_with_metadata(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        buffer_ptr: u64,
+        metadata_buffer_ptr: u64,
+        size: u64,
+        metadata_size: u64,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return code(e),
+        };
+        let parts = [(metadata_buffer_ptr, metadata_size), (buffer_ptr, size)];
+        // SAFETY: the caller registered this memory and keeps it alive (Mooncake's contract);
+        // registration is checked inside.
+        py.allow_threads(|| status(unsafe { c.write_parts_from(WriteMode::Put, key, &parts, &cfg) }))
+    }
+
+    /// Drops the replicas of keys this store wrote whose read lease has ended — all of each
+    /// object, or only its replicas on `segment_name` — and returns the keys cleared.
+    #[pyo3(signature = (keys, segment_name = ""))]
+    fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment_name: &str) -> Vec<String> {
+        let Ok(c) = self.client() else { return Vec::new() };
+        let results = py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.replica_clear(&ks, segment_name)
+        });
+        keys.into_iter().zip(results).filter_map(|(k, r)| r.ok().map(|()| k)).collect()
     }
 
     /// The value of `key` as a buffer-protocol object, or None.
@@ -709,13 +995,13 @@ impl Store {
 
     /// Removes every key matching `regex` (searched anywhere in the key, as Mooncake does);
     /// returns the count or a negative code.
-    #[pyo3(signature = (regex, force = false))]
-    fn remove_by_regex(&self, py: Python<'_>, regex: &str, force: bool) -> i64 {
+    #[pyo3(signature = (regex_pattern, force = false))]
+    fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
         let c = match self.client() {
             Ok(c) => c,
             Err(e) => return code(e),
         };
-        let search = format!("(?s:.*)(?:{regex})(?s:.*)");
+        let search = format!("(?s:.*)(?:{regex_pattern})(?s:.*)");
         py.allow_threads(|| c.remove_by_regex(&search, force)).map_or_else(code, |n| n as i64)
     }
 

@@ -268,3 +268,118 @@ def test_eight_threads_share_one_store(make_store):
     for t in threads:
         t.join()
     assert errors == []
+
+
+# ---- what Tycho does beyond (or better than) Mooncake --------------------------------------
+
+
+def test_values_are_their_buffers_bytes(store):
+    import array
+
+    k = key()
+    # Mooncake stores len(items) bytes of a multi-byte array; Tycho stores all of its bytes.
+    assert store.put(k, array.array("i", [1, 2])) == 0
+    assert store.get(k) == array.array("i", [1, 2]).tobytes()
+    # A strided view is stored as the bytes it shows, not the memory under it.
+    k = key()
+    assert store.put(k, memoryview(b"abcdef")[::2]) == 0
+    assert store.get(k) == b"ace"
+    k = key()
+    assert store.put_parts(k, memoryview(b"abcdef")[1::2], array.array("h", [0x0102])) == 0
+    assert store.get(k) == b"bdf" + array.array("h", [0x0102]).tobytes()
+
+
+def test_batch_replica_clear_after_the_lease(make_store):
+    a, b = make_store(), make_store()
+    mine, theirs, two = key("mine"), key("theirs"), key("two")
+    assert a.put(mine, b"1") == 0
+    assert b.put(theirs, b"2") == 0
+    cfg = ReplicateConfig()
+    cfg.replica_num = 2
+    assert a.put(two, b"3" * 100, cfg) == 0
+    assert len(a.get_replica_desc(two)) == 2
+    time.sleep(0.6)  # past the 500 ms lease of the fixture's master
+    # Only objects this store wrote are cleared.
+    assert a.batch_replica_clear([mine, theirs, key("missing")]) == [mine]
+    assert a.is_exist(mine) == 0 and b.get(theirs) == b"2"
+    # Clearing on one segment keeps the replica on the other.
+    time.sleep(0.6)
+    assert a.batch_replica_clear([two], b.get_hostname()) == [two]
+    left = a.get_replica_desc(two)
+    assert [r.memory.buffer_descriptor.transport_endpoint for r in left] == [a.get_hostname()]
+    assert b.get(two) == b"3" * 100
+
+
+def test_multi_buffer_reads_leave_spare_room_alone(store):
+    src = (ctypes.c_ubyte * 8)(*range(8))
+    dst = (ctypes.c_ubyte * 32)(*([0xEE] * 32))
+    ps, pd = ctypes.addressof(src), ctypes.addressof(dst)
+    assert store.register_buffer(ps, 8) == 0 and store.register_buffer(pd, 32) == 0
+    k = key()
+    assert store.put_from(k, ps, 8) == 0
+    # Mooncake fails buffers larger than the object (-800); Tycho fills them in order.
+    assert store.batch_get_into_multi_buffers([k], [[pd, pd + 16]], [[5, 16]]) == [8]
+    assert bytes(dst[0:5]) == bytes(range(5)) and bytes(dst[16:19]) == bytes(range(5, 8))
+    assert bytes(dst[5:16]) == b"\xee" * 11 and bytes(dst[19:32]) == b"\xee" * 13
+    # Unregistered memory is refused, never touched.
+    assert store.batch_get_into_multi_buffers([k], [[12345]], [[8]]) == [INVALID_PARAMS]
+    assert store.batch_put_from_multi_buffers([key()], [[12345]], [[8]]) == [INVALID_PARAMS]
+
+
+def test_ranged_reads_without_a_session(store):
+    src = (ctypes.c_ubyte * 100)(*range(100))
+    dst = (ctypes.c_ubyte * 20)()
+    ps, pd = ctypes.addressof(src), ctypes.addressof(dst)
+    assert store.register_buffer(ps, 100) == 0 and store.register_buffer(pd, 20) == 0
+    k = key()
+    assert store.put_from(k, ps, 100) == 0
+    got = store.batch_get_into_multi_buffer_ranges([k, key()], [[pd, pd + 10], [pd]], [[4, 4], [1]], [[0, 96], [0]])
+    assert got == [8, OBJECT_NOT_FOUND]
+    assert bytes(dst[0:4]) == bytes(range(4)) and bytes(dst[10:14]) == bytes(range(96, 100))
+    assert store.batch_get_into_multi_buffer_ranges([k], [[pd]], [[8]], [[96]]) == [INVALID_PARAMS]
+
+
+def test_setup_forms_sglang_and_lmcache_use(master):
+    s = MooncakeDistributedStore()
+    # LMCache forwards the legacy key spelling; Tycho reads it (Mooncake ignores it).
+    rc = s.setup({"local_hostname": "127.0.0.1", "metadata_server": "x", "global_segment_size": "16MB",
+                  "local_buffer_size": "16MB", "protocol": "tcp", "master_server_address": master.addr})
+    assert rc == 0
+    s.close()
+    s = MooncakeDistributedStore()
+    with pytest.raises(TypeError):
+        s.setup("127.0.0.1", "x", 1, 1, "tcp", "", master.addr, None, False, "", "default", False, 9300, "extra")
+    with pytest.raises(TypeError):
+        s.setup("127.0.0.1", "x", 1, 1, "tcp", "", master.addr, no_such_argument=1)
+    assert s.setup("127.0.0.1", "x", "50%", 1, "tcp", "", master.addr) == INVALID_PARAMS
+    # A named tenant keeps its keys apart from the default one.
+    t = MooncakeDistributedStore()
+    d = MooncakeDistributedStore()
+    assert t.setup("127.0.0.1", "x", 16 << 20, 16 << 20, "tcp", "", master.addr, tenant_id="team-a") == 0
+    assert d.setup("127.0.0.1", "x", 16 << 20, 16 << 20, "tcp", "", master.addr, tenant_id="default") == 0
+    k = key()
+    assert t.put(k, b"a") == 0
+    assert d.is_exist(k) == 0 and t.get(k) == b"a"
+    t.close()
+    d.close()
+
+
+def test_master_takes_mooncake_flags():
+    from conftest import Master
+
+    m = Master("--default_kv_lease_ttl=1s", "--enable_offload=true", "--dynamic_replication_mode=observe",
+               "--max_total_pending_tasks=5", "--client_ttl=2s", "-logtostderr", "--noenable_ha")
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "x", 16 << 20, 16 << 20, "tcp", "", m.addr) == 0
+        k = key()
+        assert s.put(k, b"v") == 0 and s.get(k) == b"v"
+        s.close()
+    finally:
+        m.stop()
+    bin_ = os.environ.get("TYCHO_BIN")
+    import subprocess
+
+    for flag in ("--enable_ha=true", "--enable_oplog", "--enable_snapshot=1", "--flagfile=/etc/x"):
+        r = subprocess.run([bin_, "master", "--rpc-port", "0", flag], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "not supported" in r.stderr, (flag, r.stderr)

@@ -5,6 +5,7 @@ mod bench_e2e;
 mod bench_master;
 mod master_client;
 mod master_cmd;
+mod mooncake_flags;
 mod node;
 mod objects;
 
@@ -24,6 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a master (object metadata service).
+    #[command(args_override_self = true)]
     Master(Box<master_cmd::MasterArgs>),
     /// Run everything a first user needs in one process: a master and a node on loopback.
     Up(master_cmd::UpArgs),
@@ -67,9 +69,21 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // `tycho master` takes `mooncake_master`'s flags too: those Tycho does not implement are
+    // set aside before clap parses the rest.
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let mut mooncake = Vec::new();
+    if args.get(1).is_some_and(|a| a == "master") {
+        let (kept, unhandled) = mooncake_flags::split(args.split_off(2));
+        args.extend(kept);
+        mooncake = unhandled;
+    }
+    let cli = Cli::parse_from(args);
     let code = match cli.cmd {
-        Command::Master(a) => master_cmd::run_master(*a),
+        Command::Master(mut a) => {
+            a.mooncake_flags = mooncake;
+            master_cmd::run_master(*a)
+        }
         Command::Up(a) => master_cmd::run_up(a),
         Command::Node(a) => node::run(a),
         Command::Put(a) => objects::put(a),

@@ -13,7 +13,8 @@ use tycho_rpc::{serve, ServerConfig};
 use crate::node::Signals;
 
 /// Master flags. Names and defaults are Mooncake's; the underscore spellings Mooncake's
-/// scripts use (`--rpc_port=50051`) are accepted as aliases.
+/// scripts use (`--rpc_port=50051`) are accepted as aliases, and every other `mooncake_master`
+/// flag is handled by [`crate::mooncake_flags`] before clap parses the rest.
 #[derive(Args, Debug, Clone)]
 pub struct MasterArgs {
     /// Port of the RPC server.
@@ -22,14 +23,17 @@ pub struct MasterArgs {
     /// Address the RPC server binds.
     #[arg(long = "rpc-address", alias = "rpc_address", default_value = "0.0.0.0")]
     pub rpc_address: String,
-    /// Read-lease TTL granted by reads, in milliseconds.
-    #[arg(long = "default-kv-lease-ttl", alias = "default_kv_lease_ttl", default_value_t = tycho_master::DEFAULT_KV_LEASE_TTL_MS)]
+    /// Read-lease TTL granted by reads: milliseconds, or a duration such as 500ms, 5s, 1m, 1h.
+    #[arg(long = "default-kv-lease-ttl", alias = "default_kv_lease_ttl", default_value = "10000", value_parser = duration_ms)]
     pub default_kv_lease_ttl: u64,
-    /// Soft-pin TTL when a write enables the pin without one, in milliseconds.
-    #[arg(long = "default-kv-soft-pin-ttl", alias = "default_kv_soft_pin_ttl", default_value_t = tycho_master::DEFAULT_SOFT_PIN_TTL_MS)]
+    /// Soft-pin TTL when a write enables the pin without one: milliseconds or a duration.
+    #[arg(long = "default-kv-soft-pin-ttl", alias = "default_kv_soft_pin_ttl", default_value = "1800000", value_parser = duration_ms)]
     pub default_kv_soft_pin_ttl: u64,
-    /// A client silent for this many seconds is expired and its segments unmounted.
-    #[arg(long = "client-ttl", alias = "client_ttl", default_value_t = 10)]
+    /// Longest soft-pin TTL a write may ask for: milliseconds or a duration.
+    #[arg(long = "max-kv-soft-pin-ttl", alias = "max_kv_soft_pin_ttl", default_value = "86400000", value_parser = duration_ms)]
+    pub max_kv_soft_pin_ttl: u64,
+    /// A client silent this long is expired and its segments unmounted: seconds or a duration.
+    #[arg(long = "client-ttl", alias = "client_ttl", default_value = "10", value_parser = duration_s)]
     pub client_ttl: u64,
     /// Eviction starts when used/total exceeds this ratio.
     #[arg(long = "eviction-high-watermark-ratio", alias = "eviction_high_watermark_ratio", default_value_t = 0.90)]
@@ -37,12 +41,15 @@ pub struct MasterArgs {
     /// Fraction of evictable objects one eviction round removes.
     #[arg(long = "eviction-ratio", alias = "eviction_ratio", default_value_t = 0.05)]
     pub eviction_ratio: f64,
-    /// Seconds after which an unfinished PutStart may be pre-empted.
-    #[arg(long = "put-start-discard-timeout-sec", alias = "put_start_discard_timeout_sec", default_value_t = 30)]
-    pub put_start_discard_timeout_sec: u64,
-    /// Seconds after which the space of an unfinished PutStart is reclaimed.
-    #[arg(long = "put-start-release-timeout-sec", alias = "put_start_release_timeout_sec", default_value_t = 600)]
-    pub put_start_release_timeout_sec: u64,
+    /// Whether eviction may take soft-pinned objects when too few unpinned ones are left.
+    #[arg(long = "allow-evict-soft-pinned-objects", alias = "allow_evict_soft_pinned_objects", default_value_t = true, action = clap::ArgAction::Set)]
+    pub allow_evict_soft_pinned_objects: bool,
+    /// After this long an unfinished PutStart may be pre-empted: seconds or a duration.
+    #[arg(long = "put-start-discard-timeout-sec", alias = "put_start_discard_timeout_sec", default_value = "30", value_parser = duration_s)]
+    pub put_start_discard_timeout: u64,
+    /// After this long the space of an unfinished PutStart is reclaimed: seconds or a duration.
+    #[arg(long = "put-start-release-timeout-sec", alias = "put_start_release_timeout_sec", default_value = "600", value_parser = duration_s)]
+    pub put_start_release_timeout: u64,
     /// Default placement: random, free-ratio-first or local-first.
     #[arg(long = "allocation-strategy", alias = "allocation_strategy", default_value = "random", value_parser = parse_strategy)]
     pub allocation_strategy: AllocStrategy,
@@ -67,76 +74,17 @@ pub struct MasterArgs {
     /// Seconds a self-probe may take before it counts as failed.
     #[arg(long = "rpc-probe-timeout", alias = "rpc_probe_timeout_seconds", default_value_t = 3.0)]
     pub rpc_probe_timeout: f64,
-    /// Mooncake HA mode; Tycho's HA (etcd OpLog and standbys) is not built yet, so only
-    /// `false` is accepted.
-    #[arg(long = "enable-ha", alias = "enable_ha", default_value_t = false, action = clap::ArgAction::Set, hide = true)]
-    pub enable_ha: bool,
-    /// Mooncake flags that have no meaning for Tycho; accepted so that launch scripts written for
-    /// `mooncake_master` run unchanged, and reported as ignored.
-    #[command(flatten)]
-    pub ignored: MooncakeOnlyFlags,
+    /// `mooncake_master` flags Tycho does not implement, set aside before parsing.
+    #[arg(skip)]
+    pub mooncake_flags: Vec<crate::mooncake_flags::Unhandled>,
 }
 
-/// Flags of `mooncake_master` that Tycho accepts and ignores.
-#[derive(Args, Debug, Clone, Default)]
-pub struct MooncakeOnlyFlags {
-    #[arg(long = "enable_http_metadata_server", hide = true)]
-    enable_http_metadata_server: Option<String>,
-    #[arg(long = "http_metadata_server_port", hide = true)]
-    http_metadata_server_port: Option<String>,
-    #[arg(long = "http_metadata_server_host", hide = true)]
-    http_metadata_server_host: Option<String>,
-    #[arg(long = "enable_metric_reporting", hide = true)]
-    enable_metric_reporting: Option<String>,
-    #[arg(long = "rpc_conn_timeout_seconds", hide = true)]
-    rpc_conn_timeout_seconds: Option<String>,
-    #[arg(long = "rpc_enable_tcp_no_delay", hide = true)]
-    rpc_enable_tcp_no_delay: Option<String>,
-    #[arg(long = "etcd_endpoints", hide = true)]
-    etcd_endpoints: Option<String>,
-    #[arg(long = "cluster_id", hide = true)]
-    cluster_id: Option<String>,
-    #[arg(long = "memory_allocator", hide = true)]
-    memory_allocator: Option<String>,
-    #[arg(long = "root_fs_dir", hide = true)]
-    root_fs_dir: Option<String>,
-    #[arg(long = "global_file_segment_size", hide = true)]
-    global_file_segment_size: Option<String>,
-    #[arg(long = "allow_evict_soft_pinned_objects", hide = true)]
-    allow_evict_soft_pinned_objects: Option<String>,
-    #[arg(long = "enable_offload", hide = true)]
-    enable_offload: Option<String>,
-    #[arg(long = "logtostderr", hide = true)]
-    logtostderr: Option<String>,
-    #[arg(long = "v", hide = true)]
-    v: Option<String>,
+fn duration_ms(s: &str) -> Result<u64, String> {
+    crate::mooncake_flags::parse_duration_ms(s, 1)
 }
 
-impl MooncakeOnlyFlags {
-    fn report(&self) {
-        let all = [
-            ("enable_http_metadata_server", &self.enable_http_metadata_server),
-            ("http_metadata_server_port", &self.http_metadata_server_port),
-            ("http_metadata_server_host", &self.http_metadata_server_host),
-            ("enable_metric_reporting", &self.enable_metric_reporting),
-            ("rpc_conn_timeout_seconds", &self.rpc_conn_timeout_seconds),
-            ("rpc_enable_tcp_no_delay", &self.rpc_enable_tcp_no_delay),
-            ("etcd_endpoints", &self.etcd_endpoints),
-            ("cluster_id", &self.cluster_id),
-            ("memory_allocator", &self.memory_allocator),
-            ("root_fs_dir", &self.root_fs_dir),
-            ("global_file_segment_size", &self.global_file_segment_size),
-            ("allow_evict_soft_pinned_objects", &self.allow_evict_soft_pinned_objects),
-            ("enable_offload", &self.enable_offload),
-            ("logtostderr", &self.logtostderr),
-            ("v", &self.v),
-        ];
-        for (name, value) in all {
-            if let Some(v) = value {
-                tracing::warn!("ignoring Mooncake flag --{name}={v}: Tycho has no such setting");
-            }
-        }
-    }
+fn duration_s(s: &str) -> Result<u64, String> {
+    crate::mooncake_flags::parse_duration_ms(s, 1000)
 }
 
 impl MasterArgs {
@@ -170,26 +118,29 @@ fn parse_strategy(s: &str) -> Result<AllocStrategy, String> {
 
 impl MasterArgs {
     fn config(&self) -> Result<MasterConfig, String> {
-        if self.enable_ha {
-            return Err(
-                "--enable_ha=true is not supported yet: Tycho's HA (etcd OpLog, standbys) is on the roadmap".into()
-            );
-        }
-        self.ignored.report();
+        crate::mooncake_flags::check(&self.mooncake_flags)?;
         if !(0.0..=1.0).contains(&self.eviction_high_watermark_ratio) || !(0.0..=1.0).contains(&self.eviction_ratio) {
             return Err("eviction ratios must lie in [0, 1]".into());
         }
-        if self.client_ttl == 0 {
+        if self.client_ttl < 1000 {
             return Err("--client-ttl must be at least 1 second".into());
+        }
+        if self.default_kv_lease_ttl == 0 {
+            return Err("--default-kv-lease-ttl must be positive".into());
+        }
+        if self.default_kv_soft_pin_ttl > self.max_kv_soft_pin_ttl {
+            return Err("--default-kv-soft-pin-ttl cannot exceed --max-kv-soft-pin-ttl".into());
         }
         Ok(MasterConfig {
             default_kv_lease_ttl_ms: self.default_kv_lease_ttl,
             default_kv_soft_pin_ttl_ms: self.default_kv_soft_pin_ttl,
-            client_ttl_ms: self.client_ttl * 1000,
+            max_kv_soft_pin_ttl_ms: self.max_kv_soft_pin_ttl,
+            allow_evict_soft_pinned_objects: self.allow_evict_soft_pinned_objects,
+            client_ttl_ms: self.client_ttl,
             eviction_high_watermark_ratio: self.eviction_high_watermark_ratio,
             eviction_ratio: self.eviction_ratio,
-            put_start_discard_timeout_ms: self.put_start_discard_timeout_sec * 1000,
-            put_start_release_timeout_ms: self.put_start_release_timeout_sec * 1000,
+            put_start_discard_timeout_ms: self.put_start_discard_timeout,
+            put_start_release_timeout_ms: self.put_start_release_timeout,
             default_strategy: self.allocation_strategy,
             ..MasterConfig::default()
         })

@@ -32,8 +32,9 @@ __all__ = [
 
 # Mooncake's setup() defaults.
 _DEFAULT_GLOBAL_SEGMENT_SIZE = 16 * 1024 * 1024
-_DEFAULT_LOCAL_BUFFER_SIZE = 1024 * 1024 * 1024
+_DEFAULT_LOCAL_BUFFER_SIZE = 16 * 1024 * 1024
 
+# Mooncake's positional order, with the defaults of the optional arguments.
 _SETUP_ORDER = (
     "local_hostname",
     "metadata_server",
@@ -42,15 +43,29 @@ _SETUP_ORDER = (
     "protocol",
     "rdma_devices",
     "master_server_addr",
+    "engine",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
 )
+_REQUIRED = ("local_hostname", "master_server_addr")
 
-# Spellings of setup() keys found in Mooncake configs and scripts.
+# Spellings of setup() keys found in Mooncake configs and the clients that forward them
+# (LMCache passes master_server_address and device_name).
 _ALIASES = {
     "master_server_address": "master_server_addr",
     "master_address": "master_server_addr",
     "device_name": "rdma_devices",
     "metadata_server_addr": "metadata_server",
+    "tenant": "tenant_id",
 }
+
+# Mooncake's default tenant is Tycho's default (unnamed) tenant.
+_DEFAULT_TENANT = "default"
+
+_INVALID_PARAMS = -600
 
 
 class MooncakeDistributedStore(_Store):
@@ -62,33 +77,52 @@ class MooncakeDistributedStore(_Store):
     """
 
     def setup(self, *args, **kwargs):
-        """``setup(local_hostname, metadata_server, global_segment_size=16MB,
-        local_buffer_size=1GB, protocol="tcp", rdma_devices="", master_server_addr=...)``
-        or ``setup(config: dict)``. Sizes may be ints or strings such as ``"16MB"``.
-        Returns 0 on success, a negative error code otherwise."""
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+        ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config: dict)``.
+
+        Sizes may be ints or strings such as ``"16MB"``. The dict form reads the same names
+        (and the legacy ``master_server_address`` / ``device_name``) and ignores other keys.
+        ``engine``, the SSD offload and the client HTTP server are Mooncake features Tycho does
+        not have; they are accepted and ignored. Returns 0 on success, a negative error code
+        otherwise (-600 for a value that cannot be used, such as a size of "50%")."""
         if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
-            params = {_ALIASES.get(k, k): v for k, v in args[0].items()}
+            params = {}
+            for k, v in args[0].items():
+                k = _ALIASES.get(k, k)
+                if k in _SETUP_ORDER:
+                    params.setdefault(k, v)
+            if "local_hostname" not in params or "master_server_addr" not in params:
+                return _INVALID_PARAMS
         else:
             if len(args) > len(_SETUP_ORDER):
                 raise TypeError(f"setup() takes at most {len(_SETUP_ORDER)} positional arguments")
             params = dict(zip(_SETUP_ORDER, args))
             for k, v in kwargs.items():
                 k = _ALIASES.get(k, k)
+                if k not in _SETUP_ORDER:
+                    raise TypeError(f"setup() got an unexpected keyword argument {k!r}")
                 if k in params:
                     raise TypeError(f"setup() got multiple values for argument {k!r}")
                 params[k] = v
-        unknown = set(params) - set(_SETUP_ORDER) - {"tenant", "tenant_id"}
-        if unknown:
-            raise TypeError(f"setup() got unexpected arguments: {sorted(unknown)}")
-        if "local_hostname" not in params or "master_server_addr" not in params:
-            raise TypeError("setup() needs local_hostname and master_server_addr")
+            missing = [k for k in _REQUIRED if k not in params]
+            if missing:
+                raise TypeError(f"setup() missing required arguments: {missing}")
+        try:
+            segment = _parse_size(params.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT_SIZE))
+            buffer = _parse_size(params.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER_SIZE))
+        except (ValueError, TypeError, OverflowError):
+            return _INVALID_PARAMS
+        tenant = params.get("tenant_id")
+        tenant = "" if tenant in (None, "", _DEFAULT_TENANT) else str(tenant)
         return self._connect(
             str(params["local_hostname"]),
-            _parse_size(params.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT_SIZE)),
-            _parse_size(params.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER_SIZE)),
-            str(params.get("protocol", "tcp")),
+            segment,
+            buffer,
+            str(params.get("protocol") or "tcp"),
             str(params["master_server_addr"]),
-            str(params.get("tenant", params.get("tenant_id", ""))),
+            tenant,
         )
 
     def put(self, key, value, config=None):
@@ -100,13 +134,13 @@ class MooncakeDistributedStore(_Store):
         """Stores ``value`` under ``key``, replacing any existing value."""
         return self._write(key, value, config, True)
 
-    def put_parts(self, key, *parts, config=None):
+    def put_parts(self, key, *args, config=None):
         """Stores the concatenation of ``parts`` as one object."""
-        return self._write_parts(key, parts, config, False)
+        return self._write_parts(key, args, config, False)
 
-    def upsert_parts(self, key, *parts, config=None):
+    def upsert_parts(self, key, *args, config=None):
         """Upserts the concatenation of ``parts`` as one object."""
-        return self._write_parts(key, parts, config, True)
+        return self._write_parts(key, args, config, True)
 
     def put_batch(self, keys, values, config=None):
         """Stores many objects; returns 0, or the first error code."""

@@ -1,0 +1,245 @@
+"""Return conventions of the methods real clients (LMCache, SGLang HiCache) call, with one body
+for both stores. Every expected value here was seen from Mooncake's wheel first."""
+
+import array
+import ctypes
+import time
+import uuid
+
+import pytest
+
+from conftest import METADATA
+
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+
+
+def key(prefix="c"):
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def registered(store, size, fill=0):
+    buf = (ctypes.c_ubyte * size)(*([fill] * size))
+    assert store.register_buffer(ctypes.addressof(buf), size) == 0
+    return buf, ctypes.addressof(buf)
+
+
+# ---- bytes-like values --------------------------------------------------------------------
+
+
+def test_values_may_be_any_one_byte_buffer(store):
+    raw = (ctypes.c_ubyte * 8)(*range(8))
+    values = {
+        "ctypes": memoryview(raw),  # format "<B", what LMCache passes
+        "bytearray": bytearray(b"ab"),
+        "array_b": array.array("b", [1, 2]),
+        "array_B": array.array("B", [3, 4]),
+        "c_char": memoryview((ctypes.c_char * 3)(b"a", b"b", b"c")),
+        "bytes": b"xyz",
+    }
+    for name, v in values.items():
+        k = key(name)
+        assert store.put(k, v) == 0, name
+        assert store.get(k) == bytes(v), name
+
+
+def test_put_parts_takes_ctypes_views(store):
+    k = key()
+    raw = (ctypes.c_ubyte * 4)(1, 2, 3, 4)
+    assert store.put_parts(k, memoryview(raw), b"xy", bytearray(b"z")) == 0
+    assert store.get(k) == b"\x01\x02\x03\x04xyz"
+
+
+def test_put_batch_and_upsert_take_ctypes_views(store):
+    k1, k2 = key(), key()
+    raw = (ctypes.c_ubyte * 4)(9, 8, 7, 6)
+    assert store.put_batch([k1, k2], [memoryview(raw), array.array("B", [5])]) == 0
+    assert store.get(k1) == b"\x09\x08\x07\x06" and store.get(k2) == b"\x05"
+    assert store.upsert(k1, memoryview((ctypes.c_ubyte * 2)(1, 1))) == 0
+    assert store.get(k1) == b"\x01\x01"
+
+
+def test_a_str_value_is_a_type_error(store):
+    with pytest.raises(TypeError):
+        store.put(key(), "text")
+
+
+# ---- setup ----------------------------------------------------------------------------------
+
+
+def test_setup_with_eight_positional_arguments(master, mc):
+    s = mc.MooncakeDistributedStore()
+    # SGLang passes the transfer engine (None) as the eighth argument.
+    assert s.setup("127.0.0.1", METADATA, 16 << 20, 16 << 20, "tcp", "", master.addr, None) == 0
+    k = key()
+    assert s.put(k, b"v") == 0 and s.get(k) == b"v"
+    s.close()
+
+
+def test_setup_keywords_with_the_default_tenant(master, mc):
+    s = mc.MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", METADATA, 16 << 20, 16 << 20, "tcp", "", master.addr,
+                 engine=None, enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+                 enable_client_http_server=False, client_http_port=9300)
+    assert rc == 0
+    s.close()
+
+
+def test_setup_dict_ignores_unknown_keys(master, mc):
+    s = mc.MooncakeDistributedStore()
+    cfg = {"local_hostname": "127.0.0.1", "metadata_server": METADATA, "global_segment_size": "16MB",
+           "local_buffer_size": "16MB", "protocol": "tcp", "master_server_addr": master.addr,
+           "device_name": "", "mooncake_something": 3, "zzz": 1}
+    assert s.setup(cfg) == 0
+    s.close()
+
+
+def test_setup_dict_with_an_unusable_size_returns_a_code(master, mc):
+    s = mc.MooncakeDistributedStore()
+    cfg = {"local_hostname": "127.0.0.1", "metadata_server": METADATA, "global_segment_size": "50%",
+           "local_buffer_size": "16MB", "protocol": "tcp", "master_server_addr": master.addr}
+    assert s.setup(cfg) == INVALID_PARAMS
+
+
+# ---- ReplicateConfig ------------------------------------------------------------------------
+
+
+def test_replicate_config_defaults(mc):
+    c = mc.ReplicateConfig()
+    assert c.replica_num == 1
+    assert c.soft_pin_action == mc.SoftPinAction.PRESERVE
+    assert c.soft_pin_ttl_ms is None
+    assert c.with_hard_pin is False
+    assert c.preferred_segment == ""
+    assert list(c.preferred_segments) == []
+    assert c.prefer_alloc_in_same_node is False
+    assert c.group_ids is None
+    assert [int(mc.SoftPinAction.PRESERVE), int(mc.SoftPinAction.ENABLE), int(mc.SoftPinAction.DISABLE)] == [0, 1, 2]
+
+
+def test_replicate_config_soft_pin_ttl_range(mc):
+    c = mc.ReplicateConfig()
+    for bad in (-1, 2**64, 1.5, "3"):
+        with pytest.raises(TypeError):
+            c.soft_pin_ttl_ms = bad
+    c.soft_pin_ttl_ms = 2**64 - 1
+    assert c.soft_pin_ttl_ms == 2**64 - 1
+    c.soft_pin_ttl_ms = None
+    assert c.soft_pin_ttl_ms is None
+
+
+def test_replicate_config_group_ids(mc):
+    c = mc.ReplicateConfig()
+    c.group_ids = ["a", "b"]
+    assert list(c.group_ids) == ["a", "b"]
+
+
+def test_a_write_with_an_enabled_soft_pin(store, mc):
+    c = mc.ReplicateConfig()
+    c.soft_pin_action = mc.SoftPinAction.ENABLE
+    c.soft_pin_ttl_ms = 60_000
+    k = key()
+    assert store.put(k, b"pinned", c) == 0
+    assert store.get(k) == b"pinned"
+
+
+# ---- get_into_ranges ----------------------------------------------------------------------
+
+
+def test_get_into_ranges(store):
+    big, base = registered(store, 4096)
+    for i in range(1000):
+        big[i] = i % 251
+    k = key()
+    assert store.put_from(k, base, 1000) == 0
+    dst = base + 2000
+    # Two keys in one buffer: one with ragged lists gets one code, the other is still read.
+    assert store.get_into_ranges([dst], [[k, k]], [[[0], []]], [[[0, 1], []]], [[[], []]]) == [[[INVALID_PARAMS], []]]
+    assert store.get_into_ranges([dst], [[k, k]], [[[0, 10], [20]]], [[[0, 5], [7]]], [[[4, 4], [3]]]) == [[[4, 4], [3]]]
+    assert bytes(big[2000:2004]) == bytes(range(4)) and bytes(big[2010:2014]) == bytes(range(5, 9))
+    assert bytes(big[2020:2023]) == bytes(range(7, 10))
+    assert store.get_into_ranges([dst], [[k, key()]], [[[0], [20]]], [[[0], [7]]], [[[4], [3]]]) == [[[4], [OBJECT_NOT_FOUND]]]
+    assert store.get_into_ranges([dst], [[k]], [[[0]]], [[[990]]], [[[20]]]) == [[[INVALID_PARAMS]]]
+    # Outer lists of different lengths: one code per buffer.
+    assert store.get_into_ranges([dst, base], [[k]], [[[0]]], [[[990]]], [[[20]]]) == [[[INVALID_PARAMS]], [[INVALID_PARAMS]]]
+
+
+# ---- multi-buffer batches -------------------------------------------------------------------
+
+
+def test_multi_buffer_put_and_get(store):
+    b1, a1 = registered(store, 16, 1)
+    b2, a2 = registered(store, 16, 2)
+    b3, a3 = registered(store, 64)
+    k1, k2 = key(), key()
+    assert store.batch_put_from_multi_buffers([k1, k2], [[a1, a2], [a2]], [[16, 8], [4]]) == [0, 0]
+    assert store.get(k1) == b"\x01" * 16 + b"\x02" * 8
+    assert store.get(k2) == b"\x02" * 4
+    assert store.batch_get_into_multi_buffers([k1, k2], [[a3, a3 + 20], [a3 + 40]], [[10, 14], [4]]) == [24, 4]
+    assert bytes(b3[0:10]) == b"\x01" * 10
+    assert bytes(b3[20:34]) == b"\x01" * 6 + b"\x02" * 8
+    assert bytes(b3[40:44]) == b"\x02" * 4
+
+
+def test_multi_buffer_shape_errors(store):
+    keep1, a1 = registered(store, 16, 1)
+    keep2, a3 = registered(store, 64)
+    k1 = key()
+    assert store.batch_put_from_multi_buffers([key(), key()], [[a1, a1], [a1]], [[16], [4]]) == [INVALID_PARAMS] * 2
+    assert store.batch_put_from_multi_buffers([key()], [[a1], [a1]], [[16]]) == [INVALID_PARAMS]
+    assert store.batch_put_from_multi_buffers([k1], [[a1]], [[16]]) == [0]
+    # Buffers smaller than the object in total, and a missing key.
+    assert store.batch_get_into_multi_buffers([k1, key()], [[a3], [a3 + 40]], [[10], [4]]) == [INVALID_PARAMS, OBJECT_NOT_FOUND]
+
+
+def test_ranged_put_without_a_session_is_refused(store):
+    keep3, a1 = registered(store, 16, 1)
+    k = key()
+    assert store.batch_put_from_multi_buffer_ranges([k], [[a1]], [[4]], [[0]]) == [INVALID_PARAMS]
+    assert store.is_exist(k) == 0
+
+
+def test_put_from_with_metadata(store):
+    keep4, data = registered(store, 16, 1)
+    meta_buf = (ctypes.c_ubyte * 4)(*b"META")
+    meta = ctypes.addressof(meta_buf)
+    assert store.register_buffer(meta, 4) == 0
+    k = key()
+    assert store.put_from_with_metadata(k, data, meta, 16, 4) == 0
+    assert store.get(k) == b"META" + b"\x01" * 16
+    assert store.get_size(k) == 20
+
+
+# ---- batch_replica_clear --------------------------------------------------------------------
+
+
+def test_batch_replica_clear_skips_leased_and_missing_keys(store):
+    k = key()
+    assert store.put(k, b"v") == 0
+    assert store.get(k) == b"v"  # takes a read lease
+    assert store.batch_replica_clear([k, key()]) == []
+    assert store.get(k) == b"v"
+
+
+# ---- the calls LMCache and SGLang make ------------------------------------------------------
+
+
+def test_client_call_conventions(store):
+    k = key()
+    assert store.get(key()) == b""
+    assert store.get_size(key()) == OBJECT_NOT_FOUND
+    assert store.is_exist(key()) == 0
+    assert store.batch_is_exist([k]) == [0]
+    assert store.put(k, b"hello") == 0
+    assert store.batch_is_exist([k, key()]) == [1, 0]
+    handles = store.batch_get_buffer([k, key()])
+    assert bytes(memoryview(handles[0])) == b"hello" and handles[1] is None
+    keep5, src = registered(store, 64, 7)
+    keep6, dst = registered(store, 64)
+    k2 = key()
+    assert store.batch_put_from([k2], [src], [32]) == [0]
+    assert store.batch_get_into([k2, key()], [dst, dst + 32], [32, 32]) == [32, OBJECT_NOT_FOUND]
+    assert ctypes.string_at(dst, 32) == b"\x07" * 32
+    assert store.get_into(k2, dst, 64) == 32
+    time.sleep(0.6)  # past the 500 ms read lease
+    assert store.remove_all() >= 2
