@@ -87,11 +87,48 @@ struct Inner {
 }
 
 /// A client of a Tycho store. Cheap to clone; clones share one client. Every call runs on the
-/// caller's thread.
+/// caller's thread. Dropping the last clone closes the client (as Mooncake's destructor does):
+/// its segments are unmounted instead of lingering until the master's client TTL.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
     heartbeat_thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+    _close_on_drop: Arc<CloseOnDrop>,
+}
+
+/// Shared by every clone of a [`Client`]; its drop (once, with the last clone) closes the client.
+struct CloseOnDrop {
+    inner: Arc<Inner>,
+    heartbeat_thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = shut_down(&self.inner, &self.heartbeat_thread);
+    }
+}
+
+/// Unmounts the client's segments, stops serving and heartbeating. Idempotent.
+fn shut_down(inner: &Inner, heartbeat_thread: &Mutex<Option<std::thread::JoinHandle<()>>>) -> Result<(), ErrorCode> {
+    if inner.closed.swap(true, Ordering::AcqRel) {
+        return Ok(());
+    }
+    *inner.heartbeat.stop.lock() = true;
+    inner.heartbeat.wake.notify_all();
+    if let Some(t) = heartbeat_thread.lock().take() {
+        let _ = t.join();
+    }
+    let segments: Vec<Segment> = std::mem::take(&mut *inner.segments.lock());
+    let mut result = Ok(());
+    for s in &segments {
+        let req = Request::UnmountSegment { client: inner.id, segment: s.desc.id };
+        if let Err(e) = inner.call(&req) {
+            result = Err(e);
+        }
+        inner.registry.unregister(s.desc.id);
+    }
+    inner.server.lock().take();
+    result
 }
 
 fn bind_transfer(hostname: &str) -> Result<(TcpListener, String), ErrorCode> {
@@ -163,7 +200,9 @@ impl Client {
             .name("tycho-heartbeat".into())
             .spawn(move || hb.heartbeat_loop())
             .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
-        Ok(Client { inner, heartbeat_thread: Arc::new(Mutex::new(Some(thread))) })
+        let heartbeat_thread = Arc::new(Mutex::new(Some(thread)));
+        let close = Arc::new(CloseOnDrop { inner: inner.clone(), heartbeat_thread: heartbeat_thread.clone() });
+        Ok(Client { inner, heartbeat_thread, _close_on_drop: close })
     }
 
     /// This client's id.
@@ -194,25 +233,7 @@ impl Client {
     /// Unmounts this client's segments (objects stored only there are dropped), stops serving
     /// and heartbeating. Idempotent.
     pub fn close(&self) -> Result<(), ErrorCode> {
-        if self.inner.closed.swap(true, Ordering::AcqRel) {
-            return Ok(());
-        }
-        *self.inner.heartbeat.stop.lock() = true;
-        self.inner.heartbeat.wake.notify_all();
-        if let Some(t) = self.heartbeat_thread.lock().take() {
-            let _ = t.join();
-        }
-        let segments: Vec<Segment> = std::mem::take(&mut *self.inner.segments.lock());
-        let mut result = Ok(());
-        for s in &segments {
-            let req = Request::UnmountSegment { client: self.inner.id, segment: s.desc.id };
-            if let Err(e) = self.inner.call(&req) {
-                result = Err(e);
-            }
-            self.inner.registry.unregister(s.desc.id);
-        }
-        self.inner.server.lock().take();
-        result
+        shut_down(&self.inner, &self.heartbeat_thread)
     }
 
     fn check_open(&self) -> Result<(), ErrorCode> {

@@ -234,6 +234,11 @@ def test_client_call_conventions(store):
     assert store.batch_is_exist([k, key()]) == [1, 0]
     handles = store.batch_get_buffer([k, key()])
     assert bytes(memoryview(handles[0])) == b"hello" and handles[1] is None
+    # Writable, as torch.frombuffer (LMCache) expects; writing changes only this copy.
+    view = memoryview(handles[0]).cast("B")
+    assert not view.readonly
+    view[0] = ord("j")
+    assert bytes(view) == b"jello" and store.get(k) == b"hello"
     keep5, src = registered(store, 64, 7)
     keep6, dst = registered(store, 64)
     k2 = key()

@@ -212,40 +212,55 @@ fn descriptor(r: &ReplicaDesc) -> ReplicaDescriptor {
     }
 }
 
-/// Bytes of an object exposed through the buffer protocol (`memoryview`, `numpy`).
+/// Bytes of an object exposed through the buffer protocol (`memoryview`, `numpy`, `torch`).
+/// Writable, as Mooncake's: each handle owns its copy of the bytes.
 #[pyclass(module = "tycho._tycho", frozen)]
 struct BufferHandle {
-    data: Vec<u8>,
+    data: std::cell::UnsafeCell<Vec<u8>>,
+}
+
+// SAFETY: Rust code never reads or writes the bytes after construction; only Python writes them,
+// through the buffer protocol, and the vector itself (pointer, length) never changes.
+unsafe impl Sync for BufferHandle {}
+
+impl BufferHandle {
+    fn new(data: Vec<u8>) -> BufferHandle {
+        BufferHandle { data: std::cell::UnsafeCell::new(data) }
+    }
+
+    fn bytes(&self) -> &Vec<u8> {
+        // SAFETY: the vector's pointer and length never change (see the Sync note above).
+        unsafe { &*self.data.get() }
+    }
 }
 
 #[pymethods]
 impl BufferHandle {
     /// Address of the first byte.
     fn ptr(&self) -> usize {
-        self.data.as_ptr() as usize
+        self.bytes().as_ptr() as usize
     }
     /// Size in bytes.
     fn size(&self) -> usize {
-        self.data.len()
+        self.bytes().len()
     }
     fn __len__(&self) -> usize {
-        self.data.len()
+        self.bytes().len()
     }
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
         flags: std::os::raw::c_int,
     ) -> PyResult<()> {
-        let data = &slf.get().data;
-        // SAFETY: the buffer lives as long as `slf`, which the view holds a reference to;
-        // it is exported read-only.
+        let data = slf.get().bytes();
+        // SAFETY: the buffer lives as long as `slf`, which the view holds a reference to.
         let ret = unsafe {
             ffi::PyBuffer_FillInfo(
                 view,
                 slf.as_ptr(),
                 data.as_ptr() as *mut std::ffi::c_void,
                 data.len() as ffi::Py_ssize_t,
-                1,
+                0,
                 flags,
             )
         };
@@ -914,7 +929,7 @@ impl Store {
     /// The value of `key` as a buffer-protocol object, or None.
     fn get_buffer(&self, py: Python<'_>, key: &str) -> Option<BufferHandle> {
         let c = self.client().ok()?;
-        py.allow_threads(|| c.get(key)).ok().map(|data| BufferHandle { data })
+        py.allow_threads(|| c.get(key)).ok().map(BufferHandle::new)
     }
 
     /// Buffers of many keys, None for each one missing.
@@ -924,7 +939,7 @@ impl Store {
             let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
             c.get_batch(&ks)
         });
-        results.into_iter().map(|r| r.ok().map(|data| BufferHandle { data })).collect()
+        results.into_iter().map(|r| r.ok().map(BufferHandle::new)).collect()
     }
 
     /// Registers caller memory for the zero-copy calls.

@@ -383,3 +383,36 @@ def test_master_takes_mooncake_flags():
     for flag in ("--enable_ha=true", "--enable_oplog", "--enable_snapshot=1", "--flagfile=/etc/x"):
         r = subprocess.run([bin_, "master", "--rpc-port", "0", flag], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and "not supported" in r.stderr, (flag, r.stderr)
+
+
+def test_a_store_left_open_is_closed_when_its_process_exits(master):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from tycho.store import MooncakeDistributedStore\n"
+        "KEPT = MooncakeDistributedStore()  # a module global, never closed\n"
+        "assert KEPT.setup('127.0.0.1', 'x', 16 << 20, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
+        "dropped = MooncakeDistributedStore()  # dropped before exit\n"
+        "assert dropped.setup('127.0.0.1', 'x', 16 << 20, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
+        "assert KEPT.put(sys.argv[2], b'v') == 0\n"
+        "del dropped\n"
+        "print('ok', flush=True)\n"
+    )
+
+    def segments():
+        out = subprocess.run([os.environ["TYCHO_BIN"], "segments", "--master", master.addr],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [l for l in out.splitlines()[1:] if l.strip()]
+
+    before = len(segments())
+    k = key()
+    r = subprocess.run([sys.executable, "-c", script, master.addr, k], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    # Both segments are gone at once: no waiting for the master's client TTL.
+    assert len(segments()) == before
+    observer = MooncakeDistributedStore()
+    assert observer.setup("127.0.0.1", "x", 0, 16 << 20, "tcp", "", master.addr) == 0
+    assert observer.is_exist(k) == 0
+    observer.close()

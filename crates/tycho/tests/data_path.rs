@@ -134,6 +134,24 @@ fn sigterm_unmounts_and_close_drops_objects_stored_only_there() {
 }
 
 #[test]
+fn dropping_the_last_clone_closes_the_client() {
+    let (_m, addr) = master(&[]);
+    let observer = client(&addr, Protocol::Auto, 0);
+    let owner = client(&addr, Protocol::Auto, 16 << 20);
+    let clone = owner.clone();
+    assert_eq!(stats(&observer).segments, 1);
+    drop(owner);
+    // A clone still holds the client: its segment stays mounted and usable.
+    assert_eq!(stats(&observer).segments, 1);
+    clone.put("k", &payload("k", 1, 1000), &Default::default()).unwrap();
+    assert!(verify("k", &observer.get("k").unwrap()));
+    // The last one unmounts at once, as close() does, without waiting for the client TTL.
+    drop(clone);
+    assert_eq!(stats(&observer).segments, 0);
+    assert_eq!(observer.exists("k"), Ok(false));
+}
+
+#[test]
 fn get_racing_remove_never_returns_torn_or_foreign_bytes() {
     let (_m, addr) = master(&["--default-kv-lease-ttl", "200"]);
     let (_n1, _) = node(&addr, "64MB");

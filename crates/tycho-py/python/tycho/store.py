@@ -8,6 +8,9 @@ Signatures, keyword names, defaults and return conventions follow Mooncake's: in
 success and negative error codes, ``b""`` for a missing key, counts for bulk removals.
 """
 
+import atexit
+import weakref
+
 from ._tycho import (  # noqa: F401  (re-exported)
     BufferDescriptor,
     BufferHandle,
@@ -68,6 +71,20 @@ _DEFAULT_TENANT = "default"
 _INVALID_PARAMS = -600
 
 
+# Stores still open when the interpreter exits are closed then (their segments unmounted), as
+# Mooncake's destructor does; a store dropped earlier closes itself when its last reference goes.
+_OPEN_STORES = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores():
+    for s in list(_OPEN_STORES):
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001  (exiting anyway; a dead master must not block exit)
+            pass
+
+
 class MooncakeDistributedStore(_Store):
     """A client of a Tycho store, with the API of ``mooncake.store.MooncakeDistributedStore``.
 
@@ -116,6 +133,7 @@ class MooncakeDistributedStore(_Store):
             return _INVALID_PARAMS
         tenant = params.get("tenant_id")
         tenant = "" if tenant in (None, "", _DEFAULT_TENANT) else str(tenant)
+        _OPEN_STORES.add(self)
         return self._connect(
             str(params["local_hostname"]),
             segment,
