@@ -38,9 +38,8 @@ import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache")
-pytest.importorskip("tycho.store")
+import torch  # noqa: E402
+import tycho.store  # noqa: E402,F401
 
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
@@ -303,13 +302,13 @@ def reader_main(spec):
 def _requirements():
     """Skip (with the reason) unless the test was opted into and mooncake.store is Tycho."""
     if not os.environ.get("TYCHO_BIN"):
-        pytest.skip("opt-in: set TYCHO_BIN to the tycho binary (e.g. target/debug/tycho)")
+        pytest.fail("set TYCHO_BIN to the tycho binary (scripts/test-clients does)")
     if not os.access(os.environ["TYCHO_BIN"], os.X_OK):
         pytest.fail(f"TYCHO_BIN={os.environ['TYCHO_BIN']} is not an executable")
     try:
         import mooncake.store as mooncake_store
     except ImportError:
-        pytest.skip("mooncake.store is not importable: put clients/shim on PYTHONPATH")
+        pytest.fail("mooncake.store is not importable: put clients/shim on PYTHONPATH")
     import tycho.store
 
     if mooncake_store.MooncakeDistributedStore is not tycho.store.MooncakeDistributedStore:

@@ -103,11 +103,13 @@ else:
 
 
 @pytest.mark.parametrize("layout", ["mha", "mla"])
-def test_pages_written_by_one_process_are_read_by_another(master, layout):
+def test_pages_written_by_one_process_are_read_by_another(master, layout, tmp_path):
     keys = [f"sglang-{layout}-{i}-{time.monotonic_ns()}" for i in range(9)]
     env = mooncake_env(master.addr)
+    # The writer's log goes to a file: a pipe nobody reads could fill and stall it.
+    writer_log = open(tmp_path / "writer.log", "w+")
     writer = subprocess.Popen([sys.executable, "-c", WORKER, "write", layout, json.dumps(keys)], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=writer_log, text=True)
     try:
         lines = queue.Queue()
         threading.Thread(target=lambda: [lines.put(l) for l in writer.stdout] + [lines.put(None)], daemon=True).start()
@@ -115,7 +117,7 @@ def test_pages_written_by_one_process_are_read_by_another(master, layout):
         deadline = time.monotonic() + 300
         while written is None:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            assert line is not None, "writer exited: " + writer.stderr.read()[-3000:]
+            assert line is not None, "writer exited: " + (tmp_path / "writer.log").read_text()[-3000:]
             if line.startswith("["):
                 written = json.loads(line)
         reader = subprocess.run([sys.executable, "-c", WORKER, "read", layout, json.dumps(keys)], env=env,
@@ -131,3 +133,4 @@ def test_pages_written_by_one_process_are_read_by_another(master, layout):
         except subprocess.TimeoutExpired:
             writer.kill()
             writer.wait()
+        writer_log.close()

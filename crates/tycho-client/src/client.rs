@@ -84,7 +84,13 @@ struct Inner {
     leases: Mutex<HashMap<String, Arc<(ReplicaList, Instant)>>>,
     closed: AtomicBool,
     heartbeat: Heartbeat,
+    /// The process that connected; a forked child that inherits the client never closes it.
+    pid: u32,
 }
+
+/// How long an implicit close (the last clone dropped, or a process exiting) may spend on each
+/// unmount; it makes one attempt, so a dead master cannot hold up a drop or an exit.
+const QUICK_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A client of a Tycho store. Cheap to clone; clones share one client. Every call runs on the
 /// caller's thread. Dropping the last clone closes the client (as Mooncake's destructor does):
@@ -104,25 +110,47 @@ struct CloseOnDrop {
 
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
-        let _ = shut_down(&self.inner, &self.heartbeat_thread);
+        let _ = shut_down(&self.inner, &self.heartbeat_thread, true);
     }
 }
 
-/// Unmounts the client's segments, stops serving and heartbeating. Idempotent.
-fn shut_down(inner: &Inner, heartbeat_thread: &Mutex<Option<std::thread::JoinHandle<()>>>) -> Result<(), ErrorCode> {
+/// Unmounts the client's segments, stops serving and heartbeating. Idempotent. `quick` (an
+/// implicit close) does not wait for the heartbeat thread and tries each unmount once within
+/// [`QUICK_CLOSE_TIMEOUT`]; in a forked child it only marks the client closed, leaving the
+/// parent's segments alone.
+fn shut_down(
+    inner: &Inner,
+    heartbeat_thread: &Mutex<Option<std::thread::JoinHandle<()>>>,
+    quick: bool,
+) -> Result<(), ErrorCode> {
     if inner.closed.swap(true, Ordering::AcqRel) {
+        return Ok(());
+    }
+    if quick && std::process::id() != inner.pid {
         return Ok(());
     }
     *inner.heartbeat.stop.lock() = true;
     inner.heartbeat.wake.notify_all();
     if let Some(t) = heartbeat_thread.lock().take() {
-        let _ = t.join();
+        // A quick close leaves the thread to finish its current ping and stop on its own.
+        if !quick {
+            let _ = t.join();
+        }
     }
     let segments: Vec<Segment> = std::mem::take(&mut *inner.segments.lock());
     let mut result = Ok(());
     for s in &segments {
         let req = Request::UnmountSegment { client: inner.id, segment: s.desc.id };
-        if let Err(e) = inner.call(&req) {
+        let r = if quick {
+            match inner.master.call::<Request, Response>(&req, QUICK_CLOSE_TIMEOUT) {
+                Ok(Response::Error(e)) => Err(e),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e.code()),
+            }
+        } else {
+            inner.call(&req).map(|_| ())
+        };
+        if let Err(e) = r {
             result = Err(e);
         }
         inner.registry.unregister(s.desc.id);
@@ -192,6 +220,7 @@ impl Client {
             registered: Mutex::new(Vec::new()),
             leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
         inner.remount()?;
@@ -233,7 +262,14 @@ impl Client {
     /// Unmounts this client's segments (objects stored only there are dropped), stops serving
     /// and heartbeating. Idempotent.
     pub fn close(&self) -> Result<(), ErrorCode> {
-        shut_down(&self.inner, &self.heartbeat_thread)
+        shut_down(&self.inner, &self.heartbeat_thread, false)
+    }
+
+    /// [`Client::close`] for exit paths: one unmount attempt each within a short timeout, no
+    /// wait for the heartbeat thread, and nothing at all in a forked child of the process that
+    /// connected.
+    pub fn close_quickly(&self) -> Result<(), ErrorCode> {
+        shut_down(&self.inner, &self.heartbeat_thread, true)
     }
 
     fn check_open(&self) -> Result<(), ErrorCode> {

@@ -26,6 +26,7 @@ pub fn is_idempotent(req: &Request) -> bool {
             | Request::UpsertRevoke(_)
             | Request::BatchPutRevoke(_)
             | Request::BatchUpsertRevoke(_)
+            | Request::BatchReplicaClear(_)
     )
 }
 

@@ -10,7 +10,7 @@ use parking_lot::RwLock;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use tycho_client::{Client, ClientConfig, Protocol, WriteMode};
 use tycho_proto::{ErrorCode, ReplicaDesc};
 
@@ -100,11 +100,11 @@ impl ReplicateConfig {
             self.soft_pin_ttl_ms = None;
             return Ok(());
         }
+        // Any int-like object (numpy and torch ints too); floats, strings and ints out of range
+        // are a TypeError, as in Mooncake.
         let ttl = value
-            .downcast::<PyInt>()
-            .ok()
-            .and_then(|v| v.extract::<u64>().ok())
-            .ok_or_else(|| PyTypeError::new_err("soft_pin_ttl_ms takes None or an int in [0, 2**64)"))?;
+            .extract::<u64>()
+            .map_err(|_| PyTypeError::new_err("soft_pin_ttl_ms takes None or an int in [0, 2**64)"))?;
         self.soft_pin_ttl_ms = Some(ttl);
         Ok(())
     }
@@ -213,24 +213,27 @@ fn descriptor(r: &ReplicaDesc) -> ReplicaDescriptor {
 }
 
 /// Bytes of an object exposed through the buffer protocol (`memoryview`, `numpy`, `torch`).
-/// Writable, as Mooncake's: each handle owns its copy of the bytes.
+/// Writable, as Mooncake's: each handle owns its copy of the bytes, so writing into it changes
+/// nothing stored.
 #[pyclass(module = "tycho._tycho", frozen)]
 struct BufferHandle {
-    data: std::cell::UnsafeCell<Vec<u8>>,
+    /// Owns the bytes; only ever accessed through `ptr`.
+    _data: Box<[u8]>,
+    /// `_data`'s first byte, taken mutably once at construction.
+    ptr: *mut u8,
+    len: usize,
 }
 
-// SAFETY: Rust code never reads or writes the bytes after construction; only Python writes them,
-// through the buffer protocol, and the vector itself (pointer, length) never changes.
+// SAFETY: the handle's Rust code only hands out `ptr` and `len`; the bytes behind them are read
+// and written by Python through the buffer protocol, under the GIL, like a bytearray's.
+unsafe impl Send for BufferHandle {}
 unsafe impl Sync for BufferHandle {}
 
 impl BufferHandle {
     fn new(data: Vec<u8>) -> BufferHandle {
-        BufferHandle { data: std::cell::UnsafeCell::new(data) }
-    }
-
-    fn bytes(&self) -> &Vec<u8> {
-        // SAFETY: the vector's pointer and length never change (see the Sync note above).
-        unsafe { &*self.data.get() }
+        let mut data = data.into_boxed_slice();
+        let (ptr, len) = (data.as_mut_ptr(), data.len());
+        BufferHandle { _data: data, ptr, len }
     }
 }
 
@@ -238,31 +241,24 @@ impl BufferHandle {
 impl BufferHandle {
     /// Address of the first byte.
     fn ptr(&self) -> usize {
-        self.bytes().as_ptr() as usize
+        self.ptr as usize
     }
     /// Size in bytes.
     fn size(&self) -> usize {
-        self.bytes().len()
+        self.len
     }
     fn __len__(&self) -> usize {
-        self.bytes().len()
+        self.len
     }
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
         flags: std::os::raw::c_int,
     ) -> PyResult<()> {
-        let data = slf.get().bytes();
-        // SAFETY: the buffer lives as long as `slf`, which the view holds a reference to.
+        let (ptr, len) = (slf.get().ptr, slf.get().len);
+        // SAFETY: the bytes live as long as `slf`, which the view holds a reference to.
         let ret = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                data.as_ptr() as *mut std::ffi::c_void,
-                data.len() as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
+            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast::<std::ffi::c_void>(), len as ffi::Py_ssize_t, 0, flags)
         };
         if ret == -1 {
             return Err(PyErr::fetch(slf.py()));
@@ -328,7 +324,7 @@ impl Bytes {
         Ok(Bytes { ptr: copy.as_ptr() as usize, len, _view: view, _copy: Some(copy) })
     }
     /// # Safety
-    /// The object stays alive (`_keep`) and the caller does not mutate it meanwhile.
+    /// The object stays alive (`_view` holds it) and the caller does not mutate it meanwhile.
     unsafe fn slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
@@ -343,6 +339,20 @@ impl Bytes {
 struct Store {
     client: RwLock<Option<Client>>,
     was_set_up: AtomicBool,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // A store dropped without close(): close it as Mooncake's destructor does, quickly
+        // (one short attempt per unmount) and without holding the GIL while the master answers.
+        if let Some(c) = self.client.get_mut().take() {
+            Python::with_gil(|py| {
+                py.allow_threads(move || {
+                    let _ = c.close_quickly();
+                })
+            });
+        }
+    }
 }
 
 impl Store {
@@ -414,6 +424,12 @@ impl Store {
     fn close(&self, py: Python<'_>) -> i64 {
         let Some(c) = self.client.write().take() else { return 0 };
         status(py.allow_threads(move || c.close()))
+    }
+
+    /// close() for exit paths: one short unmount attempt, nothing in a forked child.
+    fn _close_quickly(&self, py: Python<'_>) -> i64 {
+        let Some(c) = self.client.write().take() else { return 0 };
+        status(py.allow_threads(move || c.close_quickly()))
     }
 
     /// 0 when usable, 1 when closed (or never set up), 2 when the master does not answer.

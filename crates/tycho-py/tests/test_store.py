@@ -377,18 +377,25 @@ def test_master_takes_mooncake_flags():
         s.close()
     finally:
         m.stop()
-    bin_ = os.environ.get("TYCHO_BIN")
     import subprocess
+
+    from conftest import _tycho_bin
+
+    bin_ = _tycho_bin()
 
     for flag in ("--enable_ha=true", "--enable_oplog", "--enable_snapshot=1", "--flagfile=/etc/x"):
         r = subprocess.run([bin_, "master", "--rpc-port", "0", flag], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and "not supported" in r.stderr, (flag, r.stderr)
 
 
-def test_a_store_left_open_is_closed_when_its_process_exits(master):
+def test_a_store_left_open_is_closed_when_its_process_exits():
     import subprocess
     import sys
 
+    from conftest import Master, _tycho_bin
+
+    # A client TTL far longer than the test: only the stores closing themselves can unmount.
+    m = Master("--client-ttl", "60")
     script = (
         "import sys\n"
         "from tycho.store import MooncakeDistributedStore\n"
@@ -397,22 +404,52 @@ def test_a_store_left_open_is_closed_when_its_process_exits(master):
         "dropped = MooncakeDistributedStore()  # dropped before exit\n"
         "assert dropped.setup('127.0.0.1', 'x', 16 << 20, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
         "assert KEPT.put(sys.argv[2], b'v') == 0\n"
+        "print(KEPT.get_hostname(), dropped.get_hostname(), flush=True)\n"
         "del dropped\n"
-        "print('ok', flush=True)\n"
     )
 
-    def segments():
-        out = subprocess.run([os.environ["TYCHO_BIN"], "segments", "--master", master.addr],
-                             capture_output=True, text=True, timeout=30).stdout
-        return [l for l in out.splitlines()[1:] if l.strip()]
+    def segment_names():
+        r = subprocess.run([_tycho_bin(), "segments", "--master", m.addr], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
 
-    before = len(segments())
-    k = key()
-    r = subprocess.run([sys.executable, "-c", script, master.addr, k], capture_output=True, text=True, timeout=60)
+    try:
+        k = key()
+        r = subprocess.run([sys.executable, "-c", script, m.addr, k], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        names = r.stdout.split()
+        assert len(names) == 2
+        listing = segment_names()
+        for name in names:
+            assert name not in listing, listing
+        observer = MooncakeDistributedStore()
+        assert observer.setup("127.0.0.1", "x", 0, 16 << 20, "tcp", "", m.addr) == 0
+        assert observer.is_exist(k) == 0
+        observer.close()
+    finally:
+        m.stop()
+
+
+def test_a_forked_child_leaves_its_parents_store_alone(master):
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from tycho.store import MooncakeDistributedStore\n"
+        "s = MooncakeDistributedStore()\n"
+        "assert s.setup('127.0.0.1', 'x', 16 << 20, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
+        "assert s.put('forked', b'parent') == 0\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)  # a normal exit: atexit handlers and finalizers run in the child\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert status == 0, status\n"
+        "assert s.get('forked') == b'parent'\n"
+        "assert s.put('after-fork', b'still mounted') == 0 and s.get('after-fork') == b'still mounted'\n"
+        "s.close()\n"
+        "print('ok', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, master.addr], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
-    # Both segments are gone at once: no waiting for the master's client TTL.
-    assert len(segments()) == before
-    observer = MooncakeDistributedStore()
-    assert observer.setup("127.0.0.1", "x", 0, 16 << 20, "tcp", "", master.addr) == 0
-    assert observer.is_exist(k) == 0
-    observer.close()

@@ -24,13 +24,13 @@ pub struct MasterArgs {
     #[arg(long = "rpc-address", alias = "rpc_address", default_value = "0.0.0.0")]
     pub rpc_address: String,
     /// Read-lease TTL granted by reads: milliseconds, or a duration such as 500ms, 5s, 1m, 1h.
-    #[arg(long = "default-kv-lease-ttl", alias = "default_kv_lease_ttl", default_value = "10000", value_parser = duration_ms)]
+    #[arg(long = "default-kv-lease-ttl", alias = "default_kv_lease_ttl", default_value_t = tycho_master::DEFAULT_KV_LEASE_TTL_MS, value_parser = duration_ms)]
     pub default_kv_lease_ttl: u64,
     /// Soft-pin TTL when a write enables the pin without one: milliseconds or a duration.
-    #[arg(long = "default-kv-soft-pin-ttl", alias = "default_kv_soft_pin_ttl", default_value = "1800000", value_parser = duration_ms)]
+    #[arg(long = "default-kv-soft-pin-ttl", alias = "default_kv_soft_pin_ttl", default_value_t = tycho_master::DEFAULT_SOFT_PIN_TTL_MS, value_parser = duration_ms)]
     pub default_kv_soft_pin_ttl: u64,
     /// Longest soft-pin TTL a write may ask for: milliseconds or a duration.
-    #[arg(long = "max-kv-soft-pin-ttl", alias = "max_kv_soft_pin_ttl", default_value = "86400000", value_parser = duration_ms)]
+    #[arg(long = "max-kv-soft-pin-ttl", alias = "max_kv_soft_pin_ttl", default_value_t = tycho_master::MAX_SOFT_PIN_TTL_MS, value_parser = duration_ms)]
     pub max_kv_soft_pin_ttl: u64,
     /// A client silent this long is expired and its segments unmounted: seconds or a duration.
     #[arg(long = "client-ttl", alias = "client_ttl", default_value = "10", value_parser = duration_s)]

@@ -254,21 +254,18 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, Vec<Unhandled>) {
         };
         let value = match inline {
             Some(v) => Some(v),
-            None if is_bool => {
-                // A bool may stand alone, or take the next argument when it reads as a bool.
-                match it.peek().and_then(|n| n.to_str()).and_then(parse_bool) {
-                    Some(b) => {
-                        it.next();
-                        Some(b.to_string())
-                    }
-                    None => Some("true".to_string()),
-                }
-            }
+            // As in gflags, a bool standing alone is true and never takes the next argument.
+            None if is_bool => Some("true".to_string()),
             None => it.next_if(|n| n.to_str().is_some_and(|s| !s.starts_with('-'))).and_then(|n| n.into_string().ok()),
         };
         match kind {
             Native("help") => kept.push("--help".into()),
             Native(long) => match value {
+                // gflags' spellings of a bool (1, yes, t, ...) become clap's true / false.
+                Some(v) if is_bool => {
+                    let v = parse_bool(&v).map_or(v, |b| b.to_string());
+                    kept.push(format!("--{long}={v}").into())
+                }
                 Some(v) => kept.push(format!("--{long}={v}").into()),
                 None => kept.push(format!("--{long}").into()),
             },
@@ -290,24 +287,28 @@ pub fn split(args: Vec<OsString>) -> (Vec<OsString>, Vec<Unhandled>) {
 }
 
 /// Refuses the flags that are on and would change durability or safety; reports the rest once
-/// as ignored.
+/// each as ignored. A flag given more than once counts with its last value, as in gflags.
 pub fn check(flags: &[Unhandled]) -> Result<(), String> {
+    let mut last: Vec<&Unhandled> = Vec::new();
     for f in flags {
-        if let Some(instead) = f.refusal {
-            let on = match parse_bool(&f.value) {
-                Some(b) => b,
-                None => !f.value.is_empty(),
-            };
-            let bool_flag = lookup(&f.name).is_some_and(|(b, _)| b);
-            if bool_flag && parse_bool(&f.value).is_none() {
-                return Err(format!("--{}={}: not a boolean", f.name, f.value));
-            }
-            if on {
-                return Err(format!("--{}={} is not supported: {instead}", f.name, f.value));
-            }
+        match last.iter_mut().find(|l| l.name == f.name) {
+            Some(l) => *l = f,
+            None => last.push(f),
         }
     }
-    for f in flags {
+    for f in &last {
+        let bool_flag = lookup(&f.name).is_some_and(|(b, _)| b);
+        let on = if bool_flag {
+            parse_bool(&f.value).ok_or_else(|| format!("--{}={}: not a boolean", f.name, f.value))?
+        } else {
+            // A path or list: any value turns it on.
+            !f.value.is_empty()
+        };
+        if let (Some(instead), true) = (f.refusal, on) {
+            return Err(format!("--{}={} is not supported: {instead}", f.name, f.value));
+        }
+    }
+    for f in &last {
         tracing::warn!("ignoring mooncake_master flag --{}={}: {}", f.name, f.value, f.reason);
     }
     Ok(())
@@ -368,6 +369,7 @@ mod tests {
             "--allow_evict_soft_pinned_objects",
             "--metrics-port",
             "0",
+            "--allow_evict_soft_pinned_objects=no",
         ]));
         assert!(un.is_empty());
         assert_eq!(
@@ -379,6 +381,7 @@ mod tests {
                 "--allow-evict-soft-pinned-objects=true",
                 "--metrics-port",
                 "0",
+                "--allow-evict-soft-pinned-objects=false",
             ])
         );
     }
@@ -392,7 +395,6 @@ mod tests {
             "--max_total_pending_tasks=5",
             "--noenable_ha",
             "--logtostderr",
-            "false",
             "--client-ttl",
             "2",
         ]));
@@ -404,7 +406,7 @@ mod tests {
                 ("dynamic_replication_mode", "observe"),
                 ("max_total_pending_tasks", "5"),
                 ("enable_ha", "false"),
-                ("logtostderr", "false"),
+                ("logtostderr", "true"),
             ]
         );
         assert!(check(&un).is_ok());
@@ -421,6 +423,20 @@ mod tests {
         assert!(check(&un).is_ok());
         let (_, un) = split(args(&["--enable_ha=maybe"]));
         assert!(check(&un).unwrap_err().contains("not a boolean"));
+        // As gflags: a bare bool is true and leaves the next argument alone...
+        let (kept, un) = split(args(&["--enable_ha", "false"]));
+        assert_eq!(kept, args(&["false"]));
+        assert!(check(&un).unwrap_err().contains("not supported"));
+        // ...the last occurrence wins...
+        let (_, un) = split(args(&["--enable_ha=true", "--enable_ha=false"]));
+        assert!(check(&un).is_ok());
+        let (_, un) = split(args(&["--enable_ha=false", "--enable_oplog", "--noenable_oplog"]));
+        assert!(check(&un).is_ok());
+        // ...and a path is on whatever it says.
+        for path in ["--flagfile=0", "--config_path=no"] {
+            let (_, un) = split(args(&[path]));
+            assert!(check(&un).unwrap_err().contains("not supported"), "{path}");
+        }
     }
 
     #[test]
