@@ -12,6 +12,14 @@ import time
 
 import pytest
 
+
+def _die_with_parent():
+    """Runs in the child before exec: the kernel kills it (SIGKILL) if the test process dies,
+    so a crashed or killed pytest leaves no master behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
 START_TIMEOUT = 30  # seconds until the master prints its address
 
 
@@ -33,6 +41,7 @@ class TychoMaster:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
+            preexec_fn=_die_with_parent,
         )
         lines = queue.Queue()
 

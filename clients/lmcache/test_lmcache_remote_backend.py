@@ -39,7 +39,6 @@ import threading
 import pytest
 
 import torch  # noqa: E402
-import tycho.store  # noqa: E402,F401
 
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402

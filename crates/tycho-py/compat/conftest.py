@@ -17,6 +17,14 @@ from pathlib import Path
 
 import pytest
 
+
+def _die_with_parent():
+    """Runs in the child before exec: the kernel kills it (SIGKILL) if the test process dies,
+    so a crashed or killed pytest leaves no master behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
 IMPL = os.environ.get("STORE_IMPL", "tycho")
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -67,7 +75,7 @@ class Master:
             args = [exe, "master", "--rpc-address", "127.0.0.1", "--rpc-port", "0",
                     "--metrics-address", "127.0.0.1", "--metrics-port", "0",
                     f"--default_kv_lease_ttl={lease_ms}ms", "--client-ttl", "2"]
-            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
             line = _wait_for(_lines(self.proc, self.proc.stdout), self.proc, "tycho master listening on ")
             if line is None:
                 self.stop()
@@ -82,7 +90,8 @@ class Master:
             args = [exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics}",
                     "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ms}ms", "--client_ttl=2",
                     "--enable_metric_reporting=false"]
-            self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                         preexec_fn=_die_with_parent)
             line = _wait_for(_lines(self.proc, self.proc.stderr), self.proc, "Master service started on port")
             if line is not None and self._connects(port):
                 self.addr = f"127.0.0.1:{port}"

@@ -289,6 +289,18 @@ def test_values_are_their_buffers_bytes(store):
     assert store.get(k) == b"bdf" + array.array("h", [0x0102]).tobytes()
 
 
+def _first_clear(store, keys, segment="", within=5.0):
+    """Calls batch_replica_clear until it clears something (the read leases it waits out are
+    500 ms on the fixture's master); returns what it cleared."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        cleared = store.batch_replica_clear(keys, segment)
+        if cleared:
+            return cleared
+        time.sleep(0.02)
+    return []
+
+
 def test_batch_replica_clear_after_the_lease(make_store):
     a, b = make_store(), make_store()
     mine, theirs, two = key("mine"), key("theirs"), key("two")
@@ -296,15 +308,18 @@ def test_batch_replica_clear_after_the_lease(make_store):
     assert b.put(theirs, b"2") == 0
     cfg = ReplicateConfig()
     cfg.replica_num = 2
+    cfg.preferred_segments = [a.get_hostname(), b.get_hostname()]
     assert a.put(two, b"3" * 100, cfg) == 0
-    assert len(a.get_replica_desc(two)) == 2
-    time.sleep(0.6)  # past the 500 ms lease of the fixture's master
-    # Only objects this store wrote are cleared.
-    assert a.batch_replica_clear([mine, theirs, key("missing")]) == [mine]
+    assert a.get(mine) == b"1" and b.get(theirs) == b"2"  # read leases on both
+    assert sorted(r.memory.buffer_descriptor.transport_endpoint for r in a.get_replica_desc(two)) == sorted(
+        cfg.preferred_segments)
+    # Leased: nothing is cleared yet.
+    assert a.batch_replica_clear([mine, theirs, two]) == []
+    # Once the leases end, only objects this store wrote are cleared.
+    assert _first_clear(a, [mine, theirs, key("missing")]) == [mine]
     assert a.is_exist(mine) == 0 and b.get(theirs) == b"2"
     # Clearing on one segment keeps the replica on the other.
-    time.sleep(0.6)
-    assert a.batch_replica_clear([two], b.get_hostname()) == [two]
+    assert _first_clear(a, [two], b.get_hostname()) == [two]
     left = a.get_replica_desc(two)
     assert [r.memory.buffer_descriptor.transport_endpoint for r in left] == [a.get_hostname()]
     assert b.get(two) == b"3" * 100
