@@ -300,8 +300,16 @@ impl Master {
         }
     }
 
-    fn is_put_conflict(map: &ShardMap, key: &ObjectKey) -> bool {
-        map.get(key).is_some_and(|o| o.is_complete())
+    /// Whether a put of `key` is moot: the key holds a value, or another write of it is in
+    /// progress and too young to pre-empt. Mooncake answers both with OBJECT_ALREADY_EXISTS,
+    /// which `put` reports as success.
+    fn is_put_conflict(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> bool {
+        map.get(key).is_some_and(|o| o.is_complete() || o.pending.as_ref().is_some_and(|p| !self.is_stale(p, now)))
+    }
+
+    /// Whether an unfinished write is old enough for another writer to pre-empt it.
+    fn is_stale(&self, p: &PendingWrite, now: u64) -> bool {
+        now >= p.started_ms + self.cfg.put_start_discard_timeout_ms
     }
 
     /// Records a new write of `key` in `map`. On error the caller still owns `replicas`.
@@ -344,8 +352,15 @@ impl Master {
                     return Err((ErrorCode::OBJECT_ALREADY_EXISTS, pending.replicas));
                 }
                 if let Some(old) = &obj.pending {
-                    if now < old.started_ms + self.cfg.put_start_discard_timeout_ms {
-                        return Err((ErrorCode::REPLICA_IS_NOT_READY, pending.replicas));
+                    if !self.is_stale(old, now) {
+                        // A put loses to the write in progress as Mooncake's does; an upsert is
+                        // told to come back once it has finished.
+                        let code = if mode == WriteMode::Put {
+                            ErrorCode::OBJECT_ALREADY_EXISTS
+                        } else {
+                            ErrorCode::REPLICA_IS_NOT_READY
+                        };
+                        return Err((code, pending.replicas));
                     }
                     // Pre-empt the stale write. Its writer may still be copying into its
                     // ranges, so they stay reserved until the release timeout.
@@ -368,7 +383,7 @@ impl Master {
         let pins = self.pins_of(&req.config)?;
         let host = self.client_host(req.client)?;
         let shard = self.shards.shard(r.shard);
-        if mode == WriteMode::Put && Self::is_put_conflict(&shard.read(), &r.key) {
+        if mode == WriteMode::Put && self.is_put_conflict(&shard.read(), &r.key, self.now()) {
             return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
         }
         let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()))?;
@@ -406,7 +421,8 @@ impl Master {
         for run in group_by_shard(routed) {
             let conflicts: Vec<bool> = if mode == WriteMode::Put {
                 let map = self.shards.shard(run[0].1.shard).read();
-                run.iter().map(|(_, r)| Self::is_put_conflict(&map, &r.key)).collect()
+                let now = self.now();
+                run.iter().map(|(_, r)| self.is_put_conflict(&map, &r.key, now)).collect()
             } else {
                 vec![false; run.len()]
             };

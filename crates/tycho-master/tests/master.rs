@@ -644,7 +644,25 @@ fn stale_write_is_preempted_after_discard_and_its_space_released_later() {
     let a = start(m, A, "k", OBJ).unwrap();
     assert_eq!(used(m), OBJ);
     e.advance(DEFAULT_PUT_START_DISCARD_MS - 1);
-    assert_eq!(start(m, B, "k", OBJ), Err(ErrorCode::REPLICA_IS_NOT_READY));
+    // A put of a key another client is still writing loses, as in Mooncake (the client reports
+    // it as success); an upsert is told the value is not ready.
+    assert_eq!(start(m, B, "k", OBJ), Err(ErrorCode::OBJECT_ALREADY_EXISTS));
+    assert_eq!(
+        m.batch_write_start(
+            WriteMode::Put,
+            &BatchWriteStart {
+                client: B,
+                tenant: T.into(),
+                items: vec![(kref("k"), OBJ)],
+                config: ReplicateConfig::default(),
+            }
+        ),
+        vec![Err(ErrorCode::OBJECT_ALREADY_EXISTS)]
+    );
+    assert_eq!(
+        m.write_start(WriteMode::Upsert, &ws(B, "k", OBJ, ReplicateConfig::default())),
+        Err(ErrorCode::REPLICA_IS_NOT_READY)
+    );
     assert_eq!(used(m), OBJ, "a refused PutStart must not keep its allocation");
     e.advance(1);
     let b = start(m, B, "k", OBJ).unwrap();
