@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,22 +46,37 @@ impl Lookup {
 /// Most replica lists kept for reuse; the cache is emptied when it is full.
 const LEASE_CACHE_ENTRIES: usize = 16 * 1024;
 
-/// A replica list is reused only during this first part of its lease. While the master's
-/// lease holds, the object's ranges cannot be freed, evicted or reused (removal and upsert
-/// defer the free until the lease ends), so bytes read from them are the complete value the
-/// lookup found; reads that would finish after the lease still fail with LEASE_EXPIRED.
+/// A replica list is reused only during this first part of its lease. Its ranges may have been
+/// freed and reused since (removal, upsert and eviction free at once); a read through it then
+/// fails its generation check (RANGE_REUSED) and the client asks the master again, so a reused
+/// list never yields foreign bytes. Reads that would finish after the lease fail with
+/// LEASE_EXPIRED.
 const LEASE_REUSE_FRACTION: u32 = 2;
 /// And for at most this long, which bounds how late a reader sees that an object is gone
 /// (its holder died, another client replaced it) while still sparing a hot object all but one
 /// master call per second.
 const MAX_LEASE_REUSE: Duration = Duration::from_secs(1);
 
+/// Attempts of one read, each with fresh metadata after the first: a key rewritten faster than
+/// it can be copied fails with RANGE_REUSED after these rather than spin.
+const READ_ATTEMPTS: u32 = 3;
+
 /// Port range a transfer server picks from when the hostname names no port (Mooncake's).
 const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
 
 struct Segment {
     desc: SegmentDesc,
-    _memory: Arc<Mapping>,
+    memory: Arc<Mapping>,
+}
+
+/// A fresh write id: random, never 0.
+fn new_write_id() -> u64 {
+    loop {
+        let id: u64 = rand::random();
+        if id != 0 {
+            return id;
+        }
+    }
 }
 
 struct Heartbeat {
@@ -83,6 +98,8 @@ struct Inner {
     /// half its time left (see [`LEASE_REUSE_FRACTION`]).
     leases: Mutex<HashMap<String, Arc<(ReplicaList, Instant)>>>,
     closed: AtomicBool,
+    /// The master instance last seen in a heartbeat; a new one means a restarted master.
+    master_instance: AtomicU64,
     heartbeat: Heartbeat,
     /// The process that connected; a forked child that inherits the client never closes it.
     pid: u32,
@@ -203,9 +220,10 @@ impl Client {
                 endpoint: hostname.clone(),
                 host: cfg.host_id.clone(),
                 shm_path: memory.peer_path(),
+                incarnation: 0,
             };
             registry.register(desc.id, memory.clone());
-            segments.push(Segment { desc, _memory: memory });
+            segments.push(Segment { desc, memory });
         }
         let server = TransferServer::serve(listener, registry.clone()).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
         let inner = Arc::new(Inner {
@@ -220,6 +238,7 @@ impl Client {
             registered: Mutex::new(Vec::new()),
             leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            master_instance: AtomicU64::new(0),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
@@ -322,22 +341,24 @@ impl Client {
         }
         // Read-your-writes: this client's next get of the key asks the master.
         self.forget_lease(key);
+        let write_id = new_write_id();
         let start = WriteStart {
             client: self.inner.id,
             tenant: self.tenant(),
             key: self.key(key),
             size: total,
             config: config.clone(),
+            write_id,
         };
         let req = if mode == WriteMode::Put { Request::PutStart(start) } else { Request::UpsertStart(start) };
         let replicas = match self.inner.call(&req) {
             Ok(Response::WriteStarted(r)) => r,
             Err(ErrorCode::OBJECT_ALREADY_EXISTS) if mode == WriteMode::Put => return Ok(()),
             Err(e @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)) => {
-                // The start may have reached the master: revoke it, or the key would stay
-                // blocked (REPLICA_IS_NOT_READY) until the discard timeout. Revoking a write
-                // that never started is a harmless OBJECT_NOT_FOUND.
-                let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key) };
+                // The start may have reached the master: revoke it by its id, or the key would
+                // stay blocked until the discard timeout. Revoking a write that never started
+                // changes nothing.
+                let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key), write_id };
                 let revoke =
                     if mode == WriteMode::Put { Request::PutRevoke(finish) } else { Request::UpsertRevoke(finish) };
                 let _ = self.inner.call(&revoke);
@@ -354,7 +375,7 @@ impl Client {
                 at += p.len() as u64;
             }
         }
-        let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key) };
+        let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key), write_id };
         if let Err(e) = self.inner.engine.run(work) {
             tracing::warn!(key, error = %e, "write failed; revoking");
             let revoke =
@@ -420,11 +441,13 @@ impl Client {
         for &i in &live {
             self.forget_lease(items[i].0);
         }
+        let write_ids: Vec<u64> = (0..n).map(|_| new_write_id()).collect();
         let start = BatchWriteStart {
             client: self.inner.id,
             tenant: self.tenant(),
             items: live.iter().map(|&i| (self.key(items[i].0), sizes[i])).collect(),
             config: config.clone(),
+            write_ids: live.iter().map(|&i| write_ids[i]).collect(),
         };
         let req = if mode == WriteMode::Put { Request::BatchPutStart(start) } else { Request::BatchUpsertStart(start) };
         let started = match self.inner.call(&req) {
@@ -456,7 +479,12 @@ impl Client {
         }
         let transfer = self.inner.engine.run(parts);
         let keys: Vec<KeyRef> = to_finish.iter().map(|&i| self.key(items[i].0)).collect();
-        let finish = BatchWriteFinish { client: self.inner.id, tenant: self.tenant(), keys };
+        let finish = BatchWriteFinish {
+            client: self.inner.id,
+            tenant: self.tenant(),
+            keys,
+            write_ids: to_finish.iter().map(|&i| write_ids[i]).collect(),
+        };
         let (req, failure) = match transfer {
             Ok(()) => (
                 if mode == WriteMode::Put { Request::BatchPutEnd(finish) } else { Request::BatchUpsertEnd(finish) },
@@ -714,79 +742,120 @@ impl Client {
         self.read_lookups(&lookups, dsts, ErrorCode::INVALID_PARAMS)
     }
 
-    /// Reads each found object into its buffer, all transfers in parallel; fails every read with
-    /// LEASE_EXPIRED if they finished after the lease.
+    /// Reads each found object into its buffers, all transfers in parallel. An object whose
+    /// read failed (its replica went away, its range was reused, the lease ran out) is read again
+    /// on its own with a fresh lookup, trying every replica; the others keep their result.
     fn read_lookups(
         &self,
         lookups: &[Result<Lookup, ErrorCode>],
-        dsts: Vec<Vec<&mut [u8]>>,
+        mut dsts: Vec<Vec<&mut [u8]>>,
         too_small: ErrorCode,
     ) -> Vec<Result<usize, ErrorCode>> {
         let mut out: Vec<Result<usize, ErrorCode>> = vec![Ok(0); lookups.len()];
-        let mut parts = Vec::new();
         let mut reading = Vec::new();
-        for (i, (l, dst)) in lookups.iter().zip(dsts).enumerate() {
-            let room: u64 = dst.iter().map(|d| d.len() as u64).sum();
-            match l {
-                Err(e) => out[i] = Err(*e),
-                Ok(l) if room < l.list.size => out[i] = Err(too_small),
-                Ok(l) => match self.by_preference(&l.list.replicas).first() {
-                    Some(r) => {
-                        let size = l.list.size as usize;
-                        let mut at = 0usize;
-                        for d in dst {
-                            let n = d.len().min(size - at);
-                            if n > 0 {
-                                parts.push(Part::Read { replica: r, at: at as u64, dst: &mut d[..n] });
-                            }
-                            at += n;
+        let mut failed = vec![false; lookups.len()];
+        {
+            let mut parts = Vec::new();
+            let mut owner = Vec::new();
+            for (i, (l, dst)) in lookups.iter().zip(dsts.iter_mut()).enumerate() {
+                let room: u64 = dst.iter().map(|d| d.len() as u64).sum();
+                match l {
+                    Err(e) => out[i] = Err(*e),
+                    Ok(l) if room < l.list.size => out[i] = Err(too_small),
+                    Ok(l) => match self.by_preference(&l.list.replicas).first() {
+                        Some(r) => {
+                            owner.extend(scatter(r, l.list.size, dst, &mut parts).map(|_| i));
+                            reading.push((i, l.list.size as usize));
                         }
-                        reading.push((i, size));
-                    }
-                    None => out[i] = Err(ErrorCode::REPLICA_NOT_FOUND),
-                },
+                        None => failed[i] = true,
+                    },
+                }
+            }
+            let results = self.inner.engine.run_each(parts);
+            for (i, r) in owner.iter().zip(&results) {
+                failed[*i] |= r.is_err();
             }
         }
         let asked = lookups.iter().find_map(|l| l.as_ref().ok()).map(|l| (l.asked, l.list.lease_ttl_ms));
-        let result = self.inner.engine.run(parts);
         let expired = asked.is_some_and(|(at, ttl)| at.elapsed() > Duration::from_millis(ttl));
         for (i, size) in reading {
-            out[i] = match &result {
-                Err(e) => Err(e.code()),
-                Ok(()) if expired => Err(ErrorCode::LEASE_EXPIRED),
-                Ok(()) => Ok(size),
+            if !failed[i] && !expired {
+                out[i] = Ok(size);
+                continue;
+            }
+            let Ok(l) = &lookups[i] else { continue };
+            self.forget_lease(&l.key);
+            out[i] = match self.replica_list(&l.key, false) {
+                Ok((list, asked)) => self.read_scattered(&list, asked, &mut dsts[i], too_small),
+                Err(e) => Err(e),
             };
         }
         out
     }
 
+    /// Reads `list`'s object scattered over `dst`, trying each replica in order of preference.
+    fn read_scattered(
+        &self,
+        list: &ReplicaList,
+        asked: Instant,
+        dst: &mut [&mut [u8]],
+        too_small: ErrorCode,
+    ) -> Result<usize, ErrorCode> {
+        if dst.iter().map(|d| d.len() as u64).sum::<u64>() < list.size {
+            return Err(too_small);
+        }
+        let mut last = ErrorCode::REPLICA_NOT_FOUND;
+        for r in self.by_preference(&list.replicas) {
+            let mut parts = Vec::new();
+            scatter(r, list.size, dst, &mut parts).for_each(drop);
+            match self.inner.engine.run(parts) {
+                Ok(()) if asked.elapsed() > Duration::from_millis(list.lease_ttl_ms) => {
+                    return Err(ErrorCode::LEASE_EXPIRED)
+                }
+                Ok(()) => return Ok(list.size as usize),
+                Err(e) => last = e.code(),
+            }
+        }
+        Err(last)
+    }
+
     /// Reads `key` into `dst`; returns its size.
     pub fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<usize, ErrorCode> {
         self.check_open()?;
-        let (list, asked) = self.replica_list(key, true)?;
-        match self.read_replicas(&list, asked, dst) {
-            Err(e) if e != ErrorCode::BUFFER_OVERFLOW => {
-                // The reused list may be stale (its holder went away): ask the master again.
-                self.forget_lease(key);
-                let (list, asked) = self.replica_list(key, false)?;
-                self.read_replicas(&list, asked, dst)
-            }
-            r => r,
-        }
+        self.read_with_retries(key, |list, asked| self.read_replicas(list, asked, dst))
     }
 
     /// Reads `key` into a new buffer.
     pub fn get(&self, key: &str) -> Result<Vec<u8>, ErrorCode> {
         self.check_open()?;
-        let (list, asked) = self.replica_list(key, true)?;
-        let mut buf = vec![0u8; list.size as usize];
-        if self.read_replicas(&list, asked, &mut buf).is_err() {
-            self.forget_lease(key);
-            let (list, asked) = self.replica_list(key, false)?;
+        let mut buf = Vec::new();
+        self.read_with_retries(key, |list, asked| {
             buf.resize(list.size as usize, 0);
-            self.read_replicas(&list, asked, &mut buf)?;
-        }
+            self.read_replicas(list, asked, &mut buf)
+        })?;
         Ok(buf)
+    }
+
+    /// Runs `read` against `key`'s replica list (a reused one first). A failed read (a replica
+    /// gone, its range reused by a newer write, the lease run out) asks the master again and
+    /// retries, up to [`READ_ATTEMPTS`] in all; a buffer too small is final.
+    fn read_with_retries(
+        &self,
+        key: &str,
+        mut read: impl FnMut(&ReplicaList, Instant) -> Result<usize, ErrorCode>,
+    ) -> Result<usize, ErrorCode> {
+        let (mut list, mut asked) = self.replica_list(key, true)?;
+        let mut attempt = 1;
+        loop {
+            match read(&list, asked) {
+                Err(e) if e != ErrorCode::BUFFER_OVERFLOW && attempt < READ_ATTEMPTS => {
+                    self.forget_lease(key);
+                    (list, asked) = self.replica_list(key, false)?;
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Reads many keys; reads run in parallel. One result per key, in order.
@@ -910,6 +979,30 @@ impl Client {
     }
 }
 
+/// Adds to `parts` the reads of `size` bytes of replica `r` into the buffers `dst`, in order;
+/// yields one item per part added.
+fn scatter<'a, 'b>(
+    r: &'a ReplicaDesc,
+    size: u64,
+    dst: &'b mut [&mut [u8]],
+    parts: &mut Vec<Part<'b>>,
+) -> impl Iterator<Item = ()>
+where
+    'a: 'b,
+{
+    let size = size as usize;
+    let mut at = 0usize;
+    let before = parts.len();
+    for d in dst.iter_mut() {
+        let n = d.len().min(size - at);
+        if n > 0 {
+            parts.push(Part::Read { replica: r, at: at as u64, dst: &mut d[..n] });
+        }
+        at += n;
+    }
+    std::iter::repeat_n((), parts.len() - before)
+}
+
 impl Inner {
     fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
         match call_with_retry(&self.master, req, self.cfg.rpc_timeout) {
@@ -924,9 +1017,30 @@ impl Inner {
         }
     }
 
+    /// Mounts every segment again under a new incarnation (the master forgot this client, or
+    /// expired it): ranges handed out before can no longer be read or written, since readers
+    /// and writers holding them might otherwise meet the new allocations in the same memory.
+    /// Reusable replica lists and peer mappings go too.
     fn remount(&self) -> Result<(), ErrorCode> {
-        let segments = self.segments.lock().iter().map(|s| s.desc.clone()).collect();
+        self.leases.lock().clear();
+        let segments = {
+            let mut segs = self.segments.lock();
+            for s in segs.iter_mut() {
+                s.desc.incarnation = s.memory.bump_incarnation();
+            }
+            segs.iter().map(|s| s.desc.clone()).collect()
+        };
         self.call(&Request::ReMountSegment { client: self.id, segments }).map(|_| ())
+    }
+
+    /// Notes the master instance a heartbeat reported; a new instance (a restarted master)
+    /// invalidates every reusable replica list.
+    fn saw_master(&self, instance: u64) {
+        let before = self.master_instance.swap(instance, Ordering::AcqRel);
+        if before != 0 && before != instance {
+            self.leases.lock().clear();
+            self.engine.forget_mappings();
+        }
     }
 
     fn heartbeat_loop(&self) {
@@ -942,13 +1056,15 @@ impl Inner {
                 }
             }
             match self.call(&Request::Ping { client: self.id }) {
-                Ok(Response::Ping(PingReply { status: ClientStatus::NeedRemount, .. })) => {
+                Ok(Response::Ping(PingReply { status: ClientStatus::NeedRemount, master_instance })) => {
+                    self.saw_master(master_instance);
                     tracing::info!(client = %self.id, "master asks for a remount");
                     self.engine.forget_mappings();
                     if let Err(e) = self.remount() {
                         tracing::warn!(error = %e, "remount failed; will retry");
                     }
                 }
+                Ok(Response::Ping(PingReply { master_instance, .. })) => self.saw_master(master_instance),
                 Ok(_) => {}
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed; will retry"),
             }

@@ -10,22 +10,16 @@ pub const MAX_ATTEMPTS: u32 = 4;
 /// First back-off for transient errors; doubles per attempt.
 const BACKOFF: Duration = Duration::from_millis(20);
 
-/// Whether repeating `req` after an unknown outcome is harmless.
+/// Whether repeating `req` after an unknown outcome is harmless. Write starts, ends and
+/// revokes name their write by id: a repeated start gets the same ranges back, a repeated end
+/// or revoke finds its work done.
 pub fn is_idempotent(req: &Request) -> bool {
     !matches!(
         req,
-        Request::PutStart(_)
-            | Request::UpsertStart(_)
-            | Request::BatchPutStart(_)
-            | Request::BatchUpsertStart(_)
-            | Request::Remove(_)
+        Request::Remove(_)
             | Request::BatchRemove(_)
             | Request::RemoveByRegex { .. }
             | Request::RemoveAll { .. }
-            | Request::PutRevoke(_)
-            | Request::UpsertRevoke(_)
-            | Request::BatchPutRevoke(_)
-            | Request::BatchUpsertRevoke(_)
             | Request::BatchReplicaClear(_)
     )
 }

@@ -4,6 +4,7 @@
 //! [`MasterRpc`] serves it over `tycho-rpc`; [`run_housekeeping`] drives its timers.
 
 mod admin;
+mod alloc;
 mod clock;
 mod config;
 mod health;

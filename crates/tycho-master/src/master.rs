@@ -57,12 +57,16 @@ struct ClientEntry {
     segments: Mutex<Vec<SegmentId>>,
 }
 
-/// Ranges waiting to be freed: a reader may still hold a lease on them, or an old writer may
-/// still be writing into them.
+/// Ranges waiting to be freed because an old writer may still be writing into them (a write
+/// pre-empted or dropped without its writer's word). Readers never hold ranges back: they
+/// check generations instead.
 struct Deferred {
     release_at: u64,
     replicas: Vec<Replica>,
 }
+
+/// A range of an unfinished write on a segment that went away: offset, bytes, release time.
+type OrphanedRange = (u64, u64, u64);
 
 /// One key after its route was checked.
 struct Routed {
@@ -81,6 +85,11 @@ pub struct Master {
     segments: SegmentTable,
     clients: RwLock<HashMap<ClientId, Arc<ClientEntry>>>,
     deferred: Mutex<Vec<Deferred>>,
+    /// Ranges of unfinished writes on segments that went away (their client expired): if the
+    /// owner mounts the segment again, they stay reserved until their writers' release timeout,
+    /// as the writers may still be copying into the same memory. (segment -> offset, bytes,
+    /// release time.)
+    orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
     last_abandon_scan: AtomicU64,
     /// Background-work counters.
     pub counters: Counters,
@@ -100,6 +109,7 @@ impl Master {
             segments: SegmentTable::default(),
             clients: RwLock::new(HashMap::new()),
             deferred: Mutex::new(Vec::new()),
+            orphaned: Mutex::new(HashMap::new()),
             last_abandon_scan: AtomicU64::new(0),
             counters: Counters::default(),
         }
@@ -208,7 +218,29 @@ impl Master {
     /// Mounts a segment for `client` (idempotent) and registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
-        self.segments.mount(client, desc)?;
+        let now = self.now();
+        // Ranges that writers of an earlier incarnation may still be copying into stay taken.
+        let carried: Vec<(u64, u64, u64)> = {
+            let mut orphaned = self.orphaned.lock();
+            let mut list = orphaned.remove(&id).unwrap_or_default();
+            for d in self.deferred.lock().iter() {
+                for r in d.replicas.iter().filter(|r| r.seg.desc.id == id && !r.seg.is_alive()) {
+                    list.push((r.alloc.offset, r.alloc.reserved, d.release_at));
+                }
+            }
+            list.retain(|&(_, _, until)| until > now);
+            list
+        };
+        let reservations: Vec<(u64, u64)> = carried.iter().map(|&(o, l, _)| (o, l)).collect();
+        let (seg, reserved, replaced) = self.segments.mount(client, desc, &reservations)?;
+        for (alloc, &(_, _, until)) in reserved.into_iter().zip(&carried) {
+            if let Some(alloc) = alloc {
+                self.defer(vec![Replica { seg: seg.clone(), alloc }], until, now);
+            }
+        }
+        if replaced {
+            self.sweep_dead_segments();
+        }
         let entry = self.register_client(client);
         entry.host.lock().get_or_insert(host);
         let mut segs = entry.segments.lock();
@@ -320,6 +352,7 @@ impl Master {
         key: ObjectKey,
         mode: WriteMode,
         writer: ClientId,
+        write_id: u64,
         size: u64,
         pins: Pins,
         replicas: Vec<Replica>,
@@ -330,7 +363,7 @@ impl Master {
         if replicas.iter().any(|r| !r.seg.is_alive()) {
             return Err((ErrorCode::NO_AVAILABLE_HANDLE, replicas));
         }
-        let pending = PendingWrite { writer, started_ms: now, size, replicas, pins };
+        let pending = PendingWrite { writer, write_id, started_ms: now, size, replicas, pins };
         match map.get_mut(&key) {
             None => {
                 map.insert(
@@ -343,6 +376,7 @@ impl Master {
                         soft_pin_until: 0,
                         hard_pin: false,
                         writer,
+                        version: 0,
                     },
                 );
                 Ok(())
@@ -352,6 +386,10 @@ impl Master {
                     return Err((ErrorCode::OBJECT_ALREADY_EXISTS, pending.replicas));
                 }
                 if let Some(old) = &obj.pending {
+                    if old.writer == writer && old.write_id == write_id {
+                        // A retried start that raced its first attempt: that one stands.
+                        return Err((ErrorCode::INVALID_WRITE, pending.replicas));
+                    }
                     if !self.is_stale(old, now) {
                         // A put loses to the write in progress as Mooncake's does; an upsert is
                         // told to come back once it has finished.
@@ -377,19 +415,35 @@ impl Master {
     /// PutStart / UpsertStart.
     pub fn write_start(&self, mode: WriteMode, req: &WriteStart) -> WireResult<Vec<ReplicaDesc>> {
         let r = self.route(&req.tenant, &req.key)?;
-        if req.size == 0 {
+        if req.size == 0 || req.write_id == 0 {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let pins = self.pins_of(&req.config)?;
         let host = self.client_host(req.client)?;
         let shard = self.shards.shard(r.shard);
-        if mode == WriteMode::Put && self.is_put_conflict(&shard.read(), &r.key, self.now()) {
-            return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
+        {
+            let map = shard.read();
+            if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id) {
+                return Ok(descs);
+            }
+            if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
+                return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
+            }
         }
         let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()))?;
         let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size)).collect();
         let now = self.now();
-        let res = self.install_write(&mut shard.write(), r.key, mode, req.client, req.size, pins, replicas, now);
+        let res = self.install_write(
+            &mut shard.write(),
+            r.key,
+            mode,
+            req.client,
+            req.write_id,
+            req.size,
+            pins,
+            replicas,
+            now,
+        );
         match res {
             Ok(()) => Ok(descs),
             Err((code, replicas)) => {
@@ -404,6 +458,9 @@ impl Master {
     pub fn batch_write_start(&self, mode: WriteMode, req: &BatchWriteStart) -> Vec<WireResult<Vec<ReplicaDesc>>> {
         let n = req.items.len();
         let fail_all = |e| vec![Err(e); n];
+        if req.write_ids.len() != n || req.write_ids.contains(&0) {
+            return fail_all(ErrorCode::INVALID_PARAMS);
+        }
         let pins = match self.pins_of(&req.config) {
             Ok(p) => p,
             Err(e) => return fail_all(e),
@@ -419,18 +476,23 @@ impl Master {
         // Allocate for every key that is not already complete (for puts).
         let mut staged: Vec<(usize, Routed, Vec<Replica>)> = Vec::with_capacity(routed.len());
         for run in group_by_shard(routed) {
-            let conflicts: Vec<bool> = if mode == WriteMode::Put {
+            let (conflicts, retried): (Vec<bool>, Vec<Option<Vec<ReplicaDesc>>>) = {
                 let map = self.shards.shard(run[0].1.shard).read();
                 let now = self.now();
-                run.iter().map(|(_, r)| self.is_put_conflict(&map, &r.key, now)).collect()
-            } else {
-                vec![false; run.len()]
+                run.iter()
+                    .map(|(i, r)| {
+                        let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i]);
+                        (mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, now), retried)
+                    })
+                    .unzip()
             };
-            for ((i, r), conflict) in run.into_iter().zip(conflicts) {
+            for (((i, r), conflict), retried) in run.into_iter().zip(conflicts).zip(retried) {
                 let size = req.items[i].1;
                 // Parameters first, as in the single-key form.
                 if size == 0 {
                     out[i] = Err(ErrorCode::INVALID_PARAMS);
+                } else if let Some(descs) = retried {
+                    out[i] = Ok(descs);
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
                 } else {
@@ -450,7 +512,7 @@ impl Master {
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
                 let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size)).collect();
-                match self.install_write(&mut map, r.key, mode, req.client, size, pins, reps, now) {
+                match self.install_write(&mut map, r.key, mode, req.client, req.write_ids[i], size, pins, reps, now) {
                     Ok(()) => out[i] = Ok(descs),
                     Err((code, reps)) => {
                         reps.into_iter().for_each(Replica::release);
@@ -465,14 +527,15 @@ impl Master {
         out
     }
 
-    fn commit(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, now: u64) -> WireResult<()> {
-        let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
-        let Some(p) = &obj.pending else {
+    /// Commits the write `(client, write_id)` of `key`. Anything else in its place (no object,
+    /// another write pending, a value another write committed) means this write was dropped.
+    fn commit(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, write_id: u64, now: u64) -> WireResult<()> {
+        let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
+        let ours = obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id);
+        if !ours {
             // A retried end of a write that already committed is harmless.
-            return if obj.is_complete() && obj.writer == client { Ok(()) } else { Err(ErrorCode::INVALID_WRITE) };
-        };
-        if p.writer != client {
-            return Err(ErrorCode::ILLEGAL_CLIENT);
+            let done = obj.is_complete() && obj.writer == client && obj.version == write_id;
+            return if done { Ok(()) } else { Err(ErrorCode::WRITE_DROPPED) };
         }
         let p = obj.pending.take().expect("checked above");
         let mut replicas = p.replicas;
@@ -487,22 +550,25 @@ impl Master {
         let old = std::mem::replace(&mut obj.replicas, replicas);
         obj.size = p.size;
         obj.writer = client;
+        obj.version = write_id;
         obj.hard_pin = p.pins.hard_pin;
         if !p.pins.preserve_soft_pin {
             obj.soft_pin_until = p.pins.soft_pin_ttl_ms.map_or(0, |ttl| now + ttl);
         }
-        // Readers holding a lease may still be copying the old value.
-        let lease = obj.lease();
-        self.defer(old, lease, now);
+        // Readers still copying the old value find its generations changed once the space is
+        // reused, and read again: the old value's space is free at once.
+        old.into_iter().for_each(Replica::release);
         Ok(())
     }
 
-    fn revoke(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId) -> WireResult<()> {
+    /// Revokes the write `(client, write_id)` of `key`; a write that is not pending (never
+    /// started, or dropped already) answers WRITE_DROPPED and changes nothing.
+    fn revoke(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, write_id: u64) -> WireResult<()> {
         let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
         match &obj.pending {
-            None => return Err(ErrorCode::INVALID_WRITE),
-            Some(p) if p.writer != client => return Err(ErrorCode::ILLEGAL_CLIENT),
-            Some(_) => {}
+            Some(p) if p.writer == client && p.write_id == write_id => {}
+            _ if obj.writer == client && obj.version == write_id => return Err(ErrorCode::INVALID_WRITE),
+            _ => return Err(ErrorCode::WRITE_DROPPED),
         }
         let p = obj.pending.take().expect("checked above");
         // The writer says it stopped writing: its ranges are free at once.
@@ -519,34 +585,38 @@ impl Master {
         let now = self.now();
         let mut map = self.shards.shard(r.shard).write();
         if end {
-            self.commit(&mut map, &r.key, req.client, now)
+            self.commit(&mut map, &r.key, req.client, req.write_id, now)
         } else {
-            self.revoke(&mut map, &r.key, req.client)
+            self.revoke(&mut map, &r.key, req.client, req.write_id)
         }
     }
 
     /// Batch forms of [`Master::write_finish`].
     pub fn batch_write_finish(&self, req: &BatchWriteFinish, end: bool) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, |map, key| {
+        if req.write_ids.len() != req.keys.len() {
+            return vec![Err(ErrorCode::INVALID_PARAMS); req.keys.len()];
+        }
+        self.batch_write(&req.tenant, &req.keys, |map, i, key| {
+            let id = req.write_ids[i];
             if end {
-                self.commit(map, key, req.client, now)
+                self.commit(map, key, req.client, id, now)
             } else {
-                self.revoke(map, key, req.client)
+                self.revoke(map, key, req.client, id)
             }
         })
     }
 
     fn batch_write<F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<()>>
     where
-        F: FnMut(&mut ShardMap, &ObjectKey) -> WireResult<()>,
+        F: FnMut(&mut ShardMap, usize, &ObjectKey) -> WireResult<()>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<WireResult<()>> = errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect();
         for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
             let mut map = self.shards.shard(run[0].1.shard).write();
             for (i, r) in run {
-                out[*i] = f(&mut map, &r.key);
+                out[*i] = f(&mut map, *i, &r.key);
             }
         }
         out
@@ -623,7 +693,7 @@ impl Master {
 
     // ---- removal -------------------------------------------------------------------------
 
-    /// Frees `replicas` now, or when `until` passes.
+    /// Frees `replicas` now, or when `until` passes (for ranges a writer may still use).
     fn defer(&self, replicas: Vec<Replica>, until: u64, now: u64) {
         if replicas.is_empty() {
             return;
@@ -635,11 +705,11 @@ impl Master {
         }
     }
 
-    /// Drops an object removed from its shard, keeping ranges reserved while they may still be
-    /// read (lease) or written (unfinished write).
+    /// Drops an object removed from its shard. Its value's ranges are free at once (readers
+    /// check generations); an unfinished write's stay reserved until its release timeout, as
+    /// its writer may still be copying into them.
     fn dispose(&self, obj: ObjectMeta, now: u64) {
-        let lease = obj.lease();
-        self.defer(obj.replicas, lease, now);
+        obj.replicas.into_iter().for_each(Replica::release);
         if let Some(p) = obj.pending {
             self.defer(p.replicas, p.started_ms + self.cfg.put_start_release_timeout_ms, now);
         }
@@ -670,7 +740,7 @@ impl Master {
     /// BatchRemove.
     pub fn batch_remove(&self, req: &BatchRemoveKeys) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, |map, key| self.remove_one(map, key, req.force, now))
+        self.batch_write(&req.tenant, &req.keys, |map, _, key| self.remove_one(map, key, req.force, now))
     }
 
     /// BatchReplicaClear: drops the replicas of objects whose current value `req.client` wrote,
@@ -678,7 +748,7 @@ impl Master {
     /// segment (the object goes when none is left). Objects with a write in progress stay.
     pub fn batch_replica_clear(&self, req: &ReplicaClear) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, |map, key| {
+        self.batch_write(&req.tenant, &req.keys, |map, _, key| {
             let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
             if obj.writer != req.client {
                 return Err(ErrorCode::ILLEGAL_CLIENT);
@@ -696,7 +766,7 @@ impl Master {
                 if gone.is_empty() {
                     return Err(ErrorCode::REPLICA_NOT_FOUND);
                 }
-                self.defer(gone, obj.lease(), now);
+                gone.into_iter().for_each(Replica::release);
                 if obj.is_complete() {
                     return Ok(());
                 }
@@ -866,6 +936,14 @@ impl Master {
                     let mut dropped = before - obj.replicas.len();
                     if let Some(p) = &mut obj.pending {
                         let n = p.replicas.len();
+                        let until = p.started_ms + self.cfg.put_start_release_timeout_ms;
+                        for r in p.replicas.iter().filter(|r| !r.seg.is_alive()) {
+                            self.orphaned.lock().entry(r.seg.desc.id).or_default().push((
+                                r.alloc.offset,
+                                r.alloc.reserved,
+                                until,
+                            ));
+                        }
                         p.replicas.retain(|r| r.seg.is_alive());
                         dropped += n - p.replicas.len();
                         if p.replicas.is_empty() {
@@ -899,6 +977,9 @@ impl Master {
         for d in due {
             d.replicas.into_iter().for_each(Replica::release);
         }
+        let mut orphaned = self.orphaned.lock();
+        orphaned.values_mut().for_each(|l| l.retain(|&(_, _, until)| until > now));
+        orphaned.retain(|_, l| !l.is_empty());
     }
 
     /// Reclaims writes unfinished for longer than the release timeout: their writer is gone.
@@ -1012,6 +1093,13 @@ fn take_oldest(mut list: Vec<(u64, usize, ObjectKey)>, n: usize) -> Vec<(u64, us
         list.truncate(n);
     }
     list
+}
+
+/// The ranges of `client`'s pending write `write_id` of `key`, if that write is in progress (its
+/// start is being retried).
+fn retried_start(map: &ShardMap, key: &ObjectKey, client: ClientId, write_id: u64) -> Option<Vec<ReplicaDesc>> {
+    let p = map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id)?;
+    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size)).collect())
 }
 
 /// Splits routed keys (already sorted by shard) into runs of one shard each.

@@ -49,6 +49,8 @@ impl Shards {
 pub struct PendingWrite {
     /// The client that started it; only it may end or revoke it.
     pub writer: ClientId,
+    /// The writer's name for this write; end and revoke must carry it.
+    pub write_id: u64,
     /// When it started (clock ms).
     pub started_ms: u64,
     /// Size of the new value.
@@ -87,6 +89,8 @@ pub struct ObjectMeta {
     pub hard_pin: bool,
     /// The client whose write created the current value.
     pub writer: ClientId,
+    /// Version of the current value: the id of the write that committed it (0 before).
+    pub version: u64,
 }
 
 impl ObjectMeta {

@@ -1,37 +1,35 @@
-//! Mounted segments and the offset allocator over each.
+//! Mounted segments and the range allocator over each.
 //!
-//! Each segment has its own allocator (the same two-level bin algorithm Mooncake uses, from
-//! the `offset-allocator` crate) behind its own mutex, so writers placing replicas on
-//! different segments never contend. With G KVPT groups a segment is split into G ranges and
-//! a master allocates only in the ranges of the groups it owns; with G = 1 the single range
-//! is the whole segment.
+//! Each segment has its own allocator ([`RangeAllocator`]: best fit over free ranges, no cap on
+//! the number of objects, exact-range reservation) behind its own mutex, so writers placing
+//! replicas on different segments never contend. Every allocation gets a generation from the
+//! segment's counter; its writer stamps it on the range's blocks before writing and readers
+//! check it after copying (see `tycho-transfer`'s `Mapping`), which is what lets a freed range
+//! be reused at once. With G KVPT groups a segment is split into G ranges and a master
+//! allocates only in the ranges of the groups it owns; with G = 1 the single range is the whole
+//! segment.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use offset_allocator::{Allocation, Allocator};
 use parking_lot::{Mutex, RwLock};
 use rand::Rng;
-use tycho_proto::{AllocStrategy, ClientId, ErrorCode, ReplicaDesc, SegmentDesc, SegmentId, WireResult};
+use tycho_proto::{
+    segment_block_size, AllocStrategy, ClientId, ErrorCode, ReplicaDesc, SegmentDesc, SegmentId, WireResult,
+};
 
-/// Smallest allocation unit in bytes; also the alignment of every replica.
-const MIN_UNIT: u64 = 64;
-/// Bytes of segment per allocator node: bounds allocator memory (32 B a node) at 1/512 of
-/// 16 KiB, while allowing as many objects as a segment of 16 KiB values holds.
-const BYTES_PER_NODE: u64 = 16 * 1024;
-/// Bounds on the node count of one segment's allocator.
-const MIN_NODES: u64 = 4096;
-const MAX_NODES: u64 = 1 << 22;
+use crate::alloc::RangeAllocator;
 
 /// A range handed out by a segment allocator.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SegAlloc {
     /// Byte offset inside the segment.
     pub offset: u64,
-    /// Bytes actually reserved (the allocator rounds up to its bins).
+    /// Bytes actually reserved (the size rounded up to the segment's block size).
     pub reserved: u64,
-    handle: Allocation,
+    /// Generation its writer stamps on the range's blocks.
+    pub gen: u32,
 }
 
 /// One mounted segment.
@@ -42,25 +40,20 @@ pub struct MountedSegment {
     pub client: ClientId,
     alive: AtomicBool,
     used: AtomicU64,
-    unit: u64,
-    alloc: Mutex<Allocator>,
+    next_gen: AtomicU32,
+    alloc: Mutex<RangeAllocator>,
 }
 
 impl MountedSegment {
     fn new(desc: SegmentDesc, client: ClientId) -> MountedSegment {
-        let mut unit = MIN_UNIT;
-        while desc.size / unit >= u32::MAX as u64 {
-            unit *= 2;
-        }
-        let units = (desc.size / unit) as u32;
-        let nodes = (desc.size / BYTES_PER_NODE).clamp(MIN_NODES, MAX_NODES) as u32;
+        let unit = segment_block_size(desc.size);
         MountedSegment {
+            alloc: Mutex::new(RangeAllocator::new(desc.size, unit)),
             desc,
             client,
             alive: AtomicBool::new(true),
             used: AtomicU64::new(0),
-            unit,
-            alloc: Mutex::new(Allocator::with_max_allocs(units, nodes)),
+            next_gen: AtomicU32::new(1),
         }
     }
 
@@ -79,19 +72,34 @@ impl MountedSegment {
         1.0 - self.used() as f64 / self.desc.size.max(1) as f64
     }
 
+    /// A fresh generation; 0 is never used (it is what unwritten blocks hold).
+    fn gen(&self) -> u32 {
+        loop {
+            let g = self.next_gen.fetch_add(1, Ordering::Relaxed);
+            if g != 0 {
+                return g;
+            }
+        }
+    }
+
     /// Reserves `size` bytes, or `None` if no free range is large enough.
     pub fn allocate(&self, size: u64) -> Option<SegAlloc> {
         if !self.is_alive() {
             return None;
         }
-        let units = size.div_ceil(self.unit);
-        let units = u32::try_from(units).ok()?;
-        let mut a = self.alloc.lock();
-        let handle = a.allocate(units)?;
-        let reserved = a.allocation_size(handle) as u64 * self.unit;
-        drop(a);
+        let (offset, reserved) = self.alloc.lock().allocate(size)?;
         self.used.fetch_add(reserved, Ordering::Relaxed);
-        Some(SegAlloc { offset: handle.offset as u64 * self.unit, reserved, handle })
+        Some(SegAlloc { offset, reserved, gen: self.gen() })
+    }
+
+    /// Reserves exactly `[offset, offset + len)`, or `None` if any of it is taken.
+    pub fn reserve(&self, offset: u64, len: u64) -> Option<SegAlloc> {
+        if !self.is_alive() {
+            return None;
+        }
+        let reserved = self.alloc.lock().reserve(offset, len)?;
+        self.used.fetch_add(reserved, Ordering::Relaxed);
+        Some(SegAlloc { offset, reserved, gen: self.gen() })
     }
 
     /// Returns a range to the allocator. A dead segment's allocator is gone with it.
@@ -99,8 +107,11 @@ impl MountedSegment {
         if !self.is_alive() {
             return;
         }
-        self.alloc.lock().free(a.handle);
-        self.used.fetch_sub(a.reserved, Ordering::Relaxed);
+        if self.alloc.lock().free(a.offset, a.reserved) {
+            self.used.fetch_sub(a.reserved, Ordering::Relaxed);
+        } else {
+            tracing::error!(segment = %self.desc.id, offset = a.offset, "refused to free a range that is not allocated");
+        }
     }
 
     /// The wire descriptor of a replica at `a` holding `len` bytes.
@@ -112,6 +123,8 @@ impl MountedSegment {
             endpoint: self.desc.endpoint.clone(),
             host: self.desc.host.clone(),
             shm_path: self.desc.shm_path.clone(),
+            incarnation: self.desc.incarnation,
+            gen: a.gen,
         }
     }
 }
@@ -154,17 +167,38 @@ pub struct SegmentTable {
 }
 
 impl SegmentTable {
-    /// Mounts `desc` for `client`; mounting the same segment again is a no-op.
-    pub fn mount(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
+    /// Mounts `desc` for `client`; mounting the same segment again is a no-op. A newer
+    /// incarnation from the same client replaces the old one (the third value says so: the
+    /// caller sweeps its replicas). `reserve` lists ranges taken before anyone can allocate;
+    /// the second value holds what each reservation got.
+    #[allow(clippy::type_complexity)]
+    pub fn mount(
+        &self,
+        client: ClientId,
+        desc: SegmentDesc,
+        reserve: &[(u64, u64)],
+    ) -> WireResult<(Arc<MountedSegment>, Vec<Option<SegAlloc>>, bool)> {
         if desc.size == 0 || desc.base.checked_add(desc.size).is_none() || desc.endpoint.is_empty() {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let mut by_id = self.by_id.write();
+        let mut replaced = false;
         if let Some(existing) = by_id.get(&desc.id) {
             if existing.client == client && existing.desc == desc {
-                return Ok(());
+                return Ok((existing.clone(), Vec::new(), false));
             }
-            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+            let same_memory = SegmentDesc { incarnation: existing.desc.incarnation, ..desc.clone() };
+            if existing.client != client
+                || existing.desc != same_memory
+                || desc.incarnation <= existing.desc.incarnation
+            {
+                return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+            }
+            // Its owner remounts it (it was expired while this master still held the old
+            // mount): the old incarnation dies with its replicas.
+            let old = by_id.remove(&desc.id).expect("present");
+            old.alive.store(false, Ordering::Release);
+            replaced = true;
         }
         // Two segments served by one transfer server must not share bytes.
         let end = desc.base + desc.size;
@@ -172,11 +206,16 @@ impl SegmentTable {
             .values()
             .any(|s| s.desc.endpoint == desc.endpoint && s.desc.base < end && desc.base < s.desc.base + s.desc.size)
         {
+            if replaced {
+                self.publish(&by_id);
+            }
             return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
         }
-        by_id.insert(desc.id, Arc::new(MountedSegment::new(desc, client)));
+        let seg = Arc::new(MountedSegment::new(desc, client));
+        let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
+        by_id.insert(seg.desc.id, seg.clone());
         self.publish(&by_id);
-        Ok(())
+        Ok((seg, reserved, replaced))
     }
 
     /// Unmounts a segment: marks it dead and removes it from placement. Returns it so that the
@@ -266,6 +305,7 @@ impl SegmentTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tycho_proto::segment_block_size;
 
     fn desc(id: u128, endpoint: &str, base: u64, size: u64) -> SegmentDesc {
         SegmentDesc {
@@ -276,16 +316,17 @@ mod tests {
             endpoint: endpoint.into(),
             host: "h".into(),
             shm_path: String::new(),
+            incarnation: 1,
         }
     }
 
     #[test]
     fn allocator_reuses_freed_space_and_counts_bytes() {
         let t = SegmentTable::default();
-        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20)).unwrap();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
         let seg = t.get(SegmentId(1)).unwrap();
         let a = seg.allocate(1000).unwrap();
-        assert!(a.reserved >= 1000 && a.offset % MIN_UNIT == 0);
+        assert!(a.reserved >= 1000 && a.offset % tycho_proto::MIN_BLOCK_SIZE == 0);
         assert_eq!(seg.used(), a.reserved);
         assert!(seg.allocate(2 << 20).is_none());
         seg.free(a);
@@ -296,13 +337,16 @@ mod tests {
     #[test]
     fn mount_is_idempotent_and_rejects_conflicts() {
         let t = SegmentTable::default();
-        t.mount(ClientId(1), desc(1, "e:1", 0, 4096)).unwrap();
-        t.mount(ClientId(1), desc(1, "e:1", 0, 4096)).unwrap();
-        assert_eq!(t.mount(ClientId(2), desc(1, "e:1", 0, 4096)), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
-        assert_eq!(t.mount(ClientId(1), desc(2, "e:1", 4000, 4096)), Err(ErrorCode::SEGMENT_ALREADY_EXISTS));
-        t.mount(ClientId(1), desc(3, "e:1", 4096, 4096)).unwrap();
-        t.mount(ClientId(1), desc(4, "e:2", 0, 4096)).unwrap();
-        assert_eq!(t.mount(ClientId(1), desc(5, "e:3", 0, 0)), Err(ErrorCode::INVALID_PARAMS));
+        t.mount(ClientId(1), desc(1, "e:1", 0, 4096), &[]).unwrap();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 4096), &[]).unwrap();
+        assert_eq!(t.mount(ClientId(2), desc(1, "e:1", 0, 4096), &[]).err(), Some(ErrorCode::SEGMENT_ALREADY_EXISTS));
+        assert_eq!(
+            t.mount(ClientId(1), desc(2, "e:1", 4000, 4096), &[]).err(),
+            Some(ErrorCode::SEGMENT_ALREADY_EXISTS)
+        );
+        t.mount(ClientId(1), desc(3, "e:1", 4096, 4096), &[]).unwrap();
+        t.mount(ClientId(1), desc(4, "e:2", 0, 4096), &[]).unwrap();
+        assert_eq!(t.mount(ClientId(1), desc(5, "e:3", 0, 0), &[]).err(), Some(ErrorCode::INVALID_PARAMS));
         assert_eq!(t.live().len(), 3);
     }
 
@@ -310,7 +354,7 @@ mod tests {
     fn replicas_go_to_distinct_segments_best_effort() {
         let t = SegmentTable::default();
         for i in 0..3 {
-            t.mount(ClientId(1), desc(i, &format!("e:{i}"), 0, 1 << 20)).unwrap();
+            t.mount(ClientId(1), desc(i, &format!("e:{i}"), 0, 1 << 20), &[]).unwrap();
         }
         let p = Placement { replicas: 5, strategy: AllocStrategy::Random, preferred: &[], local_host: None };
         let r = t.place(1000, &p).unwrap();
@@ -328,8 +372,8 @@ mod tests {
     #[test]
     fn free_ratio_first_picks_emptiest() {
         let t = SegmentTable::default();
-        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20)).unwrap();
-        t.mount(ClientId(1), desc(2, "e:2", 0, 1 << 20)).unwrap();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
+        t.mount(ClientId(1), desc(2, "e:2", 0, 1 << 20), &[]).unwrap();
         t.get(SegmentId(1)).unwrap().allocate(500_000).unwrap();
         let p = Placement { replicas: 1, strategy: AllocStrategy::FreeRatioFirst, preferred: &[], local_host: None };
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
@@ -338,8 +382,46 @@ mod tests {
     #[test]
     fn huge_segments_scale_the_unit() {
         let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1));
-        assert!(s.unit > MIN_UNIT);
+        assert!(segment_block_size(1 << 40) > tycho_proto::MIN_BLOCK_SIZE);
         let a = s.allocate(1 << 30).unwrap();
         assert!(a.reserved >= 1 << 30);
+    }
+
+    #[test]
+    fn every_allocation_gets_a_new_generation_and_a_remount_replaces_the_old_incarnation() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
+        let seg = t.get(SegmentId(1)).unwrap();
+        let a = seg.allocate(64).unwrap();
+        seg.free(a);
+        let b = seg.allocate(64).unwrap();
+        assert_eq!(a.offset, b.offset, "freed space is reused at once");
+        assert_ne!(a.gen, b.gen);
+        // Same incarnation again: idempotent. A newer one from its owner replaces it.
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
+        assert!(seg.is_alive());
+        assert_eq!(
+            t.mount(ClientId(2), SegmentDesc { incarnation: 2, ..desc(1, "e:1", 0, 1 << 20) }, &[]).err(),
+            Some(ErrorCode::SEGMENT_ALREADY_EXISTS)
+        );
+        t.mount(ClientId(1), SegmentDesc { incarnation: 2, ..desc(1, "e:1", 0, 1 << 20) }, &[]).unwrap();
+        assert!(!seg.is_alive());
+        assert_eq!(t.get(SegmentId(1)).unwrap().desc.incarnation, 2);
+        assert_eq!(
+            t.mount(ClientId(1), SegmentDesc { incarnation: 1, ..desc(1, "e:1", 0, 1 << 20) }, &[]).err(),
+            Some(ErrorCode::SEGMENT_ALREADY_EXISTS)
+        );
+    }
+
+    #[test]
+    fn exact_reservations_hold_their_range() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 4096), &[]).unwrap();
+        let seg = t.get(SegmentId(1)).unwrap();
+        let r = seg.reserve(0, 4000).unwrap();
+        assert_eq!(r.reserved, 4032);
+        assert!(seg.allocate(128).is_none());
+        assert!(seg.reserve(0, 64).is_none());
+        assert!(seg.allocate(64).is_some());
     }
 }

@@ -158,6 +158,12 @@ error_codes! {
     VSEGMENT_CREATING = -2004, RetrySame;
     /// The partition's static VSegment quota cannot hold the layout.
     VSEGMENT_STATIC_QUOTA_INSUFFICIENT = -2005, Fail;
+    /// The write named was not committed and never will be: it was pre-empted, reclaimed, or
+    /// every segment it wrote to went away. Nothing of it is visible.
+    WRITE_DROPPED = -2100, Fail;
+    /// The range being read was freed and handed to another write while it was copied: the
+    /// bytes are not the object's. Read again with fresh metadata.
+    RANGE_REUSED = -2101, RetrySame;
 }
 
 impl ErrorCode {
@@ -185,6 +191,10 @@ impl ErrorCode {
             RPC_FAIL | RPC_TIMEOUT => "the master did not answer; check that it runs and the address",
             KVPT_NOT_OWNED | STALE_EPOCH | STALE_ROUTE => "the route is stale; the client refreshes it",
             KVPT_MIGRATING => "the key's group is moving; retry after a short back-off",
+            WRITE_DROPPED => {
+                "the write was dropped before it committed (pre-empted, timed out, or its memory left); write again"
+            }
+            RANGE_REUSED => "the object was replaced or removed while it was read; read it again",
             _ => "see docs/errors.md",
         }
     }

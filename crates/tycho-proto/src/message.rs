@@ -23,6 +23,11 @@ pub struct WriteStart {
     pub size: u64,
     /// Placement and pinning.
     pub config: ReplicateConfig,
+    /// Identity of this write, chosen by the writer (non-zero, unique among its writes): the
+    /// end or revoke names it, so that a retried or late call can only finish this write, and
+    /// a start whose answer was lost can still be revoked. A retried start with the same id
+    /// gets the same ranges back. The committed value's version is its write id.
+    pub write_id: u64,
 }
 
 /// Start writes of several keys with one placement config.
@@ -37,6 +42,8 @@ pub struct BatchWriteStart {
     pub items: Vec<(KeyRef, u64)>,
     /// Placement and pinning for every key.
     pub config: ReplicateConfig,
+    /// One write id per item (see [`WriteStart::write_id`]).
+    pub write_ids: Vec<u64>,
 }
 
 /// End or revoke a write of one key.
@@ -49,6 +56,8 @@ pub struct WriteFinish {
     pub tenant: String,
     /// Key and route.
     pub key: KeyRef,
+    /// The write to end or revoke, as its start named it.
+    pub write_id: u64,
 }
 
 /// End or revoke writes of several keys.
@@ -61,6 +70,8 @@ pub struct BatchWriteFinish {
     pub tenant: String,
     /// Keys and routes.
     pub keys: Vec<KeyRef>,
+    /// One write id per key.
+    pub write_ids: Vec<u64>,
 }
 
 /// A read-side call on one key (GetReplicaList, ExistKey).

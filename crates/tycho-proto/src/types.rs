@@ -30,6 +30,21 @@ impl std::fmt::Display for SegmentId {
     }
 }
 
+/// Smallest allocation in a segment, in bytes, and the alignment of every range.
+pub const MIN_BLOCK_SIZE: u64 = 64;
+
+/// Size of the blocks a segment of `size` bytes is cut into: the unit of allocation (no block
+/// is ever shared by two live ranges) and of generation stamps. 64 bytes, doubled for segments
+/// so large that the block count would not fit 32 bits. The master and every reader and writer
+/// compute it with this one function.
+pub fn segment_block_size(size: u64) -> u64 {
+    let mut unit = MIN_BLOCK_SIZE;
+    while size / unit >= u32::MAX as u64 {
+        unit *= 2;
+    }
+    unit
+}
+
 /// The route a key-addressed request was sent under: the key's partition and the epoch of
 /// the partition's KVPT group as the client believes it. The master checks both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +84,9 @@ pub struct SegmentDesc {
     pub host: String,
     /// Shared-memory file backing the segment, empty when it cannot be mapped by peers.
     pub shm_path: String,
+    /// Incarnation of the segment's memory: its owner bumps it before every (re)mount, so that
+    /// readers of ranges handed out by an earlier mount see that they may have been reused.
+    pub incarnation: u32,
 }
 
 /// Where one replica of an object lives.
@@ -87,6 +105,11 @@ pub struct ReplicaDesc {
     pub host: String,
     /// Shared-memory file of the segment, empty if none.
     pub shm_path: String,
+    /// Incarnation of the segment the range was handed out in.
+    pub incarnation: u32,
+    /// Generation of the range: its writer stamps it on every block of the range before the
+    /// first byte; a reader's copy counts only if every block still carries it afterwards.
+    pub gen: u32,
 }
 
 /// How a write treats the soft pin (Mooncake's `SoftPinAction`).

@@ -115,6 +115,17 @@ impl TransferEngine {
         in_parallel(parts, |p| self.run_part(p, streaming))
     }
 
+    /// Runs every part, as [`run`](Self::run) does, and reports each part's own result, so that
+    /// a batch read can retry only the objects whose parts failed.
+    pub fn run_each(&self, parts: Vec<Part<'_>>) -> Vec<Result<(), TransferError>> {
+        let total: usize = parts.iter().map(Part::len).sum();
+        let streaming = total >= crate::streaming_threshold();
+        if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
+            return parts.into_iter().map(|p| self.run_part(p, streaming)).collect();
+        }
+        each_in_parallel(parts, |p| self.run_part(p, streaming))
+    }
+
     /// Reads `dst.len()` bytes of `replica` starting at object offset `at`.
     pub fn read(&self, replica: &ReplicaDesc, at: u64, dst: &mut [u8]) -> Result<(), TransferError> {
         let streaming = dst.len() >= crate::streaming_threshold();
@@ -141,9 +152,9 @@ impl TransferEngine {
         match self.transport_for(replica) {
             Transport::Local => {
                 let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
-                copy_mapped(&m, offset, part, streaming)
+                copy_checked(&m, replica, offset, part, streaming)
             }
-            Transport::SharedMemory => copy_mapped(&*self.map_peer(replica)?, offset, part, streaming),
+            Transport::SharedMemory => copy_checked(&*self.map_peer(replica)?, replica, offset, part, streaming),
             Transport::Tcp => self.tcp(replica, offset, part),
         }
     }
@@ -156,9 +167,7 @@ impl TransferEngine {
                 return Ok(m.clone());
             }
         }
-        // The descriptor does not carry the segment size: map the whole file.
-        let size = std::fs::metadata(&r.shm_path)?.len() as usize;
-        let m = Arc::new(Mapping::open(&r.shm_path, size)?);
+        let m = Arc::new(Mapping::open(&r.shm_path)?);
         let mut mapped = self.mapped.lock();
         // A new segment is a good moment to let go of segments whose owners closed them, so
         // their memory is not kept alive by this process.
@@ -217,7 +226,7 @@ impl TransferEngine {
         debug_assert!(len <= MAX_REQUEST_BYTES);
         let mut s = self.connection(&r.endpoint)?;
         let op = if matches!(part, Part::Read { .. }) { XferOp::Read } else { XferOp::Write };
-        let head = XferRequest { op, segment: r.segment, offset, len }.encode();
+        let head = XferRequest { op, segment: r.segment, offset, len, incarnation: r.incarnation, gen: r.gen }.encode();
         let mut answer = [0u8; ANSWER_LEN];
         match part {
             Part::Read { dst, .. } => {
@@ -225,7 +234,15 @@ impl TransferEngine {
                 s.read_exact(&mut answer)?;
                 let n = decode_answer(&answer);
                 match n {
-                    Ok(n) if n == len => s.read_exact(dst)?,
+                    Ok(n) if n == len => {
+                        s.read_exact(dst)?;
+                        s.read_exact(&mut answer)?;
+                        if let Err(e) = decode_answer(&answer) {
+                            // The bytes are not the object's; the connection stays in step.
+                            self.release(&r.endpoint, s);
+                            return Err(e);
+                        }
+                    }
                     Ok(n) => return Err(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))),
                     // A refusal leaves the connection in step: keep it.
                     Err(e) => {
@@ -286,9 +303,63 @@ fn in_parallel<T: Send>(
     })
 }
 
+/// Runs `work` on every item with up to [`MAX_PARALLEL`] threads (the caller's among them);
+/// one result per item, in order.
+fn each_in_parallel<T: Send>(
+    items: Vec<T>,
+    work: impl Fn(T) -> Result<(), TransferError> + Sync,
+) -> Vec<Result<(), TransferError>> {
+    let threads = usable_cpus().min(MAX_PARALLEL).min(items.len());
+    if threads <= 1 {
+        return items.into_iter().map(work).collect();
+    }
+    let n = items.len();
+    let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+    let results: Vec<Mutex<Option<Result<(), TransferError>>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let worker = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(slot) = slots.get(i) else { return };
+        let item = slot.lock().take().expect("each item is taken once");
+        *results[i].lock() = Some(work(item));
+    };
+    std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..threads).map(|_| s.spawn(worker)).collect();
+        worker();
+        for h in helpers {
+            let _ = h.join();
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_else(|| Err(TransferError::Protocol("transfer thread panicked".into()))))
+        .collect()
+}
+
 /// Copies at or above this size are split between two threads: one core alone cannot
 /// saturate the memory bus on this class of machine.
 pub const PARALLEL_COPY_BYTES: usize = 8 << 20;
+
+/// A copy between a mapping and memory that honours the range's generation: a write stamps it
+/// first, a read counts only if the range still carries it afterwards.
+fn copy_checked(
+    m: &Mapping,
+    r: &ReplicaDesc,
+    offset: u64,
+    part: Part<'_>,
+    streaming: bool,
+) -> Result<(), TransferError> {
+    let len = part.len();
+    let reading = matches!(part, Part::Read { .. });
+    if !reading {
+        m.stamp(offset, len, r.incarnation, r.gen)?;
+    }
+    copy_mapped(m, offset, part, streaming)?;
+    if reading {
+        m.verify(offset, len, r.incarnation, r.gen)?;
+    }
+    Ok(())
+}
 
 fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
     let len = part.len();

@@ -4,16 +4,72 @@
 //! A segment's memory is a memfd, so it disappears with its last user: no file is left in
 //! `/dev/shm` when a process dies. Peers on the same host open it through
 //! `/proc/<pid>/fd/<fd>` and map it, then copy with one `memcpy`.
+//!
+//! ## Generations
+//!
+//! The master frees a range as soon as its object is removed, replaced or evicted, and may
+//! hand it to a new write while a reader is still copying the old value. What keeps that
+//! reader from returning foreign bytes is a generation word per block of the segment (blocks
+//! of [`segment_block_size`] bytes, the master's allocation unit, so no block is shared by two
+//! live ranges), kept in the same memfd after the data, and an incarnation word that the owner
+//! bumps before every (re)mount:
+//!
+//! ```text
+//! [0, size)              data
+//! [G, G + 4096)          header: magic | version | block size | data size | blocks | incarnation
+//! [G + 4096, ...)        one u32 generation per block        (G = size rounded up to a page)
+//! ```
+//!
+//! A writer stores its range's generation into every block it is about to write, then a full
+//! fence, then its bytes. A reader copies, then a full fence, then checks that the incarnation
+//! and every block of its range still carry what its replica descriptor says. If any byte it
+//! copied came from a later writer, that writer's stamp precedes the byte and the reader's check
+//! follows its copy, so the check sees the new stamp and the read fails (RANGE_REUSED) instead
+//! of returning the bytes. A range's generation is unique within an incarnation (the counter
+//! would have to wrap 2^32 times within one lease-bounded read to repeat).
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+
+use tycho_proto::{segment_block_size, ErrorCode};
 
 use crate::TransferError;
+
+const PAGE: usize = 4096;
+/// First word of a segment's generation header.
+const GEN_MAGIC: u64 = u64::from_le_bytes(*b"TYGENS\0\0");
+/// Layout version of the generation area; a mapping of another version is refused.
+const GEN_VERSION: u32 = 1;
+
+/// The fixed header in front of the generation words.
+#[repr(C)]
+struct GenHeader {
+    magic: u64,
+    version: u32,
+    block_shift: u32,
+    data_len: u64,
+    blocks: u64,
+    incarnation: AtomicU32,
+}
+
+/// Where the generation area starts and how large the whole file is, for `len` data bytes.
+fn layout(len: usize) -> Option<(usize, usize, u32)> {
+    let block = segment_block_size(len as u64);
+    let blocks = (len as u64).div_ceil(block) as usize;
+    let gen_off = len.checked_next_multiple_of(PAGE)?;
+    let total = gen_off.checked_add(PAGE)?.checked_add(blocks.checked_mul(4)?.checked_next_multiple_of(PAGE)?)?;
+    Some((gen_off, total, block.trailing_zeros()))
+}
 
 /// A mapped region, owned or borrowed from a peer.
 pub struct Mapping {
     ptr: *mut u8,
     len: usize,
+    /// Bytes mapped: the data, its header and its generation words.
+    map_len: usize,
+    gen_off: usize,
+    block_shift: u32,
     /// For a peer's segment: the path it was opened by and the file's identity then.
     peer: Option<(String, (u64, u64))>,
     // Keeps the memfd open for as long as peers may open it by path.
@@ -33,6 +89,8 @@ impl Mapping {
         if len == 0 {
             return Err(TransferError::InvalidRange("segment size must be positive".into()));
         }
+        let (gen_off, total, block_shift) =
+            layout(len).ok_or_else(|| TransferError::InvalidRange("segment size too large".into()))?;
         let cname = CString::new(name).map_err(|_| TransferError::InvalidRange("bad segment name".into()))?;
         // SAFETY: memfd_create takes a valid C string and flags; it returns a new fd or -1.
         let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
@@ -42,39 +100,137 @@ impl Mapping {
         // SAFETY: raw is a freshly created fd that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: ftruncate on an owned fd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) } != 0 {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        Self::map(fd, len)
+        let m = Self::map(fd, len, total, gen_off, block_shift)?;
+        // SAFETY: the header page lies inside the mapping and nothing else uses it yet.
+        unsafe {
+            let h = m.ptr.add(gen_off) as *mut GenHeader;
+            (*h).version = GEN_VERSION;
+            (*h).block_shift = block_shift;
+            (*h).data_len = len as u64;
+            (*h).blocks = (len as u64).div_ceil(1 << block_shift);
+            (*h).magic = GEN_MAGIC;
+        }
+        Ok(m)
     }
 
-    /// Maps a peer's segment through its `/proc/<pid>/fd/<fd>` path.
-    pub fn open(path: &str, len: usize) -> Result<Mapping, TransferError> {
+    /// Maps a peer's segment through its `/proc/<pid>/fd/<fd>` path; its size and layout come
+    /// from the generation header, which must be of this build's version.
+    pub fn open(path: &str) -> Result<Mapping, TransferError> {
         let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
         let meta = file.metadata()?;
         let actual = meta.len() as usize;
-        if actual < len {
-            return Err(TransferError::InvalidRange(format!("{path} holds {actual} bytes, expected {len}")));
+        let bad = |why: &str| TransferError::InvalidRange(format!("{path}: {why}"));
+        // The header sits at the last page-aligned offset that leaves room for the layout of
+        // the size it announces; read it with pread, then check it describes this file.
+        let mut probe = vec![0u8; std::mem::size_of::<GenHeader>()];
+        let mut len = None;
+        let mut off = 0usize;
+        use std::os::unix::fs::FileExt;
+        while off + PAGE <= actual {
+            file.read_exact_at(&mut probe, off as u64)?;
+            if u64::from_le_bytes(probe[0..8].try_into().expect("8 bytes")) == GEN_MAGIC {
+                let data_len = u64::from_le_bytes(probe[16..24].try_into().expect("8 bytes")) as usize;
+                if layout(data_len).is_some_and(|(g, total, _)| g == off && total == actual) {
+                    len = Some(data_len);
+                    break;
+                }
+            }
+            off += PAGE;
         }
+        let len = len.ok_or_else(|| bad("no generation header of this layout"))?;
+        let (gen_off, total, block_shift) = layout(len).expect("checked above");
         use std::os::unix::fs::MetadataExt;
         let identity = (meta.dev(), meta.ino());
-        let mut m = Self::map(OwnedFd::from(file), len)?;
+        let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift)?;
+        // SAFETY: the header page is inside the mapping.
+        let (version, shift) = unsafe {
+            let h = m.ptr.add(gen_off) as *const GenHeader;
+            ((*h).version, (*h).block_shift)
+        };
+        if version != GEN_VERSION || shift != block_shift {
+            return Err(bad(&format!("generation layout version {version}, block shift {shift}")));
+        }
         m.peer = Some((path.to_string(), identity));
         Ok(m)
     }
 
-    /// Maps `len` bytes of `fd`, pre-faulted: otherwise the first copy into each page pays a
+    /// Maps `total` bytes of `fd`, pre-faulted: otherwise the first copy into each page pays a
     /// page fault, which can cost as much as the copy itself.
-    fn map(fd: OwnedFd, len: usize) -> Result<Mapping, TransferError> {
+    fn map(fd: OwnedFd, len: usize, total: usize, gen_off: usize, block_shift: u32) -> Result<Mapping, TransferError> {
         let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
-        // SAFETY: mapping a valid fd of at least `len` bytes; the result is checked.
+        // SAFETY: mapping a valid fd of at least `total` bytes; the result is checked.
         let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
+            libc::mmap(std::ptr::null_mut(), total, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
         };
         if ptr == libc::MAP_FAILED {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        Ok(Mapping { ptr: ptr as *mut u8, len, peer: None, fd })
+        Ok(Mapping { ptr: ptr as *mut u8, len, map_len: total, gen_off, block_shift, peer: None, fd })
+    }
+
+    fn header(&self) -> &GenHeader {
+        // SAFETY: the header page lies inside the mapping, which outlives the reference; its
+        // only mutable field is atomic.
+        unsafe { &*(self.ptr.add(self.gen_off) as *const GenHeader) }
+    }
+
+    fn gens(&self, offset: u64, len: usize) -> &[AtomicU32] {
+        let first = (offset >> self.block_shift) as usize;
+        let last = ((offset + len as u64 - 1) >> self.block_shift) as usize;
+        // SAFETY: callers pass ranges checked against the data size, whose blocks all have a
+        // word in the generation area; atomics may alias memory other processes write.
+        unsafe {
+            let base = self.ptr.add(self.gen_off + PAGE) as *const AtomicU32;
+            std::slice::from_raw_parts(base.add(first), last - first + 1)
+        }
+    }
+
+    /// The current incarnation of the segment's memory.
+    pub fn incarnation(&self) -> u32 {
+        self.header().incarnation.load(Ordering::Acquire)
+    }
+
+    /// Starts a new incarnation (before the owner mounts the segment again) and returns it:
+    /// every reader and writer holding ranges of an earlier one fails from now on.
+    pub fn bump_incarnation(&self) -> u32 {
+        let n = self.header().incarnation.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        fence(Ordering::SeqCst);
+        n
+    }
+
+    /// Before writing `[offset, offset + len)` of a range of generation `gen` handed out in
+    /// `incarnation`: refuses if the segment was remounted since, then stamps the range's
+    /// blocks with `gen`, then fences so that no byte written afterwards can be seen without
+    /// the stamp.
+    pub fn stamp(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if self.incarnation() != incarnation {
+            return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
+        }
+        for g in self.gens(offset, len) {
+            g.store(gen, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// After copying `[offset, offset + len)` out: whether every byte copied belonged to the
+    /// range of generation `gen` of `incarnation` (nobody has started writing over it since).
+    pub fn verify(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
+        self.check(offset, len)?;
+        fence(Ordering::SeqCst);
+        if self.incarnation() != incarnation
+            || (len > 0 && self.gens(offset, len).iter().any(|g| g.load(Ordering::Relaxed) != gen))
+        {
+            return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
+        }
+        Ok(())
     }
 
     /// For a peer's segment: whether its path still names the memory mapped here (the owner
@@ -167,7 +323,7 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly what map() mapped.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.map_len) };
     }
 }
 
@@ -182,13 +338,62 @@ mod tests {
         let mut out = [0u8; 5];
         m.read(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
-        let peer = Mapping::open(&m.peer_path(), 1 << 20).unwrap();
+        let peer = Mapping::open(&m.peer_path()).unwrap();
+        assert_eq!(peer.len(), 1 << 20);
         peer.read(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
         peer.write(0, b"x").unwrap();
         let mut one = [0u8; 1];
         m.read(0, &mut one).unwrap();
         assert_eq!(&one, b"x");
+    }
+
+    #[test]
+    fn a_read_overlapped_by_a_new_write_fails_and_a_remount_fails_old_ranges() {
+        let m = Mapping::create("t", 3000).unwrap();
+        let peer = Mapping::open(&m.peer_path()).unwrap();
+        assert_eq!(peer.len(), 3000);
+        let inc = m.bump_incarnation();
+        assert_eq!(peer.incarnation(), inc);
+        // Object A: blocks 0..16 (1024 bytes) with generation 7.
+        peer.stamp(0, 1024, inc, 7).unwrap();
+        peer.write(0, &[1u8; 1024]).unwrap();
+        let mut out = [0u8; 1024];
+        m.read(0, &mut out).unwrap();
+        m.verify(0, 1024, inc, 7).unwrap();
+        // A freed A; a new write of generation 8 takes one block in the middle.
+        m.stamp(512, 64, inc, 8).unwrap();
+        assert!(matches!(m.verify(0, 1024, inc, 7), Err(TransferError::Remote(ErrorCode::RANGE_REUSED))));
+        // Blocks it does not touch still verify (a partial read of A's first half).
+        m.verify(0, 512, inc, 7).unwrap();
+        // A remount makes every range of the old incarnation fail, and refuses old writers.
+        let next = m.bump_incarnation();
+        assert!(m.verify(0, 512, inc, 7).is_err());
+        assert!(peer.stamp(0, 64, inc, 9).is_err());
+        peer.stamp(0, 64, next, 9).unwrap();
+        // The last, partial block is covered too.
+        m.stamp(2990, 10, next, 5).unwrap();
+        m.verify(2990, 10, next, 5).unwrap();
+    }
+
+    #[test]
+    fn open_refuses_memory_without_a_generation_header() {
+        let f = tempfile_with(&[0u8; 8192]);
+        assert!(matches!(Mapping::open(&f), Err(TransferError::InvalidRange(_))));
+        let _ = std::fs::remove_file(&f);
+    }
+
+    fn tempfile_with(bytes: &[u8]) -> String {
+        let path = std::env::temp_dir().join(format!("tycho-gen-{}-{}", std::process::id(), rand_suffix()));
+        std::fs::write(&path, bytes).unwrap();
+        path.to_string_lossy().into_owned()
+    }
+
+    fn rand_suffix() -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u8(0);
+        h.finish()
     }
 
     #[test]

@@ -115,15 +115,22 @@ fn serve_connection(mut stream: TcpStream, registry: &SegmentRegistry, stop: &At
         let len = req.len as usize;
         match req.op {
             XferOp::Read => {
-                // SAFETY: the range was checked above; the master hands this range to readers
-                // only while no writer owns it.
+                // SAFETY: the range was checked above. A writer may reuse it while the bytes
+                // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };
                 stream.write_all(&encode_answer(Ok(req.len)))?;
                 stream.write_all(bytes)?;
+                let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
+                stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
             }
             XferOp::Write => {
-                // SAFETY: checked range; during a write the master gives this range to exactly
-                // one writer and to no reader.
+                if let Err(e) = m.stamp(req.offset, len, req.incarnation, req.gen) {
+                    // The range belongs to an earlier incarnation: refuse, stay in step.
+                    drain(&mut stream, req.len)?;
+                    stream.write_all(&encode_answer(Err(e.code())))?;
+                    continue;
+                }
+                // SAFETY: checked range; the master gives it to exactly one writer at a time.
                 let dst = unsafe { m.slice_mut(req.offset, len)? };
                 stream.read_exact(dst)?;
                 stream.write_all(&encode_answer(Ok(req.len)))?;

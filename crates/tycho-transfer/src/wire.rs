@@ -1,11 +1,19 @@
-//! The transfer protocol: a fixed 40-byte request header, then for writes the bytes; a fixed
-//! 16-byte answer, then for reads the bytes. Bulk bytes never pass through a serializer, so
-//! they go from memory to socket and from socket to memory without extra copies.
+//! The transfer protocol: a fixed 48-byte request header, then for writes the bytes; a fixed
+//! 16-byte answer, then for reads the bytes and a 16-byte trailer. Bulk bytes never pass
+//! through a serializer, so they go from memory to socket and from socket to memory without
+//! extra copies.
 //!
 //! ```text
-//! request:  magic "TYXF" (u32) | op (u8) | 0 0 0 | segment (u128) | offset (u64) | len (u64)
+//! request:  magic "TYXF" (u32) | op (u8) | version (u8) | 0 0 | segment (u128) | offset (u64)
+//!           | len (u64) | incarnation (u32) | generation (u32)
 //! answer:   status (i32, 0 or an error code) | 0 (u32) | len (u64)
+//! trailer:  an answer again, after a read's bytes: 0 if the range still carried the request's
+//!           incarnation and generation once every byte was sent, else RANGE_REUSED (the bytes
+//!           sent are not the object's and must be thrown away)
 //! ```
+//!
+//! The server stamps a write's generation on the range before it receives the first byte
+//! (see [`Mapping`](crate::Mapping)).
 
 use tycho_proto::{ErrorCode, SegmentId};
 
@@ -13,8 +21,10 @@ use crate::TransferError;
 
 /// First bytes of every transfer request.
 pub const XFER_MAGIC: u32 = u32::from_le_bytes(*b"TYXF");
+/// Version of the request layout; a request of another version is refused.
+pub const XFER_VERSION: u8 = 2;
 /// Request header size.
-pub const REQUEST_LEN: usize = 40;
+pub const REQUEST_LEN: usize = 48;
 /// Answer header size.
 pub const ANSWER_LEN: usize = 16;
 /// Largest single request; larger transfers are split by the client. A write header announcing
@@ -41,6 +51,10 @@ pub struct XferRequest {
     pub offset: u64,
     /// Bytes to move.
     pub len: u64,
+    /// Incarnation of the segment the range was handed out in.
+    pub incarnation: u32,
+    /// Generation of the range.
+    pub gen: u32,
 }
 
 impl XferRequest {
@@ -49,6 +63,9 @@ impl XferRequest {
         let mut b = [0u8; REQUEST_LEN];
         b[0..4].copy_from_slice(&XFER_MAGIC.to_le_bytes());
         b[4] = self.op as u8;
+        b[5] = XFER_VERSION;
+        b[40..44].copy_from_slice(&self.incarnation.to_le_bytes());
+        b[44..48].copy_from_slice(&self.gen.to_le_bytes());
         b[8..24].copy_from_slice(&self.segment.0.to_le_bytes());
         b[24..32].copy_from_slice(&self.offset.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
@@ -60,6 +77,12 @@ impl XferRequest {
         let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
         if magic != XFER_MAGIC {
             return Err(TransferError::Protocol(format!("bad magic {magic:#010x}")));
+        }
+        if b[5] != XFER_VERSION {
+            return Err(TransferError::Protocol(format!(
+                "transfer version {} (this build speaks {XFER_VERSION})",
+                b[5]
+            )));
         }
         let op = match b[4] {
             1 => XferOp::Read,
@@ -75,6 +98,8 @@ impl XferRequest {
             segment: SegmentId(u128::from_le_bytes(b[8..24].try_into().expect("16 bytes"))),
             offset: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
             len,
+            incarnation: u32::from_le_bytes(b[40..44].try_into().expect("4 bytes")),
+            gen: u32::from_le_bytes(b[44..48].try_into().expect("4 bytes")),
         })
     }
 }
@@ -111,7 +136,14 @@ mod tests {
 
     #[test]
     fn request_round_trips_and_garbage_is_refused() {
-        let r = XferRequest { op: XferOp::Write, segment: SegmentId(7 << 100), offset: 12, len: 4096 };
+        let r = XferRequest {
+            op: XferOp::Write,
+            segment: SegmentId(7 << 100),
+            offset: 12,
+            len: 4096,
+            incarnation: 3,
+            gen: 0xdead_beef,
+        };
         assert_eq!(XferRequest::decode(&r.encode()).unwrap(), r);
         let mut bad = r.encode();
         bad[0] = b'X';
@@ -119,6 +151,9 @@ mod tests {
         let mut bad = r.encode();
         bad[4] = 9;
         assert!(XferRequest::decode(&bad).is_err());
+        let mut old = r.encode();
+        old[5] = 1;
+        assert!(XferRequest::decode(&old).is_err());
         let huge = XferRequest { len: MAX_REQUEST_BYTES + 1, ..r };
         assert!(XferRequest::decode(&huge.encode()).is_err());
     }

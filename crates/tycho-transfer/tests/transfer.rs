@@ -30,6 +30,8 @@ fn replica(p: &Peer, offset: u64, len: u64, host: &str) -> ReplicaDesc {
         endpoint: p.server.local_addr().to_string(),
         host: host.into(),
         shm_path: p.mapping.peer_path(),
+        incarnation: p.mapping.incarnation(),
+        gen: 1,
     }
 }
 
@@ -70,7 +72,7 @@ fn bad_requests_are_refused_and_the_connection_survives() {
     let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
     let mut answer = [0u8; ANSWER_LEN];
     let mut ask = |op, segment, offset, len, payload: &[u8]| {
-        let req = XferRequest { op, segment: SegmentId(segment), offset, len };
+        let req = XferRequest { op, segment: SegmentId(segment), offset, len, incarnation: 0, gen: 1 };
         s.write_all(&req.encode()).unwrap();
         s.write_all(payload).unwrap();
         s.read_exact(&mut answer).unwrap();
@@ -94,6 +96,48 @@ fn bad_requests_are_refused_and_the_connection_survives() {
     let mut got = [0u8; 4];
     s.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"wxyz");
+    let mut trailer = [0u8; ANSWER_LEN];
+    s.read_exact(&mut trailer).unwrap();
+    assert_eq!(decode_answer(&trailer).unwrap(), 4);
+}
+
+/// A range freed and handed to a new write while a reader still holds the old descriptor:
+/// the old reader fails with RANGE_REUSED over TCP and over shared memory, never with foreign
+/// bytes; the new descriptor reads the new bytes. A remount fails every old descriptor.
+#[test]
+fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
+    let p = peer(1 << 20);
+    let tcp = TransferEngine::new("here", true, Arc::new(SegmentRegistry::default()));
+    let shm = TransferEngine::new("here", false, Arc::new(SegmentRegistry::default()));
+    let old = replica(&p, 4096, 8192, "here");
+    shm.write(&old, 0, &pattern(8192, 1)).unwrap();
+    let mut out = vec![0u8; 8192];
+    tcp.read(&old, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(8192, 1));
+    // The object goes; a 100-byte value of generation 2 lands in the middle of its range.
+    let new = ReplicaDesc { offset: 8192, len: 100, gen: 2, ..old.clone() };
+    tcp.write(&new, 0, &pattern(100, 2)).unwrap();
+    for engine in [&tcp, &shm] {
+        let err = engine.read(&old, 0, &mut out).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::RANGE_REUSED);
+        assert_eq!(err.code().retry_class(), tycho_proto::RetryClass::RetrySame);
+        // The part of the old range the new value does not touch still reads.
+        engine.read(&old, 0, &mut out[..4096]).unwrap();
+        let mut v = vec![0u8; 100];
+        engine.read(&new, 0, &mut v).unwrap();
+        assert_eq!(v, pattern(100, 2));
+    }
+    // The owner remounts: descriptors of the old incarnation fail, reads and writes alike.
+    let inc = p.mapping.bump_incarnation();
+    let mut v = vec![0u8; 100];
+    for engine in [&tcp, &shm] {
+        assert_eq!(engine.read(&new, 0, &mut v).unwrap_err().code(), ErrorCode::RANGE_REUSED);
+        assert_eq!(engine.write(&new, 0, &v).unwrap_err().code(), ErrorCode::RANGE_REUSED);
+    }
+    let fresh = ReplicaDesc { incarnation: inc, gen: 1, ..new };
+    tcp.write(&fresh, 0, &pattern(100, 3)).unwrap();
+    shm.read(&fresh, 0, &mut v).unwrap();
+    assert_eq!(v, pattern(100, 3));
 }
 
 #[test]
@@ -116,7 +160,7 @@ fn garbage_closes_only_its_connection() {
     let r = replica(&p, 0, 10, "here");
     engine.write(&r, 0, b"0123456789").unwrap();
     let mut bad = TcpStream::connect(p.server.local_addr()).unwrap();
-    bad.write_all(&[0xee; 40]).unwrap();
+    bad.write_all(&[0xee; 48]).unwrap();
     let mut buf = Vec::new();
     assert_eq!(bad.read_to_end(&mut buf).unwrap(), 0, "server closes the garbage connection");
     let mut out = [0u8; 10];

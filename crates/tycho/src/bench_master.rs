@@ -224,6 +224,7 @@ async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), S
         endpoint: format!("fake-{client}:{n}"),
         host: "bench".into(),
         shm_path: String::new(),
+        incarnation: 1,
     };
     c.call(&Request::MountSegment { client, segment: desc }).await.map_err(|e| format!("mount: {e}"))?;
     Ok(())
@@ -247,7 +248,14 @@ async fn populate(
 ) -> Result<(), String> {
     for chunk in keys.chunks(batch) {
         let items = chunk.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
-        let start = BatchWriteStart { client, tenant: String::new(), items, config: config.clone() };
+        let write_ids: Vec<u64> = chunk.iter().map(|_| rand::random::<u64>() | 1).collect();
+        let start = BatchWriteStart {
+            client,
+            tenant: String::new(),
+            items,
+            config: config.clone(),
+            write_ids: write_ids.clone(),
+        };
         let Response::BatchWriteStarted(res) =
             c.call(&Request::BatchPutStart(start)).await.map_err(|e| format!("populate: {e}"))?
         else {
@@ -256,7 +264,7 @@ async fn populate(
         if let Some(Err(e)) = res.iter().find(|r| r.is_err()) {
             return Err(format!("populate: {e}"));
         }
-        let end = BatchWriteFinish { client, tenant: String::new(), keys: chunk.to_vec() };
+        let end = BatchWriteFinish { client, tenant: String::new(), keys: chunk.to_vec(), write_ids };
         c.call(&Request::BatchPutEnd(end)).await.map_err(|e| format!("populate: {e}"))?;
     }
     Ok(())
@@ -299,9 +307,10 @@ async fn one_op(
                 key: key.clone(),
                 size: VALUE_SIZE,
                 config: ReplicateConfig::default(),
+                write_id: *seq,
             };
             c.call(&Request::PutStart(start)).await?;
-            c.call(&Request::PutEnd(WriteFinish { client: owner, tenant: tenant(), key })).await?;
+            c.call(&Request::PutEnd(WriteFinish { client: owner, tenant: tenant(), key, write_id: *seq })).await?;
             Ok(1)
         }
         "batch-put" => {
@@ -312,9 +321,17 @@ async fn one_op(
                 })
                 .collect();
             let items = ks.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
-            let start = BatchWriteStart { client: owner, tenant: tenant(), items, config: ReplicateConfig::default() };
+            let write_ids: Vec<u64> = (1..=batch as u64).map(|i| *seq * 1000 + i).collect();
+            let start = BatchWriteStart {
+                client: owner,
+                tenant: tenant(),
+                items,
+                config: ReplicateConfig::default(),
+                write_ids: write_ids.clone(),
+            };
             c.call(&Request::BatchPutStart(start)).await?;
-            c.call(&Request::BatchPutEnd(BatchWriteFinish { client: owner, tenant: tenant(), keys: ks })).await?;
+            let end = BatchWriteFinish { client: owner, tenant: tenant(), keys: ks, write_ids };
+            c.call(&Request::BatchPutEnd(end)).await?;
             Ok(batch as u64)
         }
         _ => Err(ErrorCode::INVALID_PARAMS),

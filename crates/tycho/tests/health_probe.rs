@@ -128,22 +128,29 @@ fn metrics_parse_and_counters_move_with_rpcs() {
         endpoint: "127.0.0.1:1".into(),
         host: "h".into(),
         shm_path: String::new(),
+        incarnation: 1,
     };
     assert_eq!(rpc.call::<_, Response>(&Request::MountSegment { client, segment: seg }, t).unwrap(), Response::Done);
     for i in 0..5 {
         let key = format!("k{i}");
         let kr = KeyRef { key: key.clone(), route: tycho_routing::route_for("", &key, 1) };
-        let start =
-            WriteStart { client, tenant: String::new(), key: kr.clone(), size: 100, config: Default::default() };
+        let start = WriteStart {
+            client,
+            tenant: String::new(),
+            key: kr.clone(),
+            size: 100,
+            config: Default::default(),
+            write_id: i + 1,
+        };
         assert!(matches!(rpc.call::<_, Response>(&Request::PutStart(start), t).unwrap(), Response::WriteStarted(_)));
-        let end = WriteFinish { client, tenant: String::new(), key: kr.clone() };
+        let end = WriteFinish { client, tenant: String::new(), key: kr.clone(), write_id: i + 1 };
         assert_eq!(rpc.call::<_, Response>(&Request::PutEnd(end), t).unwrap(), Response::Done);
         let q = KeyQuery { tenant: String::new(), key: kr };
         assert!(matches!(rpc.call::<_, Response>(&Request::GetReplicaList(q), t).unwrap(), Response::Replicas(_)));
     }
     // One failing call: a zero-size put.
     let kr = KeyRef { key: "z".into(), route: tycho_routing::route_for("", "z", 1) };
-    let bad = WriteStart { client, tenant: String::new(), key: kr, size: 0, config: Default::default() };
+    let bad = WriteStart { client, tenant: String::new(), key: kr, size: 0, config: Default::default(), write_id: 99 };
     assert_eq!(
         rpc.call::<_, Response>(&Request::PutStart(bad), t).unwrap(),
         Response::Error(ErrorCode::INVALID_PARAMS)

@@ -39,7 +39,13 @@ fn seg(id: u128, endpoint: &str, size: u64) -> SegmentDesc {
         endpoint: endpoint.into(),
         host: "host-a".into(),
         shm_path: String::new(),
+        incarnation: 1,
     }
+}
+
+/// The write id these tests use for a key (one write per key at a time).
+fn wid(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) | 1
 }
 
 fn start(client: ClientId, key: &str, size: u64, replicas: u32) -> WriteStart {
@@ -49,11 +55,12 @@ fn start(client: ClientId, key: &str, size: u64, replicas: u32) -> WriteStart {
         key: kr(key),
         size,
         config: ReplicateConfig { replica_num: replicas, ..Default::default() },
+        write_id: wid(key),
     }
 }
 
 fn fin(client: ClientId, key: &str) -> WriteFinish {
-    WriteFinish { client, tenant: String::new(), key: kr(key) }
+    WriteFinish { client, tenant: String::new(), key: kr(key), write_id: wid(key) }
 }
 
 fn q(key: &str) -> KeyQuery {
@@ -141,7 +148,7 @@ async fn object_surface_over_rpc() {
     let b = ClientId(0xB);
     assert_eq!(c.call(Request::ReMountSegment { client: b, segments: vec![] }).await, Response::Done);
     assert!(matches!(c.call(Request::PutStart(start(a, "k3", 10, 1))).await, Response::WriteStarted(_)));
-    assert_eq!(c.call(Request::PutEnd(fin(b, "k3"))).await, Response::Error(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(c.call(Request::PutEnd(fin(b, "k3"))).await, Response::Error(ErrorCode::WRITE_DROPPED));
     assert_eq!(c.call(Request::GetReplicaList(q("k3"))).await, Response::Error(ErrorCode::REPLICA_IS_NOT_READY));
     assert_eq!(c.call(Request::PutRevoke(fin(a, "k3"))).await, Response::Done);
     assert_eq!(c.call(Request::ExistKey(q("k3"))).await, Response::Exists(false));
@@ -175,11 +182,17 @@ async fn object_surface_over_rpc() {
     let keys: Vec<String> = (0..50).map(|i| format!("batch/{i}")).collect();
     let mut items: Vec<(KeyRef, u64)> = keys.iter().map(|k| (kr(k), 64)).collect();
     items.push((kr(""), 64));
-    let bs = BatchWriteStart { client: a, tenant: String::new(), items, config: ReplicateConfig::default() };
+    let write_ids = items.iter().map(|(k, _)| wid(&k.key)).collect();
+    let bs = BatchWriteStart { client: a, tenant: String::new(), items, config: ReplicateConfig::default(), write_ids };
     let Response::BatchWriteStarted(res) = c.call(Request::BatchPutStart(bs)).await else { panic!() };
     assert!(res[..50].iter().all(|r| r.is_ok()));
     assert_eq!(res[50], Err(ErrorCode::INVALID_KEY));
-    let be = BatchWriteFinish { client: a, tenant: String::new(), keys: keys.iter().map(|k| kr(k)).collect() };
+    let be = BatchWriteFinish {
+        client: a,
+        tenant: String::new(),
+        keys: keys.iter().map(|k| kr(k)).collect(),
+        write_ids: keys.iter().map(|k| wid(k)).collect(),
+    };
     let Response::BatchDone(res) = c.call(Request::BatchPutEnd(be)).await else { panic!() };
     assert!(res.iter().all(|r| r.is_ok()));
     let mut probe: Vec<KeyRef> = keys.iter().map(|k| kr(k)).collect();
@@ -321,10 +334,11 @@ async fn expiry_sweep_of_a_million_objects_does_not_stall_reads() {
         let keys: Vec<KeyRef> = chunk.iter().map(|i| kr(&format!("v/{i}"))).collect();
         let items = keys.iter().map(|k| (k.clone(), 4096)).collect();
         let config = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
-        let bs = BatchWriteStart { client: victim, tenant: String::new(), items, config };
+        let write_ids: Vec<u64> = keys.iter().map(|k| wid(&k.key)).collect();
+        let bs = BatchWriteStart { client: victim, tenant: String::new(), items, config, write_ids: write_ids.clone() };
         let Response::BatchWriteStarted(r) = c.call(Request::BatchPutStart(bs)).await else { panic!() };
         assert!(r.iter().all(|r| r.as_ref().is_ok_and(|d| d[0].segment == SegmentId(1))));
-        let be = BatchWriteFinish { client: victim, tenant: String::new(), keys };
+        let be = BatchWriteFinish { client: victim, tenant: String::new(), keys, write_ids };
         c.call(Request::BatchPutEnd(be)).await;
     }
     let s0 = stats(&c).await;
