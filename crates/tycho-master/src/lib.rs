@@ -7,6 +7,7 @@ mod admin;
 mod alloc;
 mod clock;
 mod config;
+mod evict;
 mod health;
 mod master;
 mod metrics;
@@ -24,21 +25,30 @@ pub use admin::{
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::*;
+pub use evict::{RoundRequest, EVICTION_WAIT};
 pub use health::HEALTH_CHECK_BUDGET;
 pub use master::{Counters, Master, ObjectGauges, WriteMode};
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;
 pub use rpc::MasterRpc;
 
-/// Calls [`Master::tick`] every `interval` on a dedicated thread until `stop` is set.
+/// Calls [`Master::tick`] every `interval` on a dedicated thread until `stop` is set, and runs
+/// the background evictor ([`Master::run_evictor`]) on another.
 pub fn run_housekeeping(master: Arc<Master>, interval: Duration, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     std::thread::Builder::new()
         .name("tycho-housekeeping".into())
         .spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                master.tick();
-                std::thread::sleep(interval);
-            }
+            std::thread::scope(|s| {
+                std::thread::Builder::new()
+                    .name("tycho-evictor".into())
+                    .spawn_scoped(s, || master.run_evictor())
+                    .expect("spawn evictor thread");
+                while !stop.load(Ordering::Relaxed) {
+                    master.tick();
+                    std::thread::sleep(interval);
+                }
+                master.stop_evictor();
+            })
         })
         .expect("spawn housekeeping thread")
 }

@@ -14,6 +14,7 @@ use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partitio
 
 use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
+use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
 use crate::segment::{Placement, Replica, SegmentTable};
 
@@ -91,6 +92,7 @@ pub struct Master {
     /// release time.)
     orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
     last_abandon_scan: AtomicU64,
+    evictor: Evictor,
     /// Background-work counters.
     pub counters: Counters,
 }
@@ -111,6 +113,7 @@ impl Master {
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
             last_abandon_scan: AtomicU64::new(0),
+            evictor: Evictor::default(),
             counters: Counters::default(),
         }
     }
@@ -314,15 +317,19 @@ impl Master {
         Placement { replicas: cfg.replica_num, strategy, preferred: &cfg.preferred_segments, local_host: host }
     }
 
-    /// Allocates replicas, running one eviction round and retrying once if nothing fits.
-    fn allocate(&self, size: u64, p: &Placement<'_>) -> WireResult<Vec<Replica>> {
+    /// Allocates replicas. If nothing fits and `may_wait` is set, asks for an eviction round
+    /// of at least the bytes needed, waits (bounded) for it, and retries once; `may_wait` is
+    /// then cleared, so that a batch waits at most once.
+    fn allocate(&self, size: u64, p: &Placement<'_>, may_wait: &mut bool) -> WireResult<Vec<Replica>> {
         // A value no segment could ever hold is refused outright: evicting would not help.
         if !self.segments.live().iter().any(|s| s.desc.size >= size) {
             return Err(ErrorCode::NO_AVAILABLE_HANDLE);
         }
         match self.segments.place(size, p) {
-            Err(ErrorCode::NO_AVAILABLE_HANDLE) => {
-                if self.evict().0 > 0 {
+            Err(ErrorCode::NO_AVAILABLE_HANDLE) if *may_wait => {
+                *may_wait = false;
+                let need = RoundRequest { bytes: size.saturating_mul(p.replicas as u64), watermark: false };
+                if self.evictor.request_and_wait(need, EVICTION_WAIT, |r| self.evict_round(r).1) {
                     self.segments.place(size, p)
                 } else {
                     Err(ErrorCode::NO_AVAILABLE_HANDLE)
@@ -412,8 +419,14 @@ impl Master {
         }
     }
 
-    /// PutStart / UpsertStart.
+    /// PutStart / UpsertStart; a start that finds no room waits for one eviction round.
     pub fn write_start(&self, mode: WriteMode, req: &WriteStart) -> WireResult<Vec<ReplicaDesc>> {
+        self.write_start_with(mode, req, true)
+    }
+
+    /// [`Master::write_start`]; with `may_wait` false a start that finds no room fails at once
+    /// (an RPC worker calls it so, and retries on a blocking thread).
+    pub fn write_start_with(&self, mode: WriteMode, req: &WriteStart, may_wait: bool) -> WireResult<Vec<ReplicaDesc>> {
         let r = self.route(&req.tenant, &req.key)?;
         if req.size == 0 || req.write_id == 0 {
             return Err(ErrorCode::INVALID_PARAMS);
@@ -430,7 +443,8 @@ impl Master {
                 return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
             }
         }
-        let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()))?;
+        let mut may_wait = may_wait;
+        let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()), &mut may_wait)?;
         let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size)).collect();
         let now = self.now();
         let res = self.install_write(
@@ -454,8 +468,20 @@ impl Master {
     }
 
     /// BatchPutStart / BatchUpsertStart: one result per item, each shard locked once for the
-    /// existence check and once for the install.
+    /// existence check and once for the install. Waits for at most one eviction round.
     pub fn batch_write_start(&self, mode: WriteMode, req: &BatchWriteStart) -> Vec<WireResult<Vec<ReplicaDesc>>> {
+        self.batch_write_start_with(mode, req, true)
+    }
+
+    /// [`Master::batch_write_start`], waiting for eviction only if `may_wait`. Repeating a
+    /// batch is safe: items already started under the same write ids get their ranges back.
+    pub fn batch_write_start_with(
+        &self,
+        mode: WriteMode,
+        req: &BatchWriteStart,
+        may_wait: bool,
+    ) -> Vec<WireResult<Vec<ReplicaDesc>>> {
+        let mut may_wait = may_wait;
         let n = req.items.len();
         let fail_all = |e| vec![Err(e); n];
         if req.write_ids.len() != n || req.write_ids.contains(&0) {
@@ -496,7 +522,7 @@ impl Master {
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
                 } else {
-                    match self.allocate(size, &placement) {
+                    match self.allocate(size, &placement, &mut may_wait) {
                         Ok(reps) => staged.push((i, r, reps)),
                         Err(e) => out[i] = Err(e),
                     }
@@ -883,8 +909,27 @@ impl Master {
         self.reclaim_abandoned_writes();
         let (total, used) = self.segments.usage();
         if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {
-            self.evict();
+            let watermark = RoundRequest { bytes: 0, watermark: true };
+            if !self.evictor.request(watermark) {
+                self.evict();
+            }
         }
+    }
+
+    /// Runs eviction rounds as they are asked for, on the calling thread, until
+    /// [`Master::stop_evictor`]. While it runs, no RPC worker evicts.
+    pub fn run_evictor(&self) {
+        self.evictor.run(|r| self.evict_round(r).1);
+    }
+
+    /// Whether [`Master::run_evictor`] is running (eviction is then off the request path).
+    pub fn evictor_running(&self) -> bool {
+        self.evictor.is_background()
+    }
+
+    /// Stops [`Master::run_evictor`].
+    pub fn stop_evictor(&self) {
+        self.evictor.stop();
     }
 
     fn expire_clients(&self) {
@@ -1013,13 +1058,21 @@ impl Master {
         }
     }
 
-    /// One eviction round: removes `eviction_ratio` of the evictable objects (complete, not
-    /// leased, not being rewritten, not hard-pinned), oldest lease first; soft-pinned objects
-    /// only in a second pass when the first found too few. Returns (objects, bytes) evicted.
+    /// One watermark eviction round on the calling thread (see [`Master::evict_round`]).
     pub fn evict(&self) -> (u64, u64) {
+        self.evict_round(RoundRequest { bytes: 0, watermark: true })
+    }
+
+    /// One eviction round: removes evictable objects (complete, not leased, not being
+    /// rewritten, not hard-pinned), oldest lease first; soft-pinned objects only in a second
+    /// pass when the first found too few. A watermark round takes `eviction_ratio` of them; a
+    /// round asked for bytes takes objects until they add up to the bytes (at least 1 % of the
+    /// capacity, so that a stream of misses does not run a round per write). Returns (objects,
+    /// bytes) evicted.
+    pub fn evict_round(&self, req: RoundRequest) -> (u64, u64) {
         let now = self.now();
-        let mut plain: Vec<(u64, usize, ObjectKey)> = Vec::new();
-        let mut pinned: Vec<(u64, usize, ObjectKey)> = Vec::new();
+        let mut plain: Vec<Candidate> = Vec::new();
+        let mut pinned: Vec<Candidate> = Vec::new();
         for (si, shard) in self.shards.iter().enumerate() {
             let map = shard.read();
             for (k, o) in map.iter() {
@@ -1027,25 +1080,37 @@ impl Master {
                     continue;
                 }
                 let list = if o.is_soft_pinned(now) { &mut pinned } else { &mut plain };
-                list.push((o.lease(), si, k.clone()));
+                list.push((o.lease(), si, k.clone(), o.size * o.replicas.len() as u64));
             }
         }
         let evictable = plain.len() + pinned.len();
         if evictable == 0 {
             return (0, 0);
         }
-        let target = ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1);
-        let mut victims = take_oldest(plain, target);
-        if victims.len() < target && self.cfg.allow_evict_soft_pinned_objects {
-            let more = take_oldest(pinned, target - victims.len());
-            victims.extend(more);
+        let by_ratio =
+            if req.watermark { ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1) } else { 0 };
+        let (capacity, _) = self.segments.usage();
+        let bytes_goal = if req.bytes > 0 { req.bytes.max(capacity / 100) } else { 0 };
+        if !self.cfg.allow_evict_soft_pinned_objects {
+            pinned.clear();
         }
-        victims.sort_by_key(|(_, si, _)| *si);
+        plain.sort_unstable_by_key(|c| c.0);
+        pinned.sort_unstable_by_key(|c| c.0);
+        let mut victims = Vec::new();
+        let mut goal_bytes = 0u64;
+        for c in plain.into_iter().chain(pinned) {
+            if victims.len() >= by_ratio && goal_bytes >= bytes_goal {
+                break;
+            }
+            goal_bytes += c.3;
+            victims.push(c);
+        }
+        victims.sort_by_key(|c| c.1);
         let (mut objects, mut bytes) = (0, 0);
         for run in victims.chunk_by(|a, b| a.1 == b.1) {
             for chunk in run.chunks(SWEEP_BATCH) {
                 let mut map = self.shards.shard(chunk[0].1).write();
-                for (_, _, k) in chunk {
+                for (_, _, k, _) in chunk {
                     // Re-check: a reader or writer may have arrived since the scan.
                     let ok = map
                         .get(k)
@@ -1087,13 +1152,8 @@ fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
     regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|_| ErrorCode::INVALID_PARAMS)
 }
 
-fn take_oldest(mut list: Vec<(u64, usize, ObjectKey)>, n: usize) -> Vec<(u64, usize, ObjectKey)> {
-    if list.len() > n {
-        list.select_nth_unstable_by_key(n, |(lease, _, _)| *lease);
-        list.truncate(n);
-    }
-    list
-}
+/// An eviction candidate: lease deadline, shard, key, bytes.
+type Candidate = (u64, usize, ObjectKey, u64);
 
 /// The ranges of `client`'s pending write `write_id` of `key`, if that write is in progress (its
 /// start is being retried).

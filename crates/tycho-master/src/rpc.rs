@@ -44,6 +44,29 @@ impl MasterRpc {
     }
 }
 
+impl MasterRpc {
+    /// A write start that finds no room does not wait for eviction on the RPC worker: it is
+    /// answered again from a blocking thread, where it may wait for one eviction round.
+    fn write_start(&self, mode: WriteMode, r: tycho_proto::WriteStart) -> Reply<Response> {
+        match self.master.write_start_with(mode, &r, false) {
+            Err(ErrorCode::NO_AVAILABLE_HANDLE) => {
+                self.blocking(move |m| m.write_start(mode, &r).map_or_else(Response::Error, Response::WriteStarted))
+            }
+            res => Reply::Ready(res.map_or_else(Response::Error, Response::WriteStarted)),
+        }
+    }
+
+    /// As [`MasterRpc::write_start`] for batches. The repeat on the blocking thread is safe:
+    /// items already started answer with the same ranges (their write ids match).
+    fn batch_write_start(&self, mode: WriteMode, r: tycho_proto::BatchWriteStart) -> Reply<Response> {
+        let res = self.master.batch_write_start_with(mode, &r, false);
+        if res.contains(&Err(ErrorCode::NO_AVAILABLE_HANDLE)) {
+            return self.blocking(move |m| Response::BatchWriteStarted(m.batch_write_start(mode, &r)));
+        }
+        Reply::Ready(Response::BatchWriteStarted(res))
+    }
+}
+
 impl Service for MasterRpc {
     type Request = Request;
     type Response = Response;
@@ -86,16 +109,12 @@ impl MasterRpc {
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }
-            Request::PutStart(r) => {
-                m.write_start(WriteMode::Put, &r).map_or_else(Response::Error, Response::WriteStarted)
-            }
-            Request::UpsertStart(r) => {
-                m.write_start(WriteMode::Upsert, &r).map_or_else(Response::Error, Response::WriteStarted)
-            }
+            Request::PutStart(r) => return self.write_start(WriteMode::Put, r),
+            Request::UpsertStart(r) => return self.write_start(WriteMode::Upsert, r),
             Request::PutEnd(r) | Request::UpsertEnd(r) => done(m.write_finish(&r, true)),
             Request::PutRevoke(r) | Request::UpsertRevoke(r) => done(m.write_finish(&r, false)),
-            Request::BatchPutStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Put, &r)),
-            Request::BatchUpsertStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Upsert, &r)),
+            Request::BatchPutStart(r) => return self.batch_write_start(WriteMode::Put, r),
+            Request::BatchUpsertStart(r) => return self.batch_write_start(WriteMode::Upsert, r),
             Request::BatchPutEnd(r) | Request::BatchUpsertEnd(r) => Response::BatchDone(m.batch_write_finish(&r, true)),
             Request::BatchPutRevoke(r) | Request::BatchUpsertRevoke(r) => {
                 Response::BatchDone(m.batch_write_finish(&r, false))

@@ -690,6 +690,42 @@ fn eviction_takes_oldest_lease_first_and_respects_pins_leases_and_writes() {
     assert_eq!(m.counters.evicted_bytes.load(Ordering::Relaxed), 7 * OBJ);
 }
 
+/// Issue 10, item 5: a write that finds no room asks the background evictor for the bytes it
+/// needs (at least 1 % of the capacity) and waits for that round, instead of evicting 5 % of
+/// the cache on its own thread; a value larger than any segment fails at once, evicting nothing.
+#[test]
+fn a_full_segment_evicts_the_bytes_needed_on_the_evictor_thread() {
+    let e = Env::new();
+    let m = Arc::new(Master::new(MasterConfig::default(), e.clock.clone()));
+    mount(&m, A, 1, MIB);
+    for i in 0..256 {
+        put(&m, A, &format!("o{i:03}"), 4096);
+    }
+    assert_eq!(used(&m), MIB);
+    assert_eq!(start(&m, A, "huge", 2 * MIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 0);
+    let evictor = {
+        let m = m.clone();
+        std::thread::Builder::new().name("evictor".into()).spawn(move || m.run_evictor()).unwrap()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !m.evictor_running() {
+        assert!(std::time::Instant::now() < deadline, "the evictor thread did not start");
+        std::thread::yield_now();
+    }
+    // The RPC path does not wait: it fails at once and is retried where waiting is allowed.
+    assert_eq!(
+        m.write_start_with(WriteMode::Put, &ws(A, "new", 4096, Default::default()), false),
+        Err(ErrorCode::NO_AVAILABLE_HANDLE)
+    );
+    put(&m, A, "new", 4096);
+    assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 1);
+    // 1 % of 1 MiB is 10,486 bytes: three 4 KiB objects, not 5 % of 256.
+    assert_eq!(m.counters.evicted_objects.load(Ordering::Relaxed), 3);
+    m.stop_evictor();
+    evictor.join().unwrap();
+}
+
 #[test]
 fn allocation_failure_evicts_then_succeeds() {
     let e = Env::new();
