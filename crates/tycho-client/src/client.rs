@@ -384,7 +384,25 @@ impl Client {
             return Err(e.code());
         }
         let end = if mode == WriteMode::Put { Request::PutEnd(finish) } else { Request::UpsertEnd(finish) };
-        self.inner.call(&end).map(|_| ())
+        match self.inner.call(&end)? {
+            Response::Committed(replaced) => {
+                self.retire(&replaced);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Retires the ranges of values this client's writes replaced, before it reports the
+    /// writes done: a reader that starts after that and still holds the old replica list fails
+    /// its generation check and asks the master again, so it never sees the replaced value. A
+    /// range that cannot be reached cannot be read either; failures are only logged.
+    fn retire(&self, replaced: &[ReplicaDesc]) {
+        for r in replaced {
+            if let Err(e) = self.inner.engine.retire(r) {
+                tracing::debug!(segment = %r.segment, error = %e, "could not retire a replaced range");
+            }
+        }
     }
 
     /// Put-if-absent of one value.
@@ -503,7 +521,14 @@ impl Client {
         for (k, &i) in to_finish.iter().enumerate() {
             out[i] = match (&failure, &ended) {
                 (Some(code), _) => Err(*code),
-                (None, Ok(Response::BatchDone(r))) => r.get(k).cloned().unwrap_or(Err(ErrorCode::INTERNAL_ERROR)),
+                (None, Ok(Response::BatchCommitted(r))) => match r.get(k) {
+                    Some(Ok(replaced)) => {
+                        self.retire(replaced);
+                        Ok(())
+                    }
+                    Some(Err(e)) => Err(*e),
+                    None => Err(ErrorCode::INTERNAL_ERROR),
+                },
                 (None, Err(e)) => Err(*e),
                 (None, Ok(_)) => Err(ErrorCode::INTERNAL_ERROR),
             };

@@ -399,6 +399,7 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
             &c.sweep_objects_removed,
         ),
         ("tycho_master_clients_expired_total", "Clients expired for silence.", &c.clients_expired),
+        ("tycho_master_removed_objects_total", "Objects removed by clients.", &c.objects_removed),
         (
             "tycho_master_writes_discarded_total",
             "Unfinished writes pre-empted after the discard timeout.",

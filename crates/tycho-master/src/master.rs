@@ -50,6 +50,9 @@ pub struct Counters {
     pub writes_discarded: AtomicU64,
     /// Unfinished writes reclaimed after the release timeout.
     pub writes_released: AtomicU64,
+    /// Objects removed by a client (Remove, its batch form, RemoveByRegex, RemoveAll, replica
+    /// clear).
+    pub objects_removed: AtomicU64,
 }
 
 struct ClientEntry {
@@ -68,6 +71,13 @@ struct Deferred {
 
 /// A range of an unfinished write on a segment that went away: offset, bytes, release time.
 type OrphanedRange = (u64, u64, u64);
+
+/// Ranges of a force-removed object that readers may still reach through a reused replica list,
+/// until the end of its lease (master clock, ms).
+struct Tombstone {
+    until: u64,
+    ranges: Vec<ReplicaDesc>,
+}
 
 /// One key after its route was checked.
 struct Routed {
@@ -93,6 +103,13 @@ pub struct Master {
     orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
     last_abandon_scan: AtomicU64,
     evictor: Evictor,
+    /// Per shard: the ranges of leased objects removed by force, until their lease ends. A
+    /// client may still reuse a replica list of such an object (during the first part of its
+    /// lease) and read the removed value, which is an acknowledged value of the key; but once a
+    /// new value of the key is acknowledged, no read that starts later may see the old one. So
+    /// the next commit of the key hands these ranges to its writer to retire, with the ranges it
+    /// replaced. Lock order: the shard's lock, then this one.
+    tombstones: Box<[Mutex<HashMap<ObjectKey, Tombstone>>]>,
     /// Background-work counters.
     pub counters: Counters,
 }
@@ -114,6 +131,7 @@ impl Master {
             orphaned: Mutex::new(HashMap::new()),
             last_abandon_scan: AtomicU64::new(0),
             evictor: Evictor::default(),
+            tombstones: (0..crate::object::SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
             counters: Counters::default(),
         }
     }
@@ -555,13 +573,21 @@ impl Master {
 
     /// Commits the write `(client, write_id)` of `key`. Anything else in its place (no object,
     /// another write pending, a value another write committed) means this write was dropped.
-    fn commit(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, write_id: u64, now: u64) -> WireResult<()> {
+    /// Returns the replaced value's ranges (on live segments), for the writer to retire.
+    fn commit(
+        &self,
+        map: &mut ShardMap,
+        key: &ObjectKey,
+        client: ClientId,
+        write_id: u64,
+        now: u64,
+    ) -> WireResult<Vec<ReplicaDesc>> {
         let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let ours = obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id);
         if !ours {
             // A retried end of a write that already committed is harmless.
             let done = obj.is_complete() && obj.writer == client && obj.version == write_id;
-            return if done { Ok(()) } else { Err(ErrorCode::WRITE_DROPPED) };
+            return if done { Ok(Vec::new()) } else { Err(ErrorCode::WRITE_DROPPED) };
         }
         let p = obj.pending.take().expect("checked above");
         let mut replicas = p.replicas;
@@ -574,7 +600,6 @@ impl Master {
             return Err(ErrorCode::REPLICA_IS_GONE);
         }
         let old = std::mem::replace(&mut obj.replicas, replicas);
-        obj.size = p.size;
         obj.writer = client;
         obj.version = write_id;
         obj.hard_pin = p.pins.hard_pin;
@@ -582,9 +607,20 @@ impl Master {
             obj.soft_pin_until = p.pins.soft_pin_ttl_ms.map_or(0, |ttl| now + ttl);
         }
         // Readers still copying the old value find its generations changed once the space is
-        // reused, and read again: the old value's space is free at once.
+        // reused (or retired by the writer), and read again: the old value's space is free at
+        // once.
+        let old_size = obj.size;
+        obj.size = p.size;
+        let mut replaced: Vec<ReplicaDesc> =
+            old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size)).collect();
         old.into_iter().for_each(Replica::release);
-        Ok(())
+        let shard = Shards::index_of(partition_of_encoded(key));
+        if let Some(t) = self.tombstones[shard].lock().remove(key) {
+            if t.until > now {
+                replaced.extend(t.ranges);
+            }
+        }
+        Ok(replaced)
     }
 
     /// Revokes the write `(client, write_id)` of `key`; a write that is not pending (never
@@ -605,20 +641,21 @@ impl Master {
         Ok(())
     }
 
-    /// PutEnd / UpsertEnd (`end = true`) or PutRevoke / UpsertRevoke.
-    pub fn write_finish(&self, req: &WriteFinish, end: bool) -> WireResult<()> {
+    /// PutEnd / UpsertEnd (`end = true`, answering the replaced value's ranges) or PutRevoke /
+    /// UpsertRevoke (answering none).
+    pub fn write_finish(&self, req: &WriteFinish, end: bool) -> WireResult<Vec<ReplicaDesc>> {
         let r = self.route(&req.tenant, &req.key)?;
         let now = self.now();
         let mut map = self.shards.shard(r.shard).write();
         if end {
             self.commit(&mut map, &r.key, req.client, req.write_id, now)
         } else {
-            self.revoke(&mut map, &r.key, req.client, req.write_id)
+            self.revoke(&mut map, &r.key, req.client, req.write_id).map(|()| Vec::new())
         }
     }
 
     /// Batch forms of [`Master::write_finish`].
-    pub fn batch_write_finish(&self, req: &BatchWriteFinish, end: bool) -> Vec<WireResult<()>> {
+    pub fn batch_write_finish(&self, req: &BatchWriteFinish, end: bool) -> Vec<WireResult<Vec<ReplicaDesc>>> {
         let now = self.now();
         if req.write_ids.len() != req.keys.len() {
             return vec![Err(ErrorCode::INVALID_PARAMS); req.keys.len()];
@@ -628,17 +665,17 @@ impl Master {
             if end {
                 self.commit(map, key, req.client, id, now)
             } else {
-                self.revoke(map, key, req.client, id)
+                self.revoke(map, key, req.client, id).map(|()| Vec::new())
             }
         })
     }
 
-    fn batch_write<F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<()>>
+    fn batch_write<T: Default, F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<T>>
     where
-        F: FnMut(&mut ShardMap, usize, &ObjectKey) -> WireResult<()>,
+        F: FnMut(&mut ShardMap, usize, &ObjectKey) -> WireResult<T>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
-        let mut out: Vec<WireResult<()>> = errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect();
+        let mut out: Vec<WireResult<T>> = errors.into_iter().map(|e| e.map_or(Ok(T::default()), Err)).collect();
         for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
             let mut map = self.shards.shard(run[0].1.shard).write();
             for (i, r) in run {
@@ -752,8 +789,34 @@ impl Master {
             }
         }
         let obj = map.remove(key).expect("present");
+        if obj.is_leased(now) {
+            let ranges: Vec<ReplicaDesc> = obj
+                .replicas
+                .iter()
+                .filter(|r| r.seg.is_alive())
+                .map(|r| r.seg.replica_desc(&r.alloc, obj.size))
+                .collect();
+            if !ranges.is_empty() {
+                let shard = Shards::index_of(partition_of_encoded(key));
+                let mut t = self.tombstones[shard].lock();
+                let entry = t.entry(key.clone()).or_insert(Tombstone { until: 0, ranges: Vec::new() });
+                entry.until = entry.until.max(obj.lease());
+                entry.ranges.extend(ranges);
+            }
+        }
         self.dispose(obj, now);
+        self.counters.objects_removed.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Drops tombstones whose lease has ended.
+    fn expire_tombstones(&self, now: u64) {
+        for t in self.tombstones.iter() {
+            let mut t = t.lock();
+            if !t.is_empty() {
+                t.retain(|_, x| x.until > now);
+            }
+        }
     }
 
     /// Remove one object; a leased or unfinished one only with `force`.
@@ -799,6 +862,7 @@ impl Master {
             }
             let obj = map.remove(key).expect("present");
             self.dispose(obj, now);
+            self.counters.objects_removed.fetch_add(1, Ordering::Relaxed);
             Ok(())
         })
     }
@@ -906,6 +970,7 @@ impl Master {
         });
         self.expire_clients();
         self.free_deferred();
+        self.expire_tombstones(self.now());
         self.reclaim_abandoned_writes();
         let (total, used) = self.segments.usage();
         if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {

@@ -98,6 +98,7 @@ fn failed_items(resp: &Response) -> u64 {
     let errors = match resp {
         Response::BatchWriteStarted(r) => r.iter().filter(|x| x.is_err()).count(),
         Response::BatchDone(r) => r.iter().filter(|x| x.is_err()).count(),
+        Response::BatchCommitted(r) => r.iter().filter(|x| x.is_err()).count(),
         Response::BatchReplicas(r) => r.iter().filter(|x| x.is_err()).count(),
         Response::BatchExists(r) => r.iter().filter(|x| x.is_err()).count(),
         _ => 0,

@@ -111,13 +111,17 @@ impl MasterRpc {
             }
             Request::PutStart(r) => return self.write_start(WriteMode::Put, r),
             Request::UpsertStart(r) => return self.write_start(WriteMode::Upsert, r),
-            Request::PutEnd(r) | Request::UpsertEnd(r) => done(m.write_finish(&r, true)),
-            Request::PutRevoke(r) | Request::UpsertRevoke(r) => done(m.write_finish(&r, false)),
+            Request::PutEnd(r) | Request::UpsertEnd(r) => {
+                m.write_finish(&r, true).map_or_else(Response::Error, Response::Committed)
+            }
+            Request::PutRevoke(r) | Request::UpsertRevoke(r) => done(m.write_finish(&r, false).map(drop)),
             Request::BatchPutStart(r) => return self.batch_write_start(WriteMode::Put, r),
             Request::BatchUpsertStart(r) => return self.batch_write_start(WriteMode::Upsert, r),
-            Request::BatchPutEnd(r) | Request::BatchUpsertEnd(r) => Response::BatchDone(m.batch_write_finish(&r, true)),
+            Request::BatchPutEnd(r) | Request::BatchUpsertEnd(r) => {
+                Response::BatchCommitted(m.batch_write_finish(&r, true))
+            }
             Request::BatchPutRevoke(r) | Request::BatchUpsertRevoke(r) => {
-                Response::BatchDone(m.batch_write_finish(&r, false))
+                Response::BatchDone(m.batch_write_finish(&r, false).into_iter().map(|x| x.map(drop)).collect())
             }
             Request::GetReplicaList(q) => m.get_replica_list(&q).map_or_else(Response::Error, Response::Replicas),
             Request::BatchGetReplicaList(q) => Response::BatchReplicas(m.batch_get_replica_list(&q)),

@@ -122,7 +122,12 @@ fn start_cfg(m: &Master, client: ClientId, key: &str, size: u64, cfg: ReplicateC
 }
 
 fn finish(m: &Master, client: ClientId, key: &str, end: bool) -> WireResult<()> {
-    m.write_finish(&wf(client, key), end)
+    m.write_finish(&wf(client, key), end).map(drop)
+}
+
+/// Per-key results without their payloads (the ranges a commit replaced).
+fn units<T>(v: Vec<WireResult<T>>) -> Vec<WireResult<()>> {
+    v.into_iter().map(|r| r.map(drop)).collect()
 }
 
 /// PutStart + PutEnd; returns the replicas placed.
@@ -238,7 +243,7 @@ fn put_is_put_if_absent_single_and_batch() {
     assert_eq!(get(m, "new-1").err(), Some(ErrorCode::REPLICA_IS_NOT_READY));
     assert_eq!(objects(m), 3);
 
-    let fin = m.batch_write_finish(
+    let fin = units(m.batch_write_finish(
         &bwf(BatchWriteFinish {
             client: B,
             tenant: T.into(),
@@ -246,7 +251,7 @@ fn put_is_put_if_absent_single_and_batch() {
             write_ids: Vec::new(),
         }),
         true,
-    );
+    ));
     assert_eq!(fin.len(), 3);
     assert_eq!(fin[0], Ok(()));
     // "k" was committed by A and has no write in progress: B has no write of it to end.
@@ -354,7 +359,7 @@ fn ends_and_revokes_commit_or_free_only_the_write_they_name() {
     m.write_finish(&fin(1), true).unwrap();
     let now = get(m, "k").unwrap();
     assert_eq!((now.size, now.replicas.clone()), (8192, first));
-    assert_eq!(m.write_finish(&fin(1), true), Ok(()));
+    assert_eq!(m.write_finish(&fin(1), true), Ok(vec![]), "a repeated end replaces nothing");
     assert_eq!(m.write_finish(&fin(1), false), Err(ErrorCode::INVALID_WRITE));
     assert_eq!(used(m), 8192);
     // A write id of 0 is refused.
@@ -1158,17 +1163,17 @@ fn batch_rpcs_answer_per_key_in_request_order() {
         }
     }
     // Another client may not end A's writes: it has none of its own there.
-    let others = m.batch_write_finish(
+    let others = units(m.batch_write_finish(
         &bwf(BatchWriteFinish { client: B, tenant: T.into(), keys: fin_keys.clone(), write_ids: Vec::new() }),
         true,
-    );
+    ));
     let want_b: Vec<WireResult<()>> =
         fin_want.iter().map(|w| if w.is_ok() { Err(ErrorCode::WRITE_DROPPED) } else { *w }).collect();
     assert_eq!(others, want_b);
-    let fin = m.batch_write_finish(
+    let fin = units(m.batch_write_finish(
         &bwf(BatchWriteFinish { client: A, tenant: T.into(), keys: fin_keys, write_ids: Vec::new() }),
         true,
-    );
+    ));
     assert_eq!(fin, fin_want);
     assert_eq!(objects(m), n as u64);
 
@@ -1254,10 +1259,10 @@ fn batch_rpcs_answer_per_key_in_request_order() {
         .iter()
         .all(|r| r.is_ok()));
     let all: Vec<KeyRef> = (0..n).map(|i| kref(&name(i))).collect();
-    let revoked = m.batch_write_finish(
+    let revoked = units(m.batch_write_finish(
         &bwf(BatchWriteFinish { client: A, tenant: T.into(), keys: all, write_ids: Vec::new() }),
         false,
-    );
+    ));
     let want_rev: Vec<WireResult<()>> =
         (0..n).map(|i| if i % 2 == 0 { Ok(()) } else { Err(ErrorCode::INVALID_WRITE) }).collect();
     assert_eq!(revoked, want_rev);
@@ -1287,7 +1292,7 @@ fn sweep_does_not_stall_readers_of_other_segments() {
             bws(BatchWriteStart { client: A, tenant: T.into(), items, config: cfg.clone(), write_ids: Vec::new() });
         assert!(m.batch_write_start(WriteMode::Put, &req).iter().all(|r| r.is_ok()));
         let fin = bwf(BatchWriteFinish { client: A, tenant: T.into(), keys, write_ids: Vec::new() });
-        assert!(m.batch_write_finish(&fin, true).iter().all(|r| r.is_ok()));
+        assert!(units(m.batch_write_finish(&fin, true)).iter().all(|r| r.is_ok()));
     }
     assert_eq!(objects(m), TOTAL);
 

@@ -272,6 +272,13 @@ pub enum Response {
     Stats(MasterStats),
     /// Answer to HealthCheck.
     Health(HealthReport),
+    /// Answer to PutEnd / UpsertEnd: the ranges of the value the write replaced, already free.
+    /// The writer retires them (see `tycho-transfer`'s `Mapping::retire`) before it reports
+    /// success, so that no reader whose read starts after that sees the old value through a
+    /// replica list it kept. Empty for a first write, and for a repeated end.
+    Committed(Vec<ReplicaDesc>),
+    /// Answer to BatchPutEnd / BatchUpsertEnd, per key.
+    BatchCommitted(Vec<WireResult<Vec<ReplicaDesc>>>),
 }
 
 impl Request {

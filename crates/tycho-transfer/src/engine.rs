@@ -137,6 +137,38 @@ impl TransferEngine {
         self.run_part(Part::Write { replica, at, src }, src.len() >= crate::streaming_threshold())
     }
 
+    /// Retires the range of `replica` (its value was replaced): readers holding its descriptor
+    /// fail their generation check from now on.
+    pub fn retire(&self, replica: &ReplicaDesc) -> Result<(), TransferError> {
+        let len = usize::try_from(replica.len).map_err(|_| TransferError::InvalidRange("replica too large".into()))?;
+        match self.transport_for(replica) {
+            Transport::Local => {
+                let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
+                m.retire(replica.offset, len, replica.incarnation, replica.gen)
+            }
+            Transport::SharedMemory => {
+                self.map_peer(replica)?.retire(replica.offset, len, replica.incarnation, replica.gen)
+            }
+            Transport::Tcp => {
+                let mut s = self.connection(&replica.endpoint)?;
+                let head = XferRequest {
+                    op: XferOp::Retire,
+                    segment: replica.segment,
+                    offset: replica.offset,
+                    len: replica.len,
+                    incarnation: replica.incarnation,
+                    gen: replica.gen,
+                };
+                s.write_all(&head.encode())?;
+                let mut answer = [0u8; ANSWER_LEN];
+                s.read_exact(&mut answer)?;
+                let r = decode_answer(&answer).map(drop);
+                self.release(&replica.endpoint, s);
+                r
+            }
+        }
+    }
+
     fn run_part(&self, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
         let (replica, at, len) = match &part {
             Part::Read { replica, at, dst } => (*replica, *at, dst.len()),

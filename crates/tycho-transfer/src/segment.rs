@@ -220,6 +220,22 @@ impl Mapping {
         Ok(())
     }
 
+    /// Retires the range of generation `gen` of `incarnation` after its value was replaced:
+    /// every block that still carries `gen` gets 0, which no range is ever handed out with, so
+    /// that a reader holding the old descriptor fails its check. Blocks already reused keep
+    /// their new generation.
+    pub fn retire(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
+        self.check(offset, len)?;
+        if len == 0 || self.incarnation() != incarnation {
+            return Ok(());
+        }
+        for g in self.gens(offset, len) {
+            let _ = g.compare_exchange(gen, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        Ok(())
+    }
+
     /// After copying `[offset, offset + len)` out: whether every byte copied belonged to the
     /// range of generation `gen` of `incarnation` (nobody has started writing over it since).
     pub fn verify(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
@@ -371,6 +387,12 @@ mod tests {
         assert!(m.verify(0, 512, inc, 7).is_err());
         assert!(peer.stamp(0, 64, inc, 9).is_err());
         peer.stamp(0, 64, next, 9).unwrap();
+        // Retiring touches only blocks that still carry the retired generation.
+        m.stamp(0, 128, next, 10).unwrap();
+        m.stamp(64, 64, next, 11).unwrap();
+        m.retire(0, 128, next, 10).unwrap();
+        assert!(m.verify(0, 64, next, 10).is_err());
+        m.verify(64, 64, next, 11).unwrap();
         // The last, partial block is covered too.
         m.stamp(2990, 10, next, 5).unwrap();
         m.verify(2990, 10, next, 5).unwrap();

@@ -123,6 +123,10 @@ fn serve_connection(mut stream: TcpStream, registry: &SegmentRegistry, stop: &At
                 let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
                 stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
             }
+            XferOp::Retire => {
+                let verdict = m.retire(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
+                stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
+            }
             XferOp::Write => {
                 if let Err(e) = m.stamp(req.offset, len, req.incarnation, req.gen) {
                     // The range belongs to an earlier incarnation: refuse, stay in step.

@@ -38,6 +38,8 @@ pub enum XferOp {
     Read = 1,
     /// Bytes flow from the requester into the server's segment.
     Write = 2,
+    /// No bytes: the range's value was replaced; mark its blocks so that old readers fail.
+    Retire = 3,
 }
 
 /// A decoded request header.
@@ -87,6 +89,7 @@ impl XferRequest {
         let op = match b[4] {
             1 => XferOp::Read,
             2 => XferOp::Write,
+            3 => XferOp::Retire,
             o => return Err(TransferError::Protocol(format!("unknown op {o}"))),
         };
         let len = u64::from_le_bytes(b[32..40].try_into().expect("8 bytes"));

@@ -144,7 +144,7 @@ fn metrics_parse_and_counters_move_with_rpcs() {
         };
         assert!(matches!(rpc.call::<_, Response>(&Request::PutStart(start), t).unwrap(), Response::WriteStarted(_)));
         let end = WriteFinish { client, tenant: String::new(), key: kr.clone(), write_id: i + 1 };
-        assert_eq!(rpc.call::<_, Response>(&Request::PutEnd(end), t).unwrap(), Response::Done);
+        assert_eq!(rpc.call::<_, Response>(&Request::PutEnd(end), t).unwrap(), Response::Committed(vec![]));
         let q = KeyQuery { tenant: String::new(), key: kr };
         assert!(matches!(rpc.call::<_, Response>(&Request::GetReplicaList(q), t).unwrap(), Response::Replicas(_)));
     }

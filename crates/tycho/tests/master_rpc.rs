@@ -71,7 +71,7 @@ async fn put(c: &C, client: ClientId, key: &str, size: u64, replicas: u32) -> Ve
     let Response::WriteStarted(r) = c.call(Request::PutStart(start(client, key, size, replicas))).await else {
         panic!("put start of {key} failed")
     };
-    assert_eq!(c.call(Request::PutEnd(fin(client, key))).await, Response::Done);
+    assert_eq!(c.call(Request::PutEnd(fin(client, key))).await, Response::Committed(vec![]));
     r
 }
 
@@ -120,8 +120,10 @@ async fn object_surface_over_rpc() {
     assert_eq!((l.size, l.lease_ttl_ms), (1000, 300));
 
     // Upsert replaces.
+    let Response::Replicas(before) = c.call(Request::GetReplicaList(q("k1"))).await else { panic!() };
     assert!(matches!(c.call(Request::UpsertStart(start(a, "k1", 2000, 1))).await, Response::WriteStarted(_)));
-    assert_eq!(c.call(Request::UpsertEnd(fin(a, "k1"))).await, Response::Done);
+    // The end names the replaced value's ranges, for the writer to retire.
+    assert_eq!(c.call(Request::UpsertEnd(fin(a, "k1"))).await, Response::Committed(before.replicas));
     let Response::Replicas(l) = c.call(Request::GetReplicaList(q("k1"))).await else { panic!() };
     assert_eq!(l.size, 2000);
 
@@ -193,7 +195,7 @@ async fn object_surface_over_rpc() {
         keys: keys.iter().map(|k| kr(k)).collect(),
         write_ids: keys.iter().map(|k| wid(k)).collect(),
     };
-    let Response::BatchDone(res) = c.call(Request::BatchPutEnd(be)).await else { panic!() };
+    let Response::BatchCommitted(res) = c.call(Request::BatchPutEnd(be)).await else { panic!() };
     assert!(res.iter().all(|r| r.is_ok()));
     let mut probe: Vec<KeyRef> = keys.iter().map(|k| kr(k)).collect();
     probe.insert(10, kr("missing"));
@@ -285,7 +287,7 @@ async fn silent_client_expires_with_exactly_its_replicas() {
             let key = format!("{prefix}/{i}");
             let Response::WriteStarted(r) = c.call(Request::PutStart(pref(&key, name))).await else { panic!() };
             assert_eq!(r[0].endpoint, if name == "seg-1" { "e:a" } else { "e:b" });
-            assert_eq!(c.call(Request::PutEnd(fin(a, &key))).await, Response::Done);
+            assert_eq!(c.call(Request::PutEnd(fin(a, &key))).await, Response::Committed(vec![]));
         }
     }
     // A never pings; the master expires it after 1 s. Poll until its segment is gone.
