@@ -9,6 +9,13 @@ same way for both.
 
     python bench/compare_mooncake.py                    # both, if mooncake is importable
     python bench/compare_mooncake.py --impl tycho       # Tycho alone
+    python bench/compare_mooncake.py --workload fill-loop
+
+The fill-loop workload is the loop Mooncake's users and benchmarks run: fill half of a 1 GiB
+segment with 4 MiB (then 1 MiB) values, read them all back, remove them with
+remove_by_regex(..., force=True), and repeat for 20 rounds; once with the writer reading back,
+once with a second client process reading what the writer just wrote. It reports throughput
+(MB/s of values written and read) and counts failed puts and empty reads.
 
 mooncake.store comes from `pip install mooncake-transfer-engine-non-cuda` (Debian packages
 libibverbs1 librdmacm1 libnuma1 are needed); tycho.store from `pip install ./crates/tycho-py`.
@@ -131,6 +138,65 @@ def reader_main(args):
     print(json.dumps({"ops": rate}))
 
 
+def fill_reader_main(args):
+    """Child process of the fill loop: reads the keys of each round the parent announces."""
+    s = new_store(args.impl, args.master, args.meta, 0)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        prefix, n = line.split()
+        empty = sum(1 for i in range(int(n)) if len(s.get(f"{prefix}-{i}")) != args.size)
+        print(empty, flush=True)
+    s.close()
+
+
+FILL_SEGMENT = 1 << 30
+FILL_ROUNDS = 20
+
+
+def run_fill_loop(impl, args):
+    """The fill-half / read / force-remove loop; returns rows of MB/s and failure counts."""
+    proc, master, meta = start_master(impl, args.master_cpu)
+    rows = {}
+    try:
+        s = new_store(impl, master, meta, FILL_SEGMENT)
+        tag = uuid.uuid4().hex[:8]
+        for label, size in [("4 MiB", 4 << 20), ("1 MiB", 1 << 20)]:
+            value = os.urandom(size)
+            n = FILL_SEGMENT // 2 // size
+            for readers in (1, 2):
+                child = None
+                if readers == 2:
+                    cmd = [sys.executable, __file__, "--fill-reader", "--impl", impl, "--master", master,
+                           "--meta", meta, "--size", str(size)]
+                    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    assert child.stdout.readline().strip() == "ready"
+                failed = empty = 0
+                t = time.perf_counter()
+                for r in range(FILL_ROUNDS):
+                    prefix = f"{tag}-{label[0]}-{readers}-{r}"
+                    failed += sum(1 for i in range(n) if s.put(f"{prefix}-{i}", value) != 0)
+                    if child is None:
+                        empty += sum(1 for i in range(n) if len(s.get(f"{prefix}-{i}")) != size)
+                    else:
+                        child.stdin.write(f"{prefix} {n}\n")
+                        child.stdin.flush()
+                        empty += int(child.stdout.readline())
+                    remove_regex(s, f"^{prefix}-.*")
+                secs = time.perf_counter() - t
+                if child is not None:
+                    child.stdin.close()
+                    child.wait()
+                name = f"fill-loop {label}, {readers} client{'s' if readers == 2 else ''}"
+                rows[f"{name} (MB/s)"] = 2 * FILL_ROUNDS * n * size / secs / 1e6
+                rows[f"{name}: failed puts"] = failed
+                rows[f"{name}: empty reads"] = empty
+        s.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    return rows
+
+
 def run_impl(impl, args):
     proc, master, meta = start_master(impl, args.master_cpu)
     rows = {}
@@ -214,7 +280,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=5, help="alternating runs per implementation; rows report the median")
     ap.add_argument("--client-cpu", type=int, default=0, help="CPU the client (and reader) run on")
     ap.add_argument("--master-cpu", type=int, default=0, help="CPU the master runs on")
+    ap.add_argument("--workload", choices=["mixed", "fill-loop"], default="mixed",
+                    help="mixed: per-operation rows; fill-loop: fill half, read, force-remove, 20 rounds")
     ap.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fill-reader", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--meta", help=argparse.SUPPRESS)
     ap.add_argument("--keys", help=argparse.SUPPRESS)
@@ -222,6 +291,8 @@ def main():
     args = ap.parse_args()
     if args.reader:
         return reader_main(args)
+    if args.fill_reader:
+        return fill_reader_main(args)
     impls = ["tycho", "mooncake"] if args.impl == "both" else [args.impl]
     if "mooncake" in impls:
         try:
@@ -238,14 +309,18 @@ def main():
     runs = {impl: [] for impl in impls}
     for r in range(args.repeat):
         for impl in impls:
-            runs[impl].append(run_impl(impl, args))
+            run = run_fill_loop if args.workload == "fill-loop" else run_impl
+            runs[impl].append(run(impl, args))
             print(f"run {r + 1}/{args.repeat} of {impl} done", file=sys.stderr)
     results = {impl: {n: statistics.median(run[n] for run in rs) for n in rs[0]} for impl, rs in runs.items()}
     names = list(results[impls[0]].keys())
     print(f"{'row':<34}" + "".join(f"{i + ' ops/s':>18}" for i in impls) + ("   ratio tycho/mooncake" if len(impls) == 2 else ""))
     for n in names:
         line = f"{n:<34}" + "".join(f"{results[i].get(n, float('nan')):>18.1f}" for i in impls)
-        if len(impls) == 2:
+        if len(impls) == 2 and ":" in n:
+            # A count (failed puts, empty reads): the sum over all runs, not a ratio.
+            line = f"{n:<34}" + "".join(f"{sum(run[n] for run in runs[i]):>18d}" for i in impls) + "   (total over runs)"
+        elif len(impls) == 2:
             line += f"   {results['tycho'][n] / results['mooncake'][n]:>8.2f}x"
             spread = [t[n] / m[n] for t, m in zip(runs["tycho"], runs["mooncake"])]
             line += f"   (per run {min(spread):.2f}-{max(spread):.2f})"

@@ -17,6 +17,8 @@ pub const DEFAULT_PUT_START_RELEASE_MS: u64 = 600_000;
 /// Objects touched under one shard write lock by background sweeps; bounds how long any RPC
 /// can wait behind a sweep.
 pub const SWEEP_BATCH: usize = 64;
+/// Most unfinished writes one client may hold at once.
+pub const DEFAULT_MAX_PENDING_WRITES_PER_CLIENT: u64 = 1 << 20;
 /// Most replicas one object may ask for.
 pub const MAX_REPLICA_NUM: u32 = 16;
 
@@ -47,6 +49,9 @@ pub struct MasterConfig {
     pub group_count: u32,
     /// Ownership epoch of the groups this master serves.
     pub group_epoch: u64,
+    /// Most unfinished writes one client may hold at once; more starts get
+    /// TOO_MANY_PENDING_WRITES.
+    pub max_pending_writes_per_client: u64,
 }
 
 impl Default for MasterConfig {
@@ -64,6 +69,7 @@ impl Default for MasterConfig {
             default_strategy: AllocStrategy::Random,
             group_count: 1,
             group_epoch: tycho_routing::INITIAL_GROUP_EPOCH,
+            max_pending_writes_per_client: DEFAULT_MAX_PENDING_WRITES_PER_CLIENT,
         }
     }
 }

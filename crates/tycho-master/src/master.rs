@@ -15,7 +15,7 @@ use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partitio
 use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
-use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
+use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap, Shards};
 use crate::segment::{Placement, Replica, SegmentTable};
 
 /// Put (put-if-absent) or upsert (replace).
@@ -59,6 +59,8 @@ struct ClientEntry {
     last_ping: AtomicU64,
     host: Mutex<Option<String>>,
     segments: Mutex<Vec<SegmentId>>,
+    /// Unfinished writes of this client.
+    pending: Arc<AtomicU64>,
 }
 
 /// Ranges waiting to be freed because an old writer may still be writing into them (a write
@@ -231,6 +233,7 @@ impl Master {
                     last_ping: AtomicU64::new(now),
                     host: Mutex::new(None),
                     segments: Mutex::new(Vec::new()),
+                    pending: Arc::new(AtomicU64::new(0)),
                 })
             })
             .clone()
@@ -297,11 +300,20 @@ impl Master {
         Ok(())
     }
 
-    fn client_host(&self, client: ClientId) -> WireResult<Option<String>> {
+    /// The writer's host and its count of unfinished writes.
+    fn writer(&self, client: ClientId) -> WireResult<(Option<String>, Arc<AtomicU64>)> {
         let clients = self.clients.read();
         let c = clients.get(&client).ok_or(ErrorCode::CLIENT_NOT_FOUND)?;
         let host = c.host.lock().clone();
-        Ok(host)
+        Ok((host, c.pending.clone()))
+    }
+
+    /// Whether `client` may start `more` writes now.
+    fn pending_room(&self, pending: &AtomicU64, more: u64) -> WireResult<()> {
+        if pending.load(Ordering::Relaxed) + more > self.cfg.max_pending_writes_per_client {
+            return Err(ErrorCode::TOO_MANY_PENDING_WRITES);
+        }
+        Ok(())
     }
 
     // ---- writes --------------------------------------------------------------------------
@@ -382,13 +394,22 @@ impl Master {
         pins: Pins,
         replicas: Vec<Replica>,
         now: u64,
+        pending_count: &Arc<AtomicU64>,
     ) -> Result<(), (ErrorCode, Vec<Replica>)> {
         // A segment may have died since allocation; the check is under the shard lock, which
         // the sweep also takes after marking segments dead, so nothing dead slips in.
         if replicas.iter().any(|r| !r.seg.is_alive()) {
             return Err((ErrorCode::NO_AVAILABLE_HANDLE, replicas));
         }
-        let pending = PendingWrite { writer, write_id, started_ms: now, size, replicas, pins };
+        let pending = PendingWrite {
+            writer,
+            write_id,
+            started_ms: now,
+            size,
+            replicas,
+            pins,
+            slot: PendingSlot::take(pending_count),
+        };
         match map.get_mut(&key) {
             None => {
                 map.insert(
@@ -450,7 +471,7 @@ impl Master {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let pins = self.pins_of(&req.config)?;
-        let host = self.client_host(req.client)?;
+        let (host, pending) = self.writer(req.client)?;
         let shard = self.shards.shard(r.shard);
         {
             let map = shard.read();
@@ -461,6 +482,7 @@ impl Master {
                 return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
             }
         }
+        self.pending_room(&pending, 1)?;
         let mut may_wait = may_wait;
         let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()), &mut may_wait)?;
         let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size)).collect();
@@ -475,6 +497,7 @@ impl Master {
             pins,
             replicas,
             now,
+            &pending,
         );
         match res {
             Ok(()) => Ok(descs),
@@ -509,10 +532,11 @@ impl Master {
             Ok(p) => p,
             Err(e) => return fail_all(e),
         };
-        let host = match self.client_host(req.client) {
+        let (host, pending) = match self.writer(req.client) {
             Ok(h) => h,
             Err(e) => return fail_all(e),
         };
+        let mut room = self.cfg.max_pending_writes_per_client.saturating_sub(pending.load(Ordering::Relaxed));
         let (errors, routed) = self.route_batch(&req.tenant, req.items.iter().map(|(k, _)| k));
         let mut out: Vec<WireResult<Vec<ReplicaDesc>>> =
             errors.into_iter().map(|e| e.map_or(Ok(Vec::new()), Err)).collect();
@@ -539,7 +563,10 @@ impl Master {
                     out[i] = Ok(descs);
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
+                } else if room == 0 {
+                    out[i] = Err(ErrorCode::TOO_MANY_PENDING_WRITES);
                 } else {
+                    room -= 1;
                     match self.allocate(size, &placement, &mut may_wait) {
                         Ok(reps) => staged.push((i, r, reps)),
                         Err(e) => out[i] = Err(e),
@@ -556,7 +583,8 @@ impl Master {
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
                 let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size)).collect();
-                match self.install_write(&mut map, r.key, mode, req.client, req.write_ids[i], size, pins, reps, now) {
+                let id = req.write_ids[i];
+                match self.install_write(&mut map, r.key, mode, req.client, id, size, pins, reps, now, &pending) {
                     Ok(()) => out[i] = Ok(descs),
                     Err((code, reps)) => {
                         reps.into_iter().for_each(Replica::release);
@@ -972,7 +1000,7 @@ impl Master {
         self.free_deferred();
         self.expire_tombstones(self.now());
         self.reclaim_abandoned_writes();
-        let (total, used) = self.segments.usage();
+        let (total, used) = self.segments.stored_usage();
         if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {
             let watermark = RoundRequest { bytes: 0, watermark: true };
             if !self.evictor.request(watermark) {

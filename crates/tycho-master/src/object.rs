@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 use tycho_proto::ClientId;
@@ -45,6 +46,24 @@ impl Shards {
     }
 }
 
+/// One of a client's unfinished writes, counted while it exists: dropping the pending write,
+/// on whatever path (commit, revoke, pre-emption, sweep, reclaim, removal), gives it back.
+pub struct PendingSlot(Arc<AtomicU64>);
+
+impl PendingSlot {
+    /// Takes a slot from `count`.
+    pub fn take(count: &Arc<AtomicU64>) -> PendingSlot {
+        count.fetch_add(1, Ordering::Relaxed);
+        PendingSlot(count.clone())
+    }
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A write that has not been committed.
 pub struct PendingWrite {
     /// The client that started it; only it may end or revoke it.
@@ -59,6 +78,8 @@ pub struct PendingWrite {
     pub replicas: Vec<Replica>,
     /// Pin state the object takes on commit.
     pub pins: Pins,
+    /// The writer's count of unfinished writes.
+    pub slot: PendingSlot,
 }
 
 /// Pin state of an object.

@@ -28,6 +28,8 @@ pub struct SegAlloc {
     pub offset: u64,
     /// Bytes actually reserved (the size rounded up to the segment's block size).
     pub reserved: u64,
+    /// Bytes asked for: what the value holds.
+    pub len: u64,
     /// Generation its writer stamps on the range's blocks.
     pub gen: u32,
 }
@@ -40,6 +42,7 @@ pub struct MountedSegment {
     pub client: ClientId,
     alive: AtomicBool,
     used: AtomicU64,
+    stored: AtomicU64,
     next_gen: AtomicU32,
     alloc: Mutex<RangeAllocator>,
 }
@@ -53,6 +56,7 @@ impl MountedSegment {
             client,
             alive: AtomicBool::new(true),
             used: AtomicU64::new(0),
+            stored: AtomicU64::new(0),
             next_gen: AtomicU32::new(1),
         }
     }
@@ -65,6 +69,11 @@ impl MountedSegment {
     /// Bytes reserved by replicas.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the replicas' values hold (without the rounding to blocks).
+    pub fn stored(&self) -> u64 {
+        self.stored.load(Ordering::Relaxed)
     }
 
     /// Free fraction of the segment.
@@ -89,7 +98,8 @@ impl MountedSegment {
         }
         let (offset, reserved) = self.alloc.lock().allocate(size)?;
         self.used.fetch_add(reserved, Ordering::Relaxed);
-        Some(SegAlloc { offset, reserved, gen: self.gen() })
+        self.stored.fetch_add(size, Ordering::Relaxed);
+        Some(SegAlloc { offset, reserved, len: size, gen: self.gen() })
     }
 
     /// Reserves exactly `[offset, offset + len)`, or `None` if any of it is taken.
@@ -99,7 +109,8 @@ impl MountedSegment {
         }
         let reserved = self.alloc.lock().reserve(offset, len)?;
         self.used.fetch_add(reserved, Ordering::Relaxed);
-        Some(SegAlloc { offset, reserved, gen: self.gen() })
+        self.stored.fetch_add(len, Ordering::Relaxed);
+        Some(SegAlloc { offset, reserved, len, gen: self.gen() })
     }
 
     /// Returns a range to the allocator. A dead segment's allocator is gone with it.
@@ -109,6 +120,7 @@ impl MountedSegment {
         }
         if self.alloc.lock().free(a.offset, a.reserved) {
             self.used.fetch_sub(a.reserved, Ordering::Relaxed);
+            self.stored.fetch_sub(a.len, Ordering::Relaxed);
         } else {
             tracing::error!(segment = %self.desc.id, offset = a.offset, "refused to free a range that is not allocated");
         }
@@ -242,6 +254,13 @@ impl SegmentTable {
     /// Snapshot of the live segments.
     pub fn live(&self) -> Arc<Vec<Arc<MountedSegment>>> {
         self.live.read().clone()
+    }
+
+    /// Sum of sizes and of value bytes over live segments: what the eviction watermark
+    /// compares, so that rounding small values up to blocks does not start eviction early.
+    pub fn stored_usage(&self) -> (u64, u64) {
+        let live = self.live();
+        live.iter().fold((0, 0), |(t, u), s| (t + s.desc.size, u + s.stored()))
     }
 
     /// Sum of sizes and of used bytes over live segments.

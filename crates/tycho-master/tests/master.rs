@@ -366,6 +366,40 @@ fn ends_and_revokes_commit_or_free_only_the_write_they_name() {
     assert_eq!(m.write_start(WriteMode::Upsert, &up(0, 64)), Err(ErrorCode::INVALID_PARAMS));
 }
 
+/// Issue 10: a client holds at most `max_pending_writes_per_client` unfinished writes; every
+/// way a pending write ends (commit, revoke, pre-emption) gives its slot back.
+#[test]
+fn unfinished_writes_per_client_are_capped() {
+    let e = Env::with(MasterConfig { max_pending_writes_per_client: 3, ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    m.remount_segments(B, vec![]).unwrap();
+    for k in ["a", "b", "c"] {
+        start(m, A, k, 64).unwrap();
+    }
+    assert_eq!(start(m, A, "d", 64), Err(ErrorCode::TOO_MANY_PENDING_WRITES));
+    let batch = bws(BatchWriteStart {
+        client: A,
+        tenant: T.into(),
+        items: vec![(kref("d"), 64)],
+        config: Default::default(),
+        write_ids: Vec::new(),
+    });
+    assert_eq!(m.batch_write_start(WriteMode::Put, &batch), vec![Err(ErrorCode::TOO_MANY_PENDING_WRITES)]);
+    // Another client is not affected.
+    start(m, B, "d", 64).unwrap();
+    finish(m, A, "a", true).unwrap();
+    finish(m, A, "b", false).unwrap();
+    start(m, A, "e", 64).unwrap();
+    start(m, A, "f", 64).unwrap();
+    assert_eq!(start(m, A, "g", 64), Err(ErrorCode::TOO_MANY_PENDING_WRITES));
+    // B pre-empts A's stale write of "c": A gets its slot back.
+    e.advance(DEFAULT_PUT_START_DISCARD_MS);
+    e.tick_alive(&[A, B]);
+    m.write_start(WriteMode::Upsert, &ws(B, "c", 64, Default::default())).unwrap();
+    start(m, A, "g", 64).unwrap();
+}
+
 /// Issue 10, item 2: an upsert whose only segment goes away before its end is not acknowledged:
 /// the end says WRITE_DROPPED and the old value stays.
 #[test]
@@ -912,6 +946,37 @@ fn ping_unknown_client_needs_remount() {
 }
 
 // ---- 9. client expiry ----------------------------------------------------------------------
+
+/// Issue 10, fill ratio: with the housekeeping tick running, 600-byte and 4 KiB values fill a
+/// segment to at least 85 % of its bytes before the first eviction (the high watermark counts
+/// the bytes values hold, not their rounding to 64-byte blocks).
+#[test]
+fn values_fill_85_percent_before_the_first_eviction() {
+    for size in [600u64, 4096] {
+        let e = Env::new();
+        let m = &e.m;
+        mount(m, A, 1, 4 * MIB);
+        let mut committed = 0u64;
+        for i in 0.. {
+            if i % 64 == 0 {
+                e.tick_alive(&[A]);
+            }
+            if m.counters.evicted_objects.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+            match start(m, A, &format!("v/{i}"), size) {
+                Ok(_) => finish(m, A, &format!("v/{i}"), true).unwrap(),
+                Err(err) => panic!("{size}-byte value {i}: {err:?} before any eviction"),
+            }
+            if m.counters.evicted_objects.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+            committed += size;
+        }
+        let fill = committed as f64 / (4 * MIB) as f64;
+        assert!(fill >= 0.85, "{size}-byte values: fill ratio {fill:.3} before the first eviction");
+    }
+}
 
 /// Issue 10, item 1 (master side): the owner of an expired segment remounts it under a new
 /// incarnation; new descriptors carry it (readers of the old one fail their check), and the

@@ -164,6 +164,8 @@ error_codes! {
     /// The range being read was freed and handed to another write while it was copied: the
     /// bytes are not the object's. Read again with fresh metadata.
     RANGE_REUSED = -2101, RetrySame;
+    /// The client has as many unfinished writes as the master allows one client.
+    TOO_MANY_PENDING_WRITES = -2102, Fail;
 }
 
 impl ErrorCode {
@@ -195,6 +197,7 @@ impl ErrorCode {
                 "the write was dropped before it committed (pre-empted, timed out, or its memory left); write again"
             }
             RANGE_REUSED => "the object was replaced or removed while it was read; read it again",
+            TOO_MANY_PENDING_WRITES => "finish (end or revoke) some of this client's writes before starting more",
             _ => "see docs/errors.md",
         }
     }

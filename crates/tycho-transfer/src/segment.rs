@@ -15,9 +15,9 @@
 //! bumps before every (re)mount:
 //!
 //! ```text
-//! [0, size)              data
-//! [G, G + 4096)          header: magic | version | block size | data size | blocks | incarnation
-//! [G + 4096, ...)        one u32 generation per block        (G = size rounded up to a page)
+//! [0, 4096)              header: magic | version | block size | data size | blocks | incarnation
+//! [4096, 4096 + size)    data
+//! [G, ...)               one u32 generation per block   (G = 4096 + size rounded up to a page)
 //! ```
 //!
 //! A writer stores its range's generation into every block it is about to write, then a full
@@ -53,20 +53,23 @@ struct GenHeader {
     incarnation: AtomicU32,
 }
 
-/// Where the generation area starts and how large the whole file is, for `len` data bytes.
+/// Where the generation words start and how large the whole file is, for `len` data bytes.
 fn layout(len: usize) -> Option<(usize, usize, u32)> {
     let block = segment_block_size(len as u64);
     let blocks = (len as u64).div_ceil(block) as usize;
-    let gen_off = len.checked_next_multiple_of(PAGE)?;
-    let total = gen_off.checked_add(PAGE)?.checked_add(blocks.checked_mul(4)?.checked_next_multiple_of(PAGE)?)?;
+    let gen_off = PAGE.checked_add(len.checked_next_multiple_of(PAGE)?)?;
+    let total = gen_off.checked_add(blocks.checked_mul(4)?.checked_next_multiple_of(PAGE)?)?;
     Some((gen_off, total, block.trailing_zeros()))
 }
 
 /// A mapped region, owned or borrowed from a peer.
 pub struct Mapping {
+    /// The whole mapping: header, data, generation words.
+    map: *mut u8,
+    /// The data: `map` + one page.
     ptr: *mut u8,
     len: usize,
-    /// Bytes mapped: the data, its header and its generation words.
+    /// Bytes mapped.
     map_len: usize,
     gen_off: usize,
     block_shift: u32,
@@ -106,7 +109,7 @@ impl Mapping {
         let m = Self::map(fd, len, total, gen_off, block_shift)?;
         // SAFETY: the header page lies inside the mapping and nothing else uses it yet.
         unsafe {
-            let h = m.ptr.add(gen_off) as *mut GenHeader;
+            let h = m.map as *mut GenHeader;
             (*h).version = GEN_VERSION;
             (*h).block_shift = block_shift;
             (*h).data_len = len as u64;
@@ -123,31 +126,27 @@ impl Mapping {
         let meta = file.metadata()?;
         let actual = meta.len() as usize;
         let bad = |why: &str| TransferError::InvalidRange(format!("{path}: {why}"));
-        // The header sits at the last page-aligned offset that leaves room for the layout of
-        // the size it announces; read it with pread, then check it describes this file.
+        // Read the header with pread, and check that it describes this file, before mapping.
         let mut probe = vec![0u8; std::mem::size_of::<GenHeader>()];
-        let mut len = None;
-        let mut off = 0usize;
         use std::os::unix::fs::FileExt;
-        while off + PAGE <= actual {
-            file.read_exact_at(&mut probe, off as u64)?;
-            if u64::from_le_bytes(probe[0..8].try_into().expect("8 bytes")) == GEN_MAGIC {
-                let data_len = u64::from_le_bytes(probe[16..24].try_into().expect("8 bytes")) as usize;
-                if layout(data_len).is_some_and(|(g, total, _)| g == off && total == actual) {
-                    len = Some(data_len);
-                    break;
-                }
-            }
-            off += PAGE;
+        if actual < PAGE {
+            return Err(bad("too small to be a segment"));
         }
-        let len = len.ok_or_else(|| bad("no generation header of this layout"))?;
+        file.read_exact_at(&mut probe, 0)?;
+        if u64::from_le_bytes(probe[0..8].try_into().expect("8 bytes")) != GEN_MAGIC {
+            return Err(bad("no segment header"));
+        }
+        let len = u64::from_le_bytes(probe[16..24].try_into().expect("8 bytes")) as usize;
+        if len == 0 || layout(len).is_none_or(|(_, total, _)| total != actual) {
+            return Err(bad("the header does not match the file's size"));
+        }
         let (gen_off, total, block_shift) = layout(len).expect("checked above");
         use std::os::unix::fs::MetadataExt;
         let identity = (meta.dev(), meta.ino());
         let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift)?;
         // SAFETY: the header page is inside the mapping.
         let (version, shift) = unsafe {
-            let h = m.ptr.add(gen_off) as *const GenHeader;
+            let h = m.map as *const GenHeader;
             ((*h).version, (*h).block_shift)
         };
         if version != GEN_VERSION || shift != block_shift {
@@ -168,13 +167,16 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        Ok(Mapping { ptr: ptr as *mut u8, len, map_len: total, gen_off, block_shift, peer: None, fd })
+        let map = ptr as *mut u8;
+        // SAFETY: the data starts one page into the mapping, which is larger than a page.
+        let data = unsafe { map.add(PAGE) };
+        Ok(Mapping { map, ptr: data, len, map_len: total, gen_off, block_shift, peer: None, fd })
     }
 
     fn header(&self) -> &GenHeader {
         // SAFETY: the header page lies inside the mapping, which outlives the reference; its
         // only mutable field is atomic.
-        unsafe { &*(self.ptr.add(self.gen_off) as *const GenHeader) }
+        unsafe { &*(self.map as *const GenHeader) }
     }
 
     fn gens(&self, offset: u64, len: usize) -> &[AtomicU32] {
@@ -183,7 +185,7 @@ impl Mapping {
         // SAFETY: callers pass ranges checked against the data size, whose blocks all have a
         // word in the generation area; atomics may alias memory other processes write.
         unsafe {
-            let base = self.ptr.add(self.gen_off + PAGE) as *const AtomicU32;
+            let base = self.map.add(self.gen_off) as *const AtomicU32;
             std::slice::from_raw_parts(base.add(first), last - first + 1)
         }
     }
@@ -339,7 +341,7 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly what map() mapped.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.map_len) };
+        unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod admin;
 mod bench_e2e;
+mod bench_fill;
 mod bench_master;
 mod master_client;
 mod master_cmd;
@@ -62,6 +63,8 @@ struct BenchTop {
 enum BenchCmd {
     /// Metadata-only load against a master (fake segments, no data moved).
     Master(bench_master::BenchMasterArgs),
+    /// How much of a segment holds user bytes before the first eviction.
+    Fill(bench_fill::BenchFillArgs),
 }
 
 fn main() {
@@ -89,6 +92,7 @@ fn main() {
         Command::Put(a) => objects::put(a),
         Command::Get(a) => objects::get(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
+        Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
         Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),

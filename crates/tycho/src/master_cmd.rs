@@ -50,6 +50,9 @@ pub struct MasterArgs {
     /// After this long the space of an unfinished PutStart is reclaimed: seconds or a duration.
     #[arg(long = "put-start-release-timeout-sec", alias = "put_start_release_timeout_sec", default_value = "600", value_parser = duration_s)]
     pub put_start_release_timeout: u64,
+    /// Most unfinished writes (started, neither ended nor revoked) one client may hold.
+    #[arg(long = "max-pending-writes-per-client", default_value_t = tycho_master::DEFAULT_MAX_PENDING_WRITES_PER_CLIENT)]
+    pub max_pending_writes_per_client: u64,
     /// Default placement: random, free-ratio-first or local-first.
     #[arg(long = "allocation-strategy", alias = "allocation_strategy", default_value = "random", value_parser = parse_strategy)]
     pub allocation_strategy: AllocStrategy,
@@ -142,6 +145,7 @@ impl MasterArgs {
             put_start_discard_timeout_ms: self.put_start_discard_timeout,
             put_start_release_timeout_ms: self.put_start_release_timeout,
             default_strategy: self.allocation_strategy,
+            max_pending_writes_per_client: self.max_pending_writes_per_client.max(1),
             ..MasterConfig::default()
         })
     }
