@@ -57,6 +57,42 @@ pub unsafe fn copy(dst: *mut u8, src: *const u8, len: usize, streaming: bool) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// Stores `value` into `n` consecutive u32 words at `dst`, with streaming stores when
+/// `streaming` is set and the CPU has them (the generation stamp of a large write, whose words
+/// would otherwise be read into the cache only to be written over). The caller fences.
+///
+/// # Safety
+/// `dst` must be writable for `n` words and 4-byte aligned.
+pub unsafe fn fill_u32(dst: *mut u32, n: usize, value: u32, streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming {
+        use std::arch::x86_64::{__m128i, _mm_set1_epi32, _mm_stream_si128};
+        let head = (((dst as usize).wrapping_neg() & 15) / 4).min(n);
+        // SAFETY: every access is inside `[0, n)` words of `dst` (the caller's contract); the
+        // streamed stores go to 16-byte-aligned addresses.
+        unsafe {
+            for i in 0..head {
+                dst.add(i).write(value);
+            }
+            let v = _mm_set1_epi32(value as i32);
+            let mut i = head;
+            while i + 4 <= n {
+                _mm_stream_si128(dst.add(i) as *mut __m128i, v);
+                i += 4;
+            }
+            for j in i..n {
+                dst.add(j).write(value);
+            }
+        }
+        return;
+    }
+    let _ = streaming;
+    for i in 0..n {
+        // SAFETY: `i` < `n` (the caller's contract).
+        unsafe { dst.add(i).write(value) };
+    }
+}
+
 /// Ordinary copies up to the first 64-byte boundary of `dst` and after the last one; 64-byte
 /// blocks in between go through non-temporal stores, then a fence orders them before any
 /// later store (such as the message that says the data is in place).
@@ -106,6 +142,20 @@ mod tests {
                     assert!(dst[..d_off].iter().all(|&b| b == 0xAA), "bytes before the range changed");
                     assert!(dst[d_off + len..].iter().all(|&b| b == 0xAA), "bytes after the range changed");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn fills_set_exactly_the_words_asked_for() {
+        for streaming in [false, true] {
+            for (start, n) in [(0, 0), (0, 1), (1, 7), (3, 64), (2, 1001)] {
+                let mut words = vec![9u32; 1100];
+                // SAFETY: `start + n` is inside the vector.
+                unsafe { fill_u32(words.as_mut_ptr().add(start), n, 5, streaming) };
+                assert!(words[..start].iter().all(|&w| w == 9));
+                assert!(words[start..start + n].iter().all(|&w| w == 5), "{start} {n} {streaming}");
+                assert!(words[start + n..].iter().all(|&w| w == 9));
             }
         }
     }

@@ -372,8 +372,9 @@ fn each_in_parallel<T: Send>(
 /// saturate the memory bus on this class of machine.
 pub const PARALLEL_COPY_BYTES: usize = 8 << 20;
 
-/// A copy between a mapping and memory that honours the range's generation: a write stamps it
-/// first, a read counts only if the range still carries it afterwards.
+/// A copy between a mapping and memory that honours the range's generation: a write stamps
+/// it on its blocks first, a read counts only if they still carry it afterwards. A large copy
+/// is split between two threads, each of which stamps or checks its own half.
 fn copy_checked(
     m: &Mapping,
     r: &ReplicaDesc,
@@ -381,40 +382,40 @@ fn copy_checked(
     part: Part<'_>,
     streaming: bool,
 ) -> Result<(), TransferError> {
-    let len = part.len();
-    let reading = matches!(part, Part::Read { .. });
-    if !reading {
-        m.stamp(offset, len, r.incarnation, r.gen)?;
-    }
-    copy_mapped(m, offset, part, streaming)?;
-    if reading {
-        m.verify(offset, len, r.incarnation, r.gen)?;
-    }
-    Ok(())
-}
-
-fn copy_mapped(m: &Mapping, offset: u64, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
+    let (inc, gen) = (r.incarnation, r.gen);
+    let read = |off: u64, dst: &mut [u8]| -> Result<(), TransferError> {
+        m.read_with(off, dst, streaming)?;
+        m.verify(off, dst.len(), inc, gen)
+    };
+    let write = |off: u64, src: &[u8]| -> Result<(), TransferError> {
+        m.stamp_with(off, src.len(), inc, gen, streaming)?;
+        m.write_with(off, src, streaming)
+    };
     let len = part.len();
     if len < PARALLEL_COPY_BYTES || usable_cpus() < 2 {
         return match part {
-            Part::Read { dst, .. } => m.read_with(offset, dst, streaming),
-            Part::Write { src, .. } => m.write_with(offset, src, streaming),
+            Part::Read { dst, .. } => read(offset, dst),
+            Part::Write { src, .. } => write(offset, src),
         };
     }
-    // Two halves, split on a page boundary; the caller's thread copies one of them.
+    // Two halves, split on a page boundary (so on a block boundary too); the caller's thread
+    // copies one of them.
     let half = (len / 2).next_multiple_of(4096).min(len);
+    let joined = |h: std::thread::ScopedJoinHandle<'_, Result<(), TransferError>>| {
+        h.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into())))
+    };
     std::thread::scope(|s| match part {
         Part::Read { dst, .. } => {
             let (a, b) = dst.split_at_mut(half);
-            let other = s.spawn(move || m.read_with(offset + half as u64, b, streaming));
-            let first = m.read_with(offset, a, streaming);
-            first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
+            let other = s.spawn(move || read(offset + half as u64, b));
+            let first = read(offset, a);
+            first.and(joined(other))
         }
         Part::Write { src, .. } => {
             let (a, b) = src.split_at(half);
-            let other = s.spawn(move || m.write_with(offset + half as u64, b, streaming));
-            let first = m.write_with(offset, a, streaming);
-            first.and(other.join().unwrap_or_else(|_| Err(TransferError::Protocol("copy thread panicked".into()))))
+            let other = s.spawn(move || write(offset + half as u64, b));
+            let first = write(offset, a);
+            first.and(joined(other))
         }
     })
 }

@@ -190,6 +190,17 @@ impl Mapping {
         }
     }
 
+    /// The generation words of a checked range, as a pointer and a count, for the bulk stamp
+    /// and check (none for an empty range). Other processes may write them at any time, as
+    /// they may write the data: they are used only between fences, like the data.
+    fn gen_words(&self, offset: u64, len: usize) -> (*mut u32, usize) {
+        if len == 0 {
+            return (std::ptr::null_mut(), 0);
+        }
+        let words = self.gens(offset, len);
+        (words.as_ptr() as *mut u32, words.len())
+    }
+
     /// The current incarnation of the segment's memory.
     pub fn incarnation(&self) -> u32 {
         self.header().incarnation.load(Ordering::Acquire)
@@ -208,6 +219,19 @@ impl Mapping {
     /// blocks with `gen`, then fences so that no byte written afterwards can be seen without
     /// the stamp.
     pub fn stamp(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
+        self.stamp_with(offset, len, incarnation, gen, false)
+    }
+
+    /// [`stamp`](Self::stamp), with streaming stores when `streaming` is set (for a write
+    /// large enough to stream its bytes too).
+    pub fn stamp_with(
+        &self,
+        offset: u64,
+        len: usize,
+        incarnation: u32,
+        gen: u32,
+        streaming: bool,
+    ) -> Result<(), TransferError> {
         self.check(offset, len)?;
         if len == 0 {
             return Ok(());
@@ -215,9 +239,11 @@ impl Mapping {
         if self.incarnation() != incarnation {
             return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
         }
-        for g in self.gens(offset, len) {
-            g.store(gen, Ordering::Relaxed);
-        }
+        let (words, n) = self.gen_words(offset, len);
+        // SAFETY: `n` aligned words of the generation area (the range was checked). They are
+        // shared with other processes, as the data is; the fence below (a full one, which also
+        // orders streaming stores) orders them before the data.
+        unsafe { crate::copy::fill_u32(words, n, gen, streaming) };
         fence(Ordering::SeqCst);
         Ok(())
     }
@@ -243,9 +269,11 @@ impl Mapping {
     pub fn verify(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
         self.check(offset, len)?;
         fence(Ordering::SeqCst);
-        if self.incarnation() != incarnation
-            || (len > 0 && self.gens(offset, len).iter().any(|g| g.load(Ordering::Relaxed) != gen))
-        {
+        let (words, n) = self.gen_words(offset, len);
+        // SAFETY: as in `stamp`: plain loads of shared words, after the fence that follows the
+        // copy, in a scan the compiler can vectorize.
+        let changed = (0..n).fold(0u32, |acc, i| acc | (unsafe { words.add(i).read() } ^ gen));
+        if self.incarnation() != incarnation || changed != 0 {
             return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
         }
         Ok(())
