@@ -354,9 +354,10 @@ impl Client {
         let replicas = match self.inner.call(&req) {
             Ok(Response::WriteStarted(r)) => r,
             Err(ErrorCode::OBJECT_ALREADY_EXISTS) if mode == WriteMode::Put => return Ok(()),
-            Err(e @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)) => {
-                // The start may have reached the master: revoke it by its id, or the key would
-                // stay blocked until the discard timeout. Revoking a write that never started
+            Err(e @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT | ErrorCode::INVALID_WRITE)) => {
+                // The start may have reached the master (INVALID_WRITE: a repeat of it raced the
+                // first attempt, which stands): revoke it by its id, or the key would stay
+                // blocked until the discard timeout. Revoking a write that never started
                 // changes nothing.
                 let finish = WriteFinish { client: self.inner.id, tenant: self.tenant(), key: self.key(key), write_id };
                 let revoke =
@@ -468,11 +469,38 @@ impl Client {
             write_ids: live.iter().map(|&i| write_ids[i]).collect(),
         };
         let req = if mode == WriteMode::Put { Request::BatchPutStart(start) } else { Request::BatchUpsertStart(start) };
-        let started = match self.inner.call(&req) {
-            Ok(Response::BatchWriteStarted(r)) => r,
-            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); n],
-            Err(e) => return vec![Err(e); n],
+        let revoke = |ids: Vec<usize>| {
+            if ids.is_empty() {
+                return;
+            }
+            let finish = BatchWriteFinish {
+                client: self.inner.id,
+                tenant: self.tenant(),
+                keys: ids.iter().map(|&i| self.key(items[i].0)).collect(),
+                write_ids: ids.iter().map(|&i| write_ids[i]).collect(),
+            };
+            let req = if mode == WriteMode::Put {
+                Request::BatchPutRevoke(finish)
+            } else {
+                Request::BatchUpsertRevoke(finish)
+            };
+            let _ = self.inner.call(&req);
         };
+        let started = match self.inner.call(&req) {
+            Ok(Response::BatchWriteStarted(r)) if r.len() == live.len() => r,
+            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); n],
+            Err(e) => {
+                // The starts may have reached the master: revoke them by id.
+                if matches!(e, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT) {
+                    revoke(live.clone());
+                }
+                return vec![Err(e); n];
+            }
+        };
+        // A repeated start that raced its first attempt: that attempt's write stands; revoke it.
+        revoke(
+            live.iter().zip(&started).filter(|(_, r)| **r == Err(ErrorCode::INVALID_WRITE)).map(|(&i, _)| i).collect(),
+        );
         let mut to_finish: Vec<usize> = Vec::new();
         let mut work = Vec::new();
         for (&i, res) in live.iter().zip(&started) {

@@ -242,6 +242,18 @@ impl Master {
     /// Mounts a segment for `client` (idempotent) and registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
+        // A newer incarnation of a segment this client has mounted replaces it. The old one is
+        // taken down and swept first, and so is any earlier incarnation the expiry sweep has not
+        // reached yet: their unfinished writes must be known (as orphaned ranges) before
+        // anything is allocated in the new incarnation.
+        if let Some(old) = self.segments.get(id) {
+            if old.client == client && old.desc.incarnation < desc.incarnation {
+                self.segments.unmount(id);
+            }
+        }
+        if self.segments.was_unmounted(id) {
+            self.sweep_dead_segments();
+        }
         let now = self.now();
         // Ranges that writers of an earlier incarnation may still be copying into stay taken.
         let carried: Vec<(u64, u64, u64)> = {
@@ -423,6 +435,7 @@ impl Master {
                         hard_pin: false,
                         writer,
                         version: 0,
+                        replaced: Vec::new(),
                     },
                 );
                 Ok(())
@@ -614,8 +627,9 @@ impl Master {
         let ours = obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id);
         if !ours {
             // A retried end of a write that already committed is harmless.
+            // It gets the same ranges to retire: its first answer may have been lost.
             let done = obj.is_complete() && obj.writer == client && obj.version == write_id;
-            return if done { Ok(Vec::new()) } else { Err(ErrorCode::WRITE_DROPPED) };
+            return if done { Ok(obj.replaced.clone()) } else { Err(ErrorCode::WRITE_DROPPED) };
         }
         let p = obj.pending.take().expect("checked above");
         let mut replicas = p.replicas;
@@ -648,6 +662,7 @@ impl Master {
                 replaced.extend(t.ranges);
             }
         }
+        obj.replaced.clone_from(&replaced);
         Ok(replaced)
     }
 

@@ -112,6 +112,8 @@ pub struct ObjectMeta {
     pub writer: ClientId,
     /// Version of the current value: the id of the write that committed it (0 before).
     pub version: u64,
+    /// What that commit answered its writer to retire, answered again to a repeated end.
+    pub replaced: Vec<tycho_proto::ReplicaDesc>,
 }
 
 impl ObjectMeta {

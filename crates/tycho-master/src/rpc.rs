@@ -104,8 +104,13 @@ impl MasterRpc {
         let resp = match req {
             Request::Ping { client } => Response::Ping(m.ping(client)),
             Request::ServiceReady => Response::ServiceReady(true),
-            Request::MountSegment { client, segment } => done(m.mount_segment(client, segment)),
-            Request::ReMountSegment { client, segments } => done(m.remount_segments(client, segments)),
+            // A remount may sweep an earlier incarnation first: off the RPC worker.
+            Request::MountSegment { client, segment } => {
+                return self.blocking(move |m| done(m.mount_segment(client, segment)))
+            }
+            Request::ReMountSegment { client, segments } => {
+                return self.blocking(move |m| done(m.remount_segments(client, segments)))
+            }
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }

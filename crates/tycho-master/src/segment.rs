@@ -173,6 +173,8 @@ pub struct Placement<'a> {
 #[derive(Default)]
 pub struct SegmentTable {
     by_id: RwLock<HashMap<SegmentId, Arc<MountedSegment>>>,
+    /// Ids of segments unmounted at some point (their owner may mount them again).
+    retired: parking_lot::Mutex<std::collections::HashSet<SegmentId>>,
     /// The live segments as an immutable list, swapped on every mount and unmount so that
     /// placement reads it without holding the table lock.
     live: RwLock<Arc<Vec<Arc<MountedSegment>>>>,
@@ -210,6 +212,7 @@ impl SegmentTable {
             // mount): the old incarnation dies with its replicas.
             let old = by_id.remove(&desc.id).expect("present");
             old.alive.store(false, Ordering::Release);
+            self.retired.lock().insert(desc.id);
             replaced = true;
         }
         // Two segments served by one transfer server must not share bytes.
@@ -236,8 +239,14 @@ impl SegmentTable {
         let mut by_id = self.by_id.write();
         let seg = by_id.remove(&id)?;
         seg.alive.store(false, Ordering::Release);
+        self.retired.lock().insert(id);
         self.publish(&by_id);
         Some(seg)
+    }
+
+    /// Whether a segment with this id was unmounted before.
+    pub fn was_unmounted(&self, id: SegmentId) -> bool {
+        self.retired.lock().contains(&id)
     }
 
     fn publish(&self, by_id: &HashMap<SegmentId, Arc<MountedSegment>>) {

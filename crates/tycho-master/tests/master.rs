@@ -356,10 +356,12 @@ fn ends_and_revokes_commit_or_free_only_the_write_they_name() {
     assert_eq!(used(m), 4096 + 8192);
     assert_eq!(get(m, "k").unwrap().size, 4096);
     // Write 1 commits; its version is its id; a repeated end is harmless, a late revoke is refused.
-    m.write_finish(&fin(1), true).unwrap();
+    let old = get(m, "k").unwrap().replicas;
+    let replaced = m.write_finish(&fin(1), true).unwrap();
+    assert_eq!(replaced, old, "the end names the replaced value's ranges, to retire");
     let now = get(m, "k").unwrap();
     assert_eq!((now.size, now.replicas.clone()), (8192, first));
-    assert_eq!(m.write_finish(&fin(1), true), Ok(vec![]), "a repeated end replaces nothing");
+    assert_eq!(m.write_finish(&fin(1), true), Ok(old), "a repeated end gets the same ranges to retire");
     assert_eq!(m.write_finish(&fin(1), false), Err(ErrorCode::INVALID_WRITE));
     assert_eq!(used(m), 8192);
     // A write id of 0 is refused.
@@ -976,6 +978,23 @@ fn values_fill_85_percent_before_the_first_eviction() {
         let fill = committed as f64 / (4 * MIB) as f64;
         assert!(fill >= 0.85, "{size}-byte values: fill ratio {fill:.3} before the first eviction");
     }
+}
+
+/// Issue 10, item 1: a remount that replaces a live, older incarnation (the master had not
+/// expired the client yet) keeps the ranges of writes in flight on it reserved too.
+#[test]
+fn a_remount_that_replaces_a_live_incarnation_keeps_its_writes_in_flight() {
+    let e = Env::new();
+    let m = &e.m;
+    let d = mount(m, A, 1, 64 * KIB);
+    m.remount_segments(B, vec![]).unwrap();
+    let w = start(m, B, "w", 4096).unwrap();
+    m.remount_segments(A, vec![SegmentDesc { incarnation: 2, ..d }]).unwrap();
+    let big = start(m, B, "big", 60 * KIB).unwrap();
+    assert_eq!(big[0].incarnation, 2);
+    assert!(big[0].offset >= w[0].offset + 4096 || big[0].offset + 60 * KIB <= w[0].offset);
+    assert_eq!(start(m, B, "more", 64), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    assert_eq!(finish(m, B, "w", true), Err(ErrorCode::WRITE_DROPPED));
 }
 
 /// Issue 10, item 1 (master side): the owner of an expired segment remounts it under a new

@@ -23,6 +23,8 @@ pub const MAX_PARALLEL: usize = 4;
 /// Below this many bytes in total, a batch runs on the caller's thread alone: starting threads
 /// costs more than it saves.
 const PARALLEL_THRESHOLD: usize = 1 << 20;
+/// How long a retire over TCP waits for its answer.
+const RETIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Idle connections kept per peer.
 const MAX_IDLE_PER_PEER: usize = 16;
 
@@ -159,9 +161,13 @@ impl TransferEngine {
                     incarnation: replica.incarnation,
                     gen: replica.gen,
                 };
+                // A holder that does not answer (paused, partitioned) must not hold up the write
+                // that retires: give up after a while; the connection is then dropped.
+                s.set_read_timeout(Some(RETIRE_TIMEOUT))?;
                 s.write_all(&head.encode())?;
                 let mut answer = [0u8; ANSWER_LEN];
                 s.read_exact(&mut answer)?;
+                s.set_read_timeout(None)?;
                 let r = decode_answer(&answer).map(drop);
                 self.release(&replica.endpoint, s);
                 r

@@ -93,7 +93,8 @@ impl XferRequest {
             o => return Err(TransferError::Protocol(format!("unknown op {o}"))),
         };
         let len = u64::from_le_bytes(b[32..40].try_into().expect("8 bytes"));
-        if len > MAX_REQUEST_BYTES {
+        // A retire moves no bytes: its range may be as large as a replica.
+        if len > MAX_REQUEST_BYTES && op != XferOp::Retire {
             return Err(TransferError::Protocol(format!("request of {len} bytes exceeds {MAX_REQUEST_BYTES}")));
         }
         Ok(XferRequest {
