@@ -201,9 +201,17 @@ impl Client {
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
         let registry = Arc::new(SegmentRegistry::default());
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
-        let master = BlockingClient::new(&cfg.master_addr, RpcConfig { spin: cfg.rpc_spin, ..RpcConfig::default() });
-        master.check().map_err(|e| e.code())?;
-        let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone());
+        let master = BlockingClient::new(
+            &cfg.master_addr,
+            RpcConfig { spin: cfg.rpc_spin, auth: cfg.auth.clone(), ..RpcConfig::default() },
+        );
+        master.check().map_err(|e| {
+            tracing::error!(master = %cfg.master_addr, error = %e, "cannot reach the master");
+            e.code()
+        })?;
+        // Peers prove the secret the master accepted (none if the master asks for none).
+        let secret = master.secret();
+        let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone());
         let id = ClientId(rand::random());
         let mut segments = Vec::new();
         if cfg.segment_size > 0 {
@@ -225,7 +233,8 @@ impl Client {
             registry.register(desc.id, memory.clone());
             segments.push(Segment { desc, memory });
         }
-        let server = TransferServer::serve(listener, registry.clone()).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        let server =
+            TransferServer::serve(listener, registry.clone(), secret).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
         let inner = Arc::new(Inner {
             cfg,
             id,

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub use tycho_proto::auth::ClientAuth;
+
 /// How replicas are reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Protocol {
@@ -57,6 +59,9 @@ pub struct ClientConfig {
     /// [`tycho_rpc::ClientConfig::spin`]). `TYCHO_RPC_SPIN_US` in the environment overrides
     /// the default; 0 turns polling off, for hosts where a caller must never busy-wait.
     pub rpc_spin: Duration,
+    /// How this client proves the cluster secret to the master and to peers (by default it
+    /// looks for it: see [`ClientAuth::Discover`]).
+    pub auth: ClientAuth,
 }
 
 impl ClientConfig {
@@ -74,6 +79,7 @@ impl ClientConfig {
             heartbeat_interval: Duration::from_secs(1),
             reuse_leases: true,
             rpc_spin: spin_from_env(),
+            auth: ClientAuth::Discover,
         }
     }
 }

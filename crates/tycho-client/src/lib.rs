@@ -7,5 +7,5 @@ mod config;
 mod retry;
 
 pub use client::{Client, Lookup, WriteMode};
-pub use config::{default_host_id, parse_size, ClientConfig, Protocol};
+pub use config::{default_host_id, parse_size, ClientAuth, ClientConfig, Protocol};
 pub use retry::{call_with_retry, is_idempotent, MAX_ATTEMPTS};

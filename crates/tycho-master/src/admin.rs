@@ -55,6 +55,8 @@ pub struct AdminConfig {
     pub rpc_addr: SocketAddr,
     /// `None` disables the probe; `/readyz` then only reflects whether the master serves.
     pub probe: Option<ProbeConfig>,
+    /// How the probe authenticates to the RPC server (the master's own secret).
+    pub probe_auth: tycho_proto::auth::ClientAuth,
 }
 
 /// What the probe last saw, plus whether the master serves.
@@ -156,7 +158,7 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener).expect("admin listener");
             if let Some(p) = cfg.probe.clone() {
-                tokio::spawn(probe_loop(state.probe.clone(), target, p, stop_rx.clone()));
+                tokio::spawn(probe_loop(state.probe.clone(), target, p, cfg.probe_auth.clone(), stop_rx.clone()));
             }
             let mut stop_http = stop_rx.clone();
             let app = router(state);
@@ -170,7 +172,13 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
     Ok(AdminHandle { addr, probe, stop, thread: Some(thread) })
 }
 
-async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig, mut stop: watch::Receiver<bool>) {
+async fn probe_loop(
+    state: Arc<ProbeState>,
+    target: SocketAddr,
+    cfg: ProbeConfig,
+    auth: tycho_proto::auth::ClientAuth,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut client: Option<RpcClient> = None;
     loop {
         // Not serving (starting, standby, stopping): nothing to probe; look again soon so that
@@ -178,7 +186,7 @@ async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig
         let mut pause = Duration::from_millis(50).min(cfg.interval);
         if state.serving() {
             let start = Instant::now();
-            let verdict = probe_once(&mut client, target, cfg.timeout).await;
+            let verdict = probe_once(&mut client, target, cfg.timeout, &auth).await;
             let ok = verdict.is_ok();
             if let Err(why) = verdict {
                 tracing::warn!(%target, %why, "self-probe failed: the master cannot serve data-plane calls");
@@ -194,10 +202,15 @@ async fn probe_loop(state: Arc<ProbeState>, target: SocketAddr, cfg: ProbeConfig
     }
 }
 
-async fn probe_once(client: &mut Option<RpcClient>, target: SocketAddr, timeout: Duration) -> Result<(), String> {
+async fn probe_once(
+    client: &mut Option<RpcClient>,
+    target: SocketAddr,
+    timeout: Duration,
+    auth: &tycho_proto::auth::ClientAuth,
+) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     if client.as_ref().is_none_or(RpcClient::is_closed) {
-        let cfg = ClientConfig { connect_timeout: timeout, ..ClientConfig::default() };
+        let cfg = ClientConfig { connect_timeout: timeout, auth: auth.clone(), ..ClientConfig::default() };
         *client = Some(RpcClient::connect(&target.to_string(), &cfg).await.map_err(|e| e.to_string())?);
     }
     let c = client.as_ref().expect("connected above");
@@ -470,7 +483,12 @@ mod tests {
         let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1))));
         // No RPC server behind this address: a probe would fail, so the probe is off and
         // /readyz follows the serving flag alone (a standby never sets it).
-        let cfg = AdminConfig { bind: "127.0.0.1:0".into(), rpc_addr: "127.0.0.1:9".parse().unwrap(), probe: None };
+        let cfg = AdminConfig {
+            bind: "127.0.0.1:0".into(),
+            rpc_addr: "127.0.0.1:9".parse().unwrap(),
+            probe: None,
+            probe_auth: Default::default(),
+        };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         let addr = admin.local_addr();
         assert_eq!(get(addr, "/readyz"), 503);
@@ -487,7 +505,12 @@ mod tests {
         let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1))));
         let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let probe = ProbeConfig { interval: Duration::from_millis(20), timeout: Duration::from_millis(200) };
-        let cfg = AdminConfig { bind: "127.0.0.1:0".into(), rpc_addr: dead, probe: Some(probe) };
+        let cfg = AdminConfig {
+            bind: "127.0.0.1:0".into(),
+            rpc_addr: dead,
+            probe: Some(probe),
+            probe_auth: Default::default(),
+        };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         admin.probe().set_serving(true);
         let end = Instant::now() + Duration::from_secs(5);

@@ -52,6 +52,9 @@ pub struct MasterConfig {
     /// Most unfinished writes one client may hold at once; more starts get
     /// TOO_MANY_PENDING_WRITES.
     pub max_pending_writes_per_client: u64,
+    /// The cluster secret: replica descriptors carry capabilities minted under it. `None`
+    /// (`--insecure`) grants without capabilities.
+    pub secret: Option<std::sync::Arc<tycho_proto::auth::Secret>>,
 }
 
 impl Default for MasterConfig {
@@ -70,6 +73,7 @@ impl Default for MasterConfig {
             group_count: 1,
             group_epoch: tycho_routing::INITIAL_GROUP_EPOCH,
             max_pending_writes_per_client: DEFAULT_MAX_PENDING_WRITES_PER_CLIENT,
+            secret: None,
         }
     }
 }

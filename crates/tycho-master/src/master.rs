@@ -16,7 +16,8 @@ use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap, Shards};
-use crate::segment::{Placement, Replica, SegmentTable};
+use crate::segment::{Grant, Placement, Replica, SegmentTable};
+use tycho_proto::auth::capability::{tenant_tag, unix_ms, RIGHT_READ, RIGHT_WRITE};
 
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +120,7 @@ pub struct Master {
 impl Master {
     /// A master owning every KVPT group of a `cfg.group_count`-group cluster.
     pub fn new(cfg: MasterConfig, clock: Arc<dyn Clock>) -> Master {
+        let secret = cfg.secret.clone();
         let groups = cfg.group_count.max(1) as usize;
         Master {
             epoch: AtomicU64::new(cfg.group_epoch),
@@ -127,7 +129,7 @@ impl Master {
             clock,
             instance: rand::random(),
             shards: Shards::default(),
-            segments: SegmentTable::default(),
+            segments: SegmentTable::with_secret(secret),
             clients: RwLock::new(HashMap::new()),
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
@@ -155,6 +157,22 @@ impl Master {
 
     fn now(&self) -> u64 {
         self.clock.now_ms()
+    }
+
+    /// What a descriptor of `key`'s replicas grants for `ttl_ms` from now. Expiries are wall
+    /// clock: the segment holder checks them by its own clock.
+    fn grant(&self, rights: u8, ttl_ms: u64, key: &[u8]) -> Grant {
+        if self.cfg.secret.is_none() {
+            return Grant::default();
+        }
+        let group = kvpt_to_rank(partition_of_encoded(key), self.cfg.group_count.max(1));
+        Grant {
+            rights,
+            expires_ms: unix_ms().saturating_add(ttl_ms),
+            epoch: self.epoch.load(Ordering::Relaxed),
+            group: group as u16,
+            tenant: decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t)),
+        }
     }
 
     // ---- routing -------------------------------------------------------------------------
@@ -488,7 +506,8 @@ impl Master {
         let shard = self.shards.shard(r.shard);
         {
             let map = shard.read();
-            if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id) {
+            let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+            if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id, &grant) {
                 return Ok(descs);
             }
             if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
@@ -498,7 +517,8 @@ impl Master {
         self.pending_room(&pending, 1)?;
         let mut may_wait = may_wait;
         let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()), &mut may_wait)?;
-        let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size)).collect();
+        let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+        let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size, &grant)).collect();
         let now = self.now();
         let res = self.install_write(
             &mut shard.write(),
@@ -562,7 +582,8 @@ impl Master {
                 let now = self.now();
                 run.iter()
                     .map(|(i, r)| {
-                        let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i]);
+                        let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+                        let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i], &grant);
                         (mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, now), retried)
                     })
                     .unzip()
@@ -595,7 +616,8 @@ impl Master {
             let mut next = Some(first);
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
-                let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size)).collect();
+                let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+                let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size, &grant)).collect();
                 let id = req.write_ids[i];
                 match self.install_write(&mut map, r.key, mode, req.client, id, size, pins, reps, now, &pending) {
                     Ok(()) => out[i] = Ok(descs),
@@ -653,8 +675,9 @@ impl Master {
         // once.
         let old_size = obj.size;
         obj.size = p.size;
+        let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, key);
         let mut replaced: Vec<ReplicaDesc> =
-            old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size)).collect();
+            old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
         old.into_iter().for_each(Replica::release);
         let shard = Shards::index_of(partition_of_encoded(key));
         if let Some(t) = self.tombstones[shard].lock().remove(key) {
@@ -750,8 +773,13 @@ impl Master {
         if !obj.is_complete() {
             return Err(ErrorCode::REPLICA_IS_NOT_READY);
         }
-        let replicas: Vec<ReplicaDesc> =
-            obj.replicas.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, obj.size)).collect();
+        let grant = self.grant(RIGHT_READ, self.cfg.default_kv_lease_ttl_ms, key);
+        let replicas: Vec<ReplicaDesc> = obj
+            .replicas
+            .iter()
+            .filter(|r| r.seg.is_alive())
+            .map(|r| r.seg.replica_desc(&r.alloc, obj.size, &grant))
+            .collect();
         if replicas.is_empty() {
             // Its only segments are being swept.
             return Err(ErrorCode::OBJECT_NOT_FOUND);
@@ -833,11 +861,14 @@ impl Master {
         }
         let obj = map.remove(key).expect("present");
         if obj.is_leased(now) {
+            // Retired by the key's next writer, at the latest when the lease ends.
+            let ttl = obj.lease().saturating_sub(now) + self.cfg.put_start_discard_timeout_ms;
+            let grant = self.grant(RIGHT_WRITE, ttl, key);
             let ranges: Vec<ReplicaDesc> = obj
                 .replicas
                 .iter()
                 .filter(|r| r.seg.is_alive())
-                .map(|r| r.seg.replica_desc(&r.alloc, obj.size))
+                .map(|r| r.seg.replica_desc(&r.alloc, obj.size, &grant))
                 .collect();
             if !ranges.is_empty() {
                 let shard = Shards::index_of(partition_of_encoded(key));
@@ -1265,9 +1296,15 @@ type Candidate = (u64, usize, ObjectKey, u64);
 
 /// The ranges of `client`'s pending write `write_id` of `key`, if that write is in progress (its
 /// start is being retried).
-fn retried_start(map: &ShardMap, key: &ObjectKey, client: ClientId, write_id: u64) -> Option<Vec<ReplicaDesc>> {
+fn retried_start(
+    map: &ShardMap,
+    key: &ObjectKey,
+    client: ClientId,
+    write_id: u64,
+    grant: &Grant,
+) -> Option<Vec<ReplicaDesc>> {
     let p = map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id)?;
-    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size)).collect())
+    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size, grant)).collect())
 }
 
 /// Splits routed keys (already sorted by shard) into runs of one shard each.

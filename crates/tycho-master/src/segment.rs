@@ -19,6 +19,9 @@ use tycho_proto::{
     segment_block_size, AllocStrategy, ClientId, ErrorCode, ReplicaDesc, SegmentDesc, SegmentId, WireResult,
 };
 
+use tycho_proto::auth::capability::{Capability, SegmentKey};
+use tycho_proto::auth::Secret;
+
 use crate::alloc::RangeAllocator;
 
 /// A range handed out by a segment allocator.
@@ -34,12 +37,30 @@ pub struct SegAlloc {
     pub gen: u32,
 }
 
+/// What a replica descriptor grants whoever receives it (see
+/// `tycho_proto::auth::capability`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Grant {
+    /// `RIGHT_READ` and/or `RIGHT_WRITE`.
+    pub rights: u8,
+    /// Wall-clock expiry, Unix milliseconds.
+    pub expires_ms: u64,
+    /// Epoch of the granting group.
+    pub epoch: u64,
+    /// The granting group.
+    pub group: u16,
+    /// Tag of the object's tenant.
+    pub tenant: u64,
+}
+
 /// One mounted segment.
 pub struct MountedSegment {
     /// As the client described it.
     pub desc: SegmentDesc,
     /// The client that mounted it.
     pub client: ClientId,
+    /// Key of this segment generation, when the cluster has a secret.
+    key: Option<SegmentKey>,
     alive: AtomicBool,
     used: AtomicU64,
     stored: AtomicU64,
@@ -48,9 +69,10 @@ pub struct MountedSegment {
 }
 
 impl MountedSegment {
-    fn new(desc: SegmentDesc, client: ClientId) -> MountedSegment {
+    fn new(desc: SegmentDesc, client: ClientId, secret: Option<&Secret>) -> MountedSegment {
         let unit = segment_block_size(desc.size);
         MountedSegment {
+            key: secret.map(|s| SegmentKey::new(s, desc.id, desc.incarnation)),
             alloc: Mutex::new(RangeAllocator::new(desc.size, unit)),
             desc,
             client,
@@ -126,9 +148,26 @@ impl MountedSegment {
         }
     }
 
-    /// The wire descriptor of a replica at `a` holding `len` bytes.
-    pub fn replica_desc(&self, a: &SegAlloc, len: u64) -> ReplicaDesc {
+    /// The wire descriptor of a replica at `a` holding `len` bytes, carrying a capability for
+    /// `grant`.
+    pub fn replica_desc(&self, a: &SegAlloc, len: u64, grant: &Grant) -> ReplicaDesc {
+        let cap = match &self.key {
+            Some(k) => k.mint(
+                a.offset,
+                len,
+                Capability {
+                    rights: grant.rights,
+                    expires_ms: grant.expires_ms,
+                    epoch: grant.epoch,
+                    group: grant.group,
+                    tenant: grant.tenant,
+                    mac: [0; 16],
+                },
+            ),
+            None => Capability::default(),
+        };
         ReplicaDesc {
+            cap,
             segment: self.desc.id,
             offset: a.offset,
             len,
@@ -178,9 +217,16 @@ pub struct SegmentTable {
     /// The live segments as an immutable list, swapped on every mount and unmount so that
     /// placement reads it without holding the table lock.
     live: RwLock<Arc<Vec<Arc<MountedSegment>>>>,
+    /// The cluster secret segment keys derive from; `None` mints no capabilities.
+    secret: Option<Arc<Secret>>,
 }
 
 impl SegmentTable {
+    /// An empty table whose segments mint capabilities under `secret`.
+    pub fn with_secret(secret: Option<Arc<Secret>>) -> SegmentTable {
+        SegmentTable { secret, ..SegmentTable::default() }
+    }
+
     /// Mounts `desc` for `client`; mounting the same segment again is a no-op. A newer
     /// incarnation from the same client replaces the old one (the third value says so: the
     /// caller sweeps its replicas). `reserve` lists ranges taken before anyone can allocate;
@@ -226,7 +272,7 @@ impl SegmentTable {
             }
             return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
         }
-        let seg = Arc::new(MountedSegment::new(desc, client));
+        let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref()));
         let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
         by_id.insert(seg.desc.id, seg.clone());
         self.publish(&by_id);
@@ -409,7 +455,7 @@ mod tests {
 
     #[test]
     fn huge_segments_scale_the_unit() {
-        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1));
+        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1), None);
         assert!(segment_block_size(1 << 40) > tycho_proto::MIN_BLOCK_SIZE);
         let a = s.allocate(1 << 30).unwrap();
         assert!(a.reserved >= 1 << 30);

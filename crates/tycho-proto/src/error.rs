@@ -166,6 +166,16 @@ error_codes! {
     RANGE_REUSED = -2101, RetrySame;
     /// The client has as many unfinished writes as the master allows one client.
     TOO_MANY_PENDING_WRITES = -2102, Fail;
+    /// The server requires the cluster secret and the caller did not present it.
+    AUTH_REQUIRED = -2200, Fail;
+    /// The caller's proof of the cluster secret or of its client credential is wrong.
+    AUTH_FAILED = -2201, Fail;
+    /// A data-path request carried no valid capability for the range it names.
+    CAPABILITY_INVALID = -2202, Fail;
+    /// The capability was valid but has expired; ask the master again.
+    CAPABILITY_EXPIRED = -2203, RetrySame;
+    /// The caller's role or tenant does not allow this operation.
+    PERMISSION_DENIED = -2204, Fail;
 }
 
 impl ErrorCode {
@@ -198,6 +208,13 @@ impl ErrorCode {
             }
             RANGE_REUSED => "the object was replaced or removed while it was read; read it again",
             TOO_MANY_PENDING_WRITES => "finish (end or revoke) some of this client's writes before starting more",
+            AUTH_REQUIRED => "give this process the cluster secret: TYCHO_SECRET_FILE=<path> (see docs/security.md)",
+            AUTH_FAILED => {
+                "the cluster secret differs from the server's; give every process of the cluster the same one"
+            }
+            CAPABILITY_INVALID => "the range was not granted to this caller; ask the master for the object again",
+            CAPABILITY_EXPIRED => "the grant ran out before the transfer; ask the master again",
+            PERMISSION_DENIED => "this operation needs the owner of the resource or the admin role",
             _ => "see docs/errors.md",
         }
     }

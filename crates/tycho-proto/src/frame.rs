@@ -5,6 +5,10 @@
 //! | magic | version | kind | len (LE) | request id (LE) | payload (len bytes) ...
 //! ```
 //!
+//! Every connection opens with greeting frames (kind 2, see [`crate::auth::handshake`]); the
+//! server sends the first one, so a client of another version fails on the first header it
+//! reads, with an error that names both versions.
+//!
 //! The header is fixed-size so a reader knows, after 16 bytes, whether the peer speaks Tycho
 //! and how much more to read. A frame whose length exceeds the reader's limit is refused before
 //! any of its payload is buffered.
@@ -14,7 +18,7 @@ use thiserror::Error;
 /// First two bytes of every frame: "TY".
 pub const FRAME_MAGIC: u16 = 0x5954;
 /// Version of the frame layout and of the message encoding inside it.
-pub const FRAME_VERSION: u8 = 2;
+pub const FRAME_VERSION: u8 = 3;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Default limit on one frame's payload; large enough for a batch of thousands of keys.
@@ -27,6 +31,8 @@ pub enum FrameKind {
     Request = 0,
     /// The answer to the request with the same id.
     Response = 1,
+    /// A connection greeting ([`crate::auth::handshake`]); only before the first request.
+    Hello = 2,
 }
 
 /// The decoded fixed header.
@@ -87,6 +93,7 @@ impl FrameHeader {
         let kind = match buf[3] {
             0 => FrameKind::Request,
             1 => FrameKind::Response,
+            2 => FrameKind::Hello,
             k => return Err(FrameError::BadKind(k)),
         };
         let len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);

@@ -3,9 +3,11 @@
 //! - [`ErrorCode`]: stable numbers (Mooncake's where Mooncake has one) and the
 //!   [`RetryClass`] a client applies to each.
 //! - [`Request`] / [`Response`]: every master RPC.
+//! - [`auth`]: the cluster secret, the connection greeting and data-path capabilities.
 //! - [`frame`]: the length-prefixed frame that carries them, with a decoder that rejects
 //!   oversized, truncated and malformed input with an error.
 
+pub mod auth;
 mod error;
 pub mod frame;
 mod message;

@@ -110,6 +110,9 @@ pub struct ReplicaDesc {
     /// Generation of the range: its writer stamps it on every block of the range before the
     /// first byte; a reader's copy counts only if every block still carries it afterwards.
     pub gen: u32,
+    /// The master's grant of this range to the caller; the segment's holder checks it on every
+    /// transfer (`auth::capability`). Empty in a cluster without a secret.
+    pub cap: crate::auth::capability::Capability,
 }
 
 /// How a write treats the soft pin (Mooncake's `SoftPinAction`).

@@ -416,7 +416,11 @@ impl Store {
                 self.was_set_up.store(true, Ordering::Release);
                 0
             }
-            Err(e) => code(e),
+            Err(e) => {
+                // setup answers a number, as Mooncake's does; say why on stderr, as its log does.
+                eprintln!("tycho: setup failed: {e}: {}", e.hint());
+                code(e)
+            }
         }
     }
 

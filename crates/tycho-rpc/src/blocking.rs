@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
+use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::ResolvedAuth;
 use tycho_proto::frame::{decode_payload, encode_frame, FrameHeader, FrameKind, HEADER_LEN};
 
 use crate::{ClientConfig, RpcError};
@@ -31,6 +33,10 @@ pub struct BlockingClient {
     addr: String,
     config: ClientConfig,
     idle: Mutex<Vec<Conn>>,
+    authenticated: std::sync::atomic::AtomicBool,
+    /// How the first successful greeting went; later connections authenticate the same way,
+    /// so that a secret file changing underneath does not split one client's connections.
+    settled: Mutex<Option<ResolvedAuth>>,
 }
 
 struct Conn {
@@ -43,7 +49,13 @@ struct Conn {
 impl BlockingClient {
     /// A pool for `addr`; connections open lazily.
     pub fn new(addr: &str, config: ClientConfig) -> BlockingClient {
-        BlockingClient { addr: addr.to_string(), config, idle: Mutex::new(Vec::new()) }
+        BlockingClient {
+            addr: addr.to_string(),
+            config,
+            idle: Mutex::new(Vec::new()),
+            authenticated: std::sync::atomic::AtomicBool::new(false),
+            settled: Mutex::new(None),
+        }
     }
 
     /// The server address.
@@ -56,6 +68,23 @@ impl BlockingClient {
         let c = self.connect()?;
         self.idle.lock().push(c);
         Ok(())
+    }
+
+    /// Whether the last connection opened proved the cluster secret both ways (false against
+    /// a server that runs without authentication).
+    pub fn authenticated(&self) -> bool {
+        self.authenticated.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The cluster secret this client's connections prove, once one has connected (`None`
+    /// against a server that runs without authentication).
+    pub fn secret(&self) -> Option<std::sync::Arc<tycho_proto::auth::Secret>> {
+        self.settled.lock().as_ref().and_then(|a| a.secret.clone())
+    }
+
+    /// The settings connections are opened with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
     }
 
     /// Drops every idle connection (after the server restarted, for example).
@@ -71,8 +100,28 @@ impl BlockingClient {
             .map_err(err)?
             .next()
             .ok_or_else(|| err(std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))?;
-        let stream = TcpStream::connect_timeout(&addr, self.config.connect_timeout).map_err(err)?;
+        let settled = self.settled.lock().clone();
+        let auth = match settled {
+            Some(a) => a,
+            None => self.config.resolve(&self.addr)?,
+        };
+        let mut stream = TcpStream::connect_timeout(&addr, self.config.connect_timeout).map_err(err)?;
         stream.set_nodelay(true).map_err(err)?;
+        // The greeting runs blocking, bounded by the connect timeout.
+        stream.set_read_timeout(Some(self.config.connect_timeout)).map_err(err)?;
+        stream.set_write_timeout(Some(self.config.connect_timeout)).map_err(err)?;
+        let authenticated = handshake::connect(&mut stream, Service::Rpc, &auth, self.config.identity.as_ref())
+            .map_err(|source| RpcError::Handshake { addr: self.addr.clone(), source })?;
+        self.authenticated.store(authenticated, std::sync::atomic::Ordering::Relaxed);
+        self.settled.lock().get_or_insert_with(|| {
+            if authenticated {
+                ResolvedAuth { strict: true, ..auth }
+            } else {
+                ResolvedAuth { secret: None, strict: false, origin: "the server asks for no secret".into() }
+            }
+        });
+        stream.set_read_timeout(None).map_err(err)?;
+        stream.set_write_timeout(None).map_err(err)?;
         stream.set_nonblocking(true).map_err(err)?;
         Ok(Conn { stream, next_id: 1, rbuf: Vec::with_capacity(4096), wbuf: Vec::with_capacity(4096) })
     }

@@ -12,6 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
+use tycho_proto::auth::handshake::{Identity, Service};
+use tycho_proto::auth::{ClientAuth, ResolvedAuth};
 use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
 
 use crate::RpcError;
@@ -26,11 +28,31 @@ pub struct ClientConfig {
     /// How long a [`BlockingClient`](crate::BlockingClient) caller polls for an answer,
     /// yielding between attempts, before it sleeps until the answer arrives. Zero sleeps at once.
     pub spin: Duration,
+    /// How connections prove the cluster secret (by default: found as
+    /// [`ClientAuth::Discover`] describes).
+    pub auth: ClientAuth,
+    /// The client identity every connection proves, once the master has issued one.
+    pub identity: Option<Identity>,
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
-        ClientConfig { max_frame: DEFAULT_MAX_FRAME, connect_timeout: Duration::from_secs(3), spin: DEFAULT_SPIN }
+        ClientConfig {
+            max_frame: DEFAULT_MAX_FRAME,
+            connect_timeout: Duration::from_secs(3),
+            spin: DEFAULT_SPIN,
+            auth: ClientAuth::Discover,
+            identity: None,
+        }
+    }
+}
+
+impl ClientConfig {
+    /// Resolves the secret for `addr`; an unusable secret file is a connect error.
+    pub(crate) fn resolve(&self, addr: &str) -> Result<ResolvedAuth, RpcError> {
+        self.auth
+            .resolve(addr)
+            .map_err(|e| RpcError::Connect { addr: addr.to_string(), source: std::io::Error::other(e) })
     }
 }
 
@@ -100,6 +122,11 @@ impl RpcClient {
             .map_err(|source| RpcError::Connect { addr: addr.to_string(), source })?;
         stream.set_nodelay(true).map_err(|source| RpcError::Connect { addr: addr.to_string(), source })?;
         let peer = stream.peer_addr().map_err(|source| RpcError::Connect { addr: addr.to_string(), source })?;
+        let auth = config.resolve(addr)?;
+        let mut stream = stream;
+        crate::greet::connect(&mut stream, Service::Rpc, &auth, config.identity.as_ref(), config.connect_timeout)
+            .await
+            .map_err(|source| RpcError::Handshake { addr: addr.to_string(), source })?;
         let (rd, wr) = stream.into_split();
         let shared = Arc::new(Shared {
             writer: tokio::sync::Mutex::new(wr),

@@ -1,4 +1,5 @@
 use thiserror::Error;
+use tycho_proto::auth::handshake::HandshakeError;
 use tycho_proto::{frame::FrameError, ErrorCode};
 
 /// Why a call did not produce a response.
@@ -21,6 +22,14 @@ pub enum RpcError {
     /// The peer sent bytes that are not a valid frame or message.
     #[error(transparent)]
     Frame(#[from] FrameError),
+    /// The connection's greeting failed: another version, a missing or wrong secret.
+    #[error("greeting {addr}: {source}")]
+    Handshake {
+        /// The server's address.
+        addr: String,
+        /// The cause.
+        source: HandshakeError,
+    },
 }
 
 impl RpcError {
@@ -28,6 +37,8 @@ impl RpcError {
     pub fn code(&self) -> ErrorCode {
         match self {
             RpcError::Timeout(_) => ErrorCode::RPC_TIMEOUT,
+            RpcError::Handshake { source, .. } => source.code(),
+            RpcError::Frame(FrameError::UnsupportedVersion(_)) => ErrorCode::INVALID_VERSION,
             _ => ErrorCode::RPC_FAIL,
         }
     }

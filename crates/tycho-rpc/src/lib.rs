@@ -5,6 +5,9 @@
 //! its frame to the socket itself (no hand-off to a writer task); one reader task per
 //! connection routes responses back to their callers.
 //!
+//! Every connection opens with the greeting of [`tycho_proto::auth::handshake`]: versions are
+//! matched and, unless the server runs without a secret, both sides prove the cluster secret.
+//!
 //! On the server, a handler that can answer at once is run inline on the connection's task,
 //! and answers are written in batches; a handler that must wait is spawned, so a slow call
 //! does not hold up the calls behind it.
@@ -12,6 +15,7 @@
 mod blocking;
 mod client;
 mod error;
+pub mod greet;
 mod pool;
 mod server;
 

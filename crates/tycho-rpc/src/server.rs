@@ -11,6 +11,8 @@ use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
+use tycho_proto::auth::handshake::Service as Protocol;
+use tycho_proto::auth::Secret;
 use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameError, FrameKind, DEFAULT_MAX_FRAME};
 
 /// A handler's answer: ready now, or a future to be driven off the connection's task.
@@ -39,11 +41,14 @@ pub trait Service: Send + Sync + 'static {
 pub struct ServerConfig {
     /// Largest request frame accepted; a larger one closes the connection.
     pub max_frame: u32,
+    /// The cluster secret every connection must prove; `None` serves without authentication
+    /// (`--insecure`, and unit tests).
+    pub secret: Option<Arc<Secret>>,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { max_frame: DEFAULT_MAX_FRAME }
+        ServerConfig { max_frame: DEFAULT_MAX_FRAME, secret: None }
     }
 }
 
@@ -96,8 +101,10 @@ pub fn serve<S: Service>(
                         let open = open.clone();
                         open.fetch_add(1, Ordering::Relaxed);
                         tokio::spawn(async move {
-                            if let Err(e) = serve_connection(stream, svc, cfg, stop).await {
-                                tracing::debug!(%peer, error = %e, "connection closed");
+                            match serve_connection(stream, svc, cfg, stop).await {
+                                Err(ConnError::Handshake(e)) => tracing::info!(%peer, error = %e, "connection refused"),
+                                Err(e) => tracing::debug!(%peer, error = %e, "connection closed"),
+                                Ok(()) => {}
                             }
                             open.fetch_sub(1, Ordering::Relaxed);
                         });
@@ -119,6 +126,8 @@ pub fn serve<S: Service>(
 enum ConnError {
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error("greeting: {0}")]
+    Handshake(#[from] tycho_proto::auth::handshake::HandshakeError),
     #[error(transparent)]
     Frame(#[from] FrameError),
 }
@@ -130,6 +139,8 @@ async fn serve_connection<S: Service>(
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), ConnError> {
     stream.set_nodelay(true)?;
+    let mut stream = stream;
+    crate::greet::serve(&mut stream, Protocol::Rpc, config.secret.clone()).await?;
     let (mut rd, mut wr) = stream.into_split();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, S::Response)>();
     let mut rbuf: Vec<u8> = Vec::with_capacity(64 * 1024);

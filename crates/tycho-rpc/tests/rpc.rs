@@ -7,6 +7,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tycho_proto::auth::handshake::{self, Service as Protocol};
+use tycho_proto::auth::{ClientAuth, Secret};
 use tycho_proto::frame::{encode_frame, FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use tycho_rpc::{serve, ClientConfig, Reply, RpcClient, RpcError, RpcPool, ServerConfig, Service};
 
@@ -51,10 +53,19 @@ impl Service for TestService {
     }
 }
 
+fn secret() -> Arc<Secret> {
+    Arc::new(Secret::from_text(b"rpc-test-cluster-secret").unwrap())
+}
+
+/// A client configuration holding the test cluster's secret.
+fn cfg() -> ClientConfig {
+    ClientConfig { auth: ClientAuth::Secret(secret()), ..ClientConfig::default() }
+}
+
 async fn start(max_frame: u32) -> (tycho_rpc::ServerHandle, Arc<TestService>, String) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let svc = Arc::new(TestService::default());
-    let h = serve(listener, svc.clone(), ServerConfig { max_frame }).unwrap();
+    let h = serve(listener, svc.clone(), ServerConfig { max_frame, secret: Some(secret()) }).unwrap();
     let addr = h.local_addr().to_string();
     (h, svc, addr)
 }
@@ -64,7 +75,7 @@ const T: Duration = Duration::from_secs(5);
 #[tokio::test]
 async fn many_calls_in_flight_on_one_connection_are_matched_by_id() {
     let (_h, _svc, addr) = start(1 << 20).await;
-    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..500u64 {
         let c = c.clone();
@@ -83,7 +94,7 @@ async fn many_calls_in_flight_on_one_connection_are_matched_by_id() {
 #[tokio::test]
 async fn slow_call_does_not_block_fast_calls_behind_it() {
     let (_h, _svc, addr) = start(1 << 20).await;
-    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let slow = {
         let c = c.clone();
         tokio::spawn(async move { c.call::<_, Resp>(&Req::SleepMs(2_000, 1), T).await })
@@ -99,7 +110,7 @@ async fn slow_call_does_not_block_fast_calls_behind_it() {
 #[tokio::test]
 async fn deadline_expires_and_connection_stays_usable() {
     let (_h, _svc, addr) = start(1 << 20).await;
-    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let err = c.call::<_, Resp>(&Req::SleepMs(500, 1), Duration::from_millis(50)).await.unwrap_err();
     assert!(matches!(err, RpcError::Timeout(_)), "{err:?}");
     assert_eq!(err.code(), tycho_proto::ErrorCode::RPC_TIMEOUT);
@@ -109,23 +120,64 @@ async fn deadline_expires_and_connection_stays_usable() {
 
 #[tokio::test]
 async fn silent_peer_times_out() {
-    // A listener that accepts and never answers.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // A listener that accepts and never says a word: the greeting times out.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let _keep = tokio::spawn(async move {
-        let (s, _) = listener.accept().await.unwrap();
-        tokio::time::sleep(Duration::from_secs(30)).await;
-        drop(s);
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let (mut first, _) = listener.accept().unwrap();
+        let (mut second, _) = listener.accept().unwrap();
+        // The second one greets (without a secret), then never answers a call.
+        handshake::serve(&mut second, Protocol::Rpc, None).unwrap();
+        let _ = wait.recv();
+        drop((&mut first, second));
     });
-    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let quick = ClientConfig { connect_timeout: Duration::from_millis(200), auth: ClientAuth::Insecure, ..cfg() };
+    let err = RpcClient::connect(&addr, &quick).await.err().expect("no greeting, no connection");
+    assert!(matches!(err, RpcError::Handshake { .. }), "{err:?}");
+    let c = RpcClient::connect(&addr, &quick).await.unwrap();
     let err = c.call::<_, Resp>(&Req::Echo(1), Duration::from_millis(100)).await.unwrap_err();
     assert!(matches!(err, RpcError::Timeout(_)));
+    drop(done);
+}
+
+/// A connection proves the cluster secret before its first call: without it, or with
+/// another cluster's, it is refused with a typed error naming what to set; a client of an
+/// older frame version gets a greeting it reports as a version mismatch naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_without_the_secret_are_refused() {
+    let (_h, svc, addr) = start(1 << 20).await;
+    let none = ClientConfig { auth: ClientAuth::Insecure, ..cfg() };
+    let err = RpcClient::connect(&addr, &none).await.err().expect("refused");
+    assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_REQUIRED, "{err}");
+    assert!(err.to_string().contains("TYCHO_SECRET_FILE"), "{err}");
+    let other = Arc::new(Secret::from_text(b"another-cluster-secret").unwrap());
+    let wrong = ClientConfig { auth: ClientAuth::Secret(other), ..cfg() };
+    let err = RpcClient::connect(&addr, &wrong).await.err().expect("refused");
+    assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_FAILED, "{err}");
+    let blocking = tycho_rpc::BlockingClient::new(&addr, none);
+    let err =
+        tokio::task::spawn_blocking(move || blocking.call::<_, Resp>(&Req::Echo(1), T).unwrap_err()).await.unwrap();
+    assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_REQUIRED, "{err}");
+    // An old client sends its request at once; the first header it reads carries version 3.
+    let mut old = TcpStream::connect(&addr).await.unwrap();
+    let mut frame = Vec::new();
+    encode_frame(&mut frame, FrameKind::Request, 1, &Req::Echo(1)).unwrap();
+    frame[2] = 2;
+    old.write_all(&frame).await.unwrap();
+    let mut head = [0u8; HEADER_LEN];
+    old.read_exact(&mut head).await.unwrap();
+    assert_eq!(FrameHeader::decode(&head, 1 << 20).unwrap().kind, FrameKind::Hello);
+    assert_eq!(head[2], 3, "an old decoder reports 'unsupported frame version 3 (this build speaks 2)'");
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(T, old.read_to_end(&mut rest)).await.unwrap();
+    assert_eq!(svc.calls.load(Ordering::Relaxed), 0, "no call ran");
 }
 
 #[tokio::test]
 async fn dead_peer_fails_calls_and_pool_reconnects() {
     let (h, _svc, addr) = start(1 << 20).await;
-    let pool = RpcPool::new(ClientConfig::default());
+    let pool = RpcPool::new(cfg());
     let c = pool.get(&addr).await.unwrap();
     let _: Resp = c.call(&Req::Echo(1), T).await.unwrap();
     h.shutdown().await;
@@ -139,15 +191,19 @@ async fn dead_peer_fails_calls_and_pool_reconnects() {
 #[tokio::test]
 async fn garbage_peer_is_disconnected_and_others_are_unaffected() {
     let (h, svc, addr) = start(1 << 20).await;
-    let good = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let good = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let _: Resp = good.call(&Req::Echo(1), T).await.unwrap();
 
     let mut bad = TcpStream::connect(&addr).await.unwrap();
     bad.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    // The server greets, then closes the connection (a reset, as it leaves bytes unread).
+    let mut greeting = [0u8; HEADER_LEN + handshake::SERVER_HELLO_LEN];
+    bad.read_exact(&mut greeting).await.unwrap();
     let mut sink = Vec::new();
-    // The server closes the connection: read returns EOF.
-    let n = tokio::time::timeout(T, bad.read_to_end(&mut sink)).await.unwrap().unwrap();
-    assert_eq!(n, 0);
+    match tokio::time::timeout(T, bad.read_to_end(&mut sink)).await.unwrap() {
+        Ok(n) => assert_eq!(n, 0),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset),
+    }
 
     let r: Resp = good.call(&Req::Echo(2), T).await.unwrap();
     assert_eq!(r, Resp::Echo(2));
@@ -165,8 +221,8 @@ async fn garbage_peer_is_disconnected_and_others_are_unaffected() {
 #[tokio::test]
 async fn oversized_frame_closes_only_that_connection() {
     let (_h, _svc, addr) = start(4096).await;
-    let good = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
-    let big = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let good = RpcClient::connect(&addr, &cfg()).await.unwrap();
+    let big = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let err = big.call::<_, Resp>(&Req::Blob(vec![7; 10_000]), T).await.unwrap_err();
     assert!(matches!(err, RpcError::Closed(_)), "{err:?}");
     let ok: Resp = good.call(&Req::Blob(vec![7; 1000]), T).await.unwrap();
@@ -186,7 +242,7 @@ async fn malformed_payload_gets_an_error_reply_and_connection_survives() {
     }
     let _ = (Wrong::B, Wrong::C, Wrong::D);
     let (_h, _svc, addr) = start(1 << 20).await;
-    let c = RpcClient::connect(&addr, &ClientConfig::default()).await.unwrap();
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
     let r: Resp = c.call(&Wrong::E("x".into()), T).await.unwrap();
     assert!(matches!(r, Resp::Bad(_)), "{r:?}");
     let r: Resp = c.call(&Req::Echo(3), T).await.unwrap();
@@ -196,7 +252,7 @@ async fn malformed_payload_gets_an_error_reply_and_connection_survives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_client_calls_from_plain_threads() {
     let (_h, _svc, addr) = start(1 << 20).await;
-    let client = Arc::new(tycho_rpc::BlockingClient::new(&addr, ClientConfig::default()));
+    let client = Arc::new(tycho_rpc::BlockingClient::new(&addr, cfg()));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let client = client.clone();
@@ -227,7 +283,7 @@ async fn blocking_client_calls_from_plain_threads() {
 async fn blocking_client_moves_frames_larger_than_socket_buffers_with_and_without_polling() {
     let (_h, _svc, addr) = start(64 << 20).await;
     for spin in [Duration::ZERO, tycho_rpc::DEFAULT_SPIN] {
-        let cfg = ClientConfig { max_frame: 64 << 20, spin, ..ClientConfig::default() };
+        let cfg = ClientConfig { max_frame: 64 << 20, spin, ..cfg() };
         let client = tycho_rpc::BlockingClient::new(&addr, cfg);
         tokio::task::spawn_blocking(move || {
             let r: Resp = client.call(&Req::Blob(vec![7; 12 << 20]), T).unwrap();
@@ -247,7 +303,7 @@ async fn blocking_client_moves_frames_larger_than_socket_buffers_with_and_withou
 async fn blocking_client_refuses_oversized_and_garbage_answers() {
     // An answer above the client's frame limit is an error, not an allocation.
     let (_h, _svc, addr) = start(64 << 20).await;
-    let small = tycho_rpc::BlockingClient::new(&addr, ClientConfig { max_frame: 1 << 20, ..ClientConfig::default() });
+    let small = tycho_rpc::BlockingClient::new(&addr, ClientConfig { max_frame: 1 << 20, ..cfg() });
     let err =
         tokio::task::spawn_blocking(move || small.call::<_, Resp>(&Req::Fill(2 << 20), T).unwrap_err()).await.unwrap();
     assert!(matches!(err, RpcError::Frame(_)), "{err:?}");
@@ -258,6 +314,7 @@ async fn blocking_client_refuses_oversized_and_garbage_answers() {
         use std::io::{Read, Write};
         for (i, conn) in listener.incoming().take(3).enumerate() {
             let mut conn = conn.unwrap();
+            handshake::serve(&mut conn, Protocol::Rpc, None).unwrap();
             let mut buf = [0u8; 64];
             let n = conn.read(&mut buf).unwrap_or(0);
             match i {
@@ -277,7 +334,7 @@ async fn blocking_client_refuses_oversized_and_garbage_answers() {
             }
         }
     });
-    let client = tycho_rpc::BlockingClient::new(&addr, ClientConfig::default());
+    let client = tycho_rpc::BlockingClient::new(&addr, ClientConfig { auth: ClientAuth::Insecure, ..cfg() });
     tokio::task::spawn_blocking(move || {
         let garbage = client.call::<_, Resp>(&Req::Echo(1), T).unwrap_err();
         assert!(matches!(garbage, RpcError::Frame(_)), "{garbage:?}");

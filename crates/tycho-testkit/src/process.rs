@@ -107,10 +107,16 @@ impl MasterProc {
     /// Starts a master whose RPC listener is on `port` of 127.0.0.1 (0: any free port), as a
     /// restart test does to bring a master back where its clients look for it.
     pub fn start_on(bin: &str, port: u16, extra: &[&str]) -> MasterProc {
+        MasterProc::start_env(bin, port, extra, &[])
+    }
+
+    /// [`start_on`](Self::start_on) with extra environment variables.
+    pub fn start_env(bin: &str, port: u16, extra: &[&str], env: &[(&str, &str)]) -> MasterProc {
         let mut cmd = Command::new(bin);
         cmd.args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
             .args(["--metrics-address", "127.0.0.1", "--metrics-port", "0"])
-            .args(extra);
+            .args(extra)
+            .envs(env.iter().copied());
         let mut proc = Proc::spawn(&mut cmd).expect("spawn tycho master");
         let rpc = proc.wait_line("tycho master listening on ", STARTUP).expect("tycho master starts");
         let http = proc.wait_line("tycho master admin HTTP on http://", STARTUP).expect("tycho master admin HTTP");
@@ -136,8 +142,15 @@ impl NodeProc {
     /// Starts `<bin> node` against `master` with a segment of `size` (for example `"64MB"`),
     /// its transfer server on a kernel-chosen loopback port.
     pub fn start(bin: &str, master: &str, size: &str) -> NodeProc {
+        NodeProc::start_env(bin, master, size, &[], &[])
+    }
+
+    /// [`start`](Self::start) with extra flags and environment variables.
+    pub fn start_env(bin: &str, master: &str, size: &str, extra: &[&str], env: &[(&str, &str)]) -> NodeProc {
         let mut cmd = Command::new(bin);
-        cmd.args(["node", "--master", master, "--segment-size", size, "--local-hostname", "127.0.0.1:0"]);
+        cmd.args(["node", "--master", master, "--segment-size", size, "--local-hostname", "127.0.0.1:0"])
+            .args(extra)
+            .envs(env.iter().copied());
         let mut proc = Proc::spawn(&mut cmd).expect("spawn tycho node");
         let line = proc.wait_line("tycho node serving ", STARTUP).expect("tycho node starts");
         // "<bytes> bytes at <host:port> (master <addr>)"

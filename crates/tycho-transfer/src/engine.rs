@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ReplicaDesc, SegmentId};
 
 use crate::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
@@ -25,6 +27,8 @@ pub const MAX_PARALLEL: usize = 4;
 const PARALLEL_THRESHOLD: usize = 1 << 20;
 /// How long a retire over TCP waits for its answer.
 const RETIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a peer's transfer server has to complete the connection greeting.
+const GREETING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Idle connections kept per peer.
 const MAX_IDLE_PER_PEER: usize = 16;
 
@@ -74,6 +78,7 @@ impl Part<'_> {
 pub struct TransferEngine {
     host: String,
     force_tcp: bool,
+    auth: ResolvedAuth,
     local: Arc<SegmentRegistry>,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
     mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
@@ -81,11 +86,19 @@ pub struct TransferEngine {
 
 impl TransferEngine {
     /// An engine for a process on `host` that serves `local`; `force_tcp` disables the
-    /// shared-memory transports (for tests and benchmarks).
-    pub fn new(host: &str, force_tcp: bool, local: Arc<SegmentRegistry>) -> TransferEngine {
+    /// shared-memory transports (for tests and benchmarks). With a `secret`, every connection
+    /// to a peer proves it, and the peer must prove it back.
+    pub fn new(
+        host: &str,
+        force_tcp: bool,
+        local: Arc<SegmentRegistry>,
+        secret: Option<Arc<Secret>>,
+    ) -> TransferEngine {
+        let strict = secret.is_some();
         TransferEngine {
             host: host.to_string(),
             force_tcp,
+            auth: ResolvedAuth { secret, strict, origin: "the client's cluster secret".into() },
             local,
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
@@ -153,14 +166,7 @@ impl TransferEngine {
             }
             Transport::Tcp => {
                 let mut s = self.connection(&replica.endpoint)?;
-                let head = XferRequest {
-                    op: XferOp::Retire,
-                    segment: replica.segment,
-                    offset: replica.offset,
-                    len: replica.len,
-                    incarnation: replica.incarnation,
-                    gen: replica.gen,
-                };
+                let head = request(XferOp::Retire, replica, replica.offset, replica.len);
                 // A holder that does not answer (paused, partitioned) must not hold up the write
                 // that retires: give up after a while; the connection is then dropped.
                 s.set_read_timeout(Some(RETIRE_TIMEOUT))?;
@@ -245,8 +251,13 @@ impl TransferEngine {
         if let Some(s) = self.idle.lock().get_mut(endpoint).and_then(Vec::pop) {
             return Ok(s);
         }
-        let s = TcpStream::connect(endpoint)?;
+        let mut s = TcpStream::connect(endpoint)?;
         s.set_nodelay(true)?;
+        s.set_read_timeout(Some(GREETING_TIMEOUT))?;
+        s.set_write_timeout(Some(GREETING_TIMEOUT))?;
+        handshake::connect(&mut s, Service::Transfer, &self.auth, None)?;
+        s.set_read_timeout(None)?;
+        s.set_write_timeout(None)?;
         Ok(s)
     }
 
@@ -264,7 +275,7 @@ impl TransferEngine {
         debug_assert!(len <= MAX_REQUEST_BYTES);
         let mut s = self.connection(&r.endpoint)?;
         let op = if matches!(part, Part::Read { .. }) { XferOp::Read } else { XferOp::Write };
-        let head = XferRequest { op, segment: r.segment, offset, len, incarnation: r.incarnation, gen: r.gen }.encode();
+        let head = request(op, r, offset, len).encode();
         let mut answer = [0u8; ANSWER_LEN];
         match part {
             Part::Read { dst, .. } => {
@@ -301,6 +312,22 @@ impl TransferEngine {
         }
         self.release(&r.endpoint, s);
         Ok(())
+    }
+}
+
+/// The request header moving `len` bytes at segment offset `offset` of replica `r`, with the
+/// replica's capability.
+fn request(op: XferOp, r: &ReplicaDesc, offset: u64, len: u64) -> XferRequest {
+    XferRequest {
+        op,
+        segment: r.segment,
+        offset,
+        len,
+        incarnation: r.incarnation,
+        gen: r.gen,
+        grant_offset: r.offset,
+        grant_len: r.len,
+        cap: r.cap,
     }
 }
 

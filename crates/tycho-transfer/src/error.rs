@@ -19,6 +19,9 @@ pub enum TransferError {
     /// The peer sent something that is not the transfer protocol.
     #[error("transfer protocol error: {0}")]
     Protocol(String),
+    /// The connection greeting failed (another version, a missing or wrong secret).
+    #[error("transfer greeting: {0}")]
+    Handshake(#[from] tycho_proto::auth::handshake::HandshakeError),
 }
 
 impl TransferError {
@@ -33,6 +36,10 @@ impl TransferError {
             TransferError::InvalidRange(_) => ErrorCode::INVALID_PARAMS,
             TransferError::SegmentNotFound => ErrorCode::SEGMENT_NOT_FOUND,
             TransferError::Remote(c) => *c,
+            TransferError::Handshake(e) => match e.code() {
+                ErrorCode::RPC_FAIL => ErrorCode::TRANSFER_FAIL,
+                c => c,
+            },
         }
     }
 }

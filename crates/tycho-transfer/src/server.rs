@@ -1,5 +1,8 @@
 //! The transfer server: serves reads and writes of ranges inside registered segments.
 //!
+//! Every connection starts with the greeting of `tycho_proto::auth::handshake`; with a cluster
+//! secret, every request must carry the master's capability for the range it touches.
+//!
 //! One thread per connection with blocking I/O: bulk transfers are few and long, and a
 //! thread that owns its socket moves bytes between socket and segment with no hand-offs.
 
@@ -8,9 +11,18 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use tycho_proto::ErrorCode;
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+use tycho_proto::auth::capability::{unix_ms, SegmentKey, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::Secret;
+use tycho_proto::{ErrorCode, SegmentId};
 
 use crate::wire::{encode_answer, XferOp, XferRequest, REQUEST_LEN};
+
+/// How long a new connection has to complete its greeting.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 use crate::{SegmentRegistry, TransferError};
 
 /// A running transfer server.
@@ -21,14 +33,25 @@ pub struct TransferServer {
 }
 
 impl TransferServer {
-    /// Binds `bind` and serves `registry` until dropped.
-    pub fn start(bind: &str, registry: Arc<SegmentRegistry>) -> std::io::Result<TransferServer> {
+    /// Binds `bind` and serves `registry` until dropped; see [`serve`](Self::serve).
+    pub fn start(
+        bind: &str,
+        registry: Arc<SegmentRegistry>,
+        secret: Option<Arc<Secret>>,
+    ) -> std::io::Result<TransferServer> {
         let listener = TcpListener::bind(bind)?;
-        Self::serve(listener, registry)
+        Self::serve(listener, registry, secret)
     }
 
-    /// Serves `registry` on an already bound listener.
-    pub fn serve(listener: TcpListener, registry: Arc<SegmentRegistry>) -> std::io::Result<TransferServer> {
+    /// Serves `registry` on an already bound listener. With a `secret`, every connection must
+    /// prove it and every request must carry a capability for its range minted under it;
+    /// without one (`--insecure`), neither is checked.
+    pub fn serve(
+        listener: TcpListener,
+        registry: Arc<SegmentRegistry>,
+        secret: Option<Arc<Secret>>,
+    ) -> std::io::Result<TransferServer> {
+        let guard = Arc::new(Guard { secret, epochs: Mutex::new(HashMap::new()) });
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
@@ -40,8 +63,9 @@ impl TransferServer {
                 let Ok(stream) = conn else { continue };
                 let registry = registry.clone();
                 let stop = stop2.clone();
+                let guard = guard.clone();
                 let _ = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
-                    if let Err(e) = serve_connection(stream, &registry, &stop) {
+                    if let Err(e) = serve_connection(stream, &registry, &guard, &stop) {
                         tracing::debug!(error = %e, "transfer connection closed");
                     }
                 });
@@ -78,8 +102,57 @@ fn drain(stream: &mut TcpStream, mut len: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-fn serve_connection(mut stream: TcpStream, registry: &SegmentRegistry, stop: &AtomicBool) -> Result<(), TransferError> {
+/// What every connection of one server checks requests against.
+struct Guard {
+    secret: Option<Arc<Secret>>,
+    /// Highest group epoch seen on a write capability, per group: a write granted under an
+    /// older epoch comes from a master that no longer owns the group.
+    epochs: Mutex<HashMap<u16, u64>>,
+}
+
+impl Guard {
+    /// Whether `req` carries a valid capability for what it does; `keys` caches segment keys
+    /// for the connection.
+    fn authorize(&self, req: &XferRequest, keys: &mut HashMap<(SegmentId, u32), SegmentKey>) -> Result<(), ErrorCode> {
+        let Some(secret) = &self.secret else { return Ok(()) };
+        if !req.within_grant() {
+            return Err(ErrorCode::CAPABILITY_INVALID);
+        }
+        let rights = if req.op == XferOp::Read { RIGHT_READ } else { RIGHT_WRITE };
+        if keys.len() > 1024 {
+            keys.clear();
+        }
+        let key = keys
+            .entry((req.segment, req.incarnation))
+            .or_insert_with(|| SegmentKey::new(secret, req.segment, req.incarnation));
+        key.check(req.grant_offset, req.grant_len, &req.cap, rights, unix_ms())?;
+        if rights == RIGHT_WRITE {
+            let mut epochs = self.epochs.lock();
+            let seen = epochs.entry(req.cap.group).or_insert(0);
+            if req.cap.epoch < *seen {
+                return Err(ErrorCode::STALE_EPOCH);
+            }
+            *seen = req.cap.epoch;
+        }
+        Ok(())
+    }
+}
+
+fn serve_connection(
+    mut stream: TcpStream,
+    registry: &SegmentRegistry,
+    guard: &Guard,
+    stop: &AtomicBool,
+) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
+    // The greeting must complete within the timeout: a peer that connects and says nothing
+    // does not keep this thread.
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    handshake::serve(&mut stream, Service::Transfer, guard.secret.clone())?;
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    let mut keys = HashMap::new();
     let mut head = [0u8; REQUEST_LEN];
     loop {
         if let Err(e) = stream.read_exact(&mut head) {
@@ -94,14 +167,14 @@ fn serve_connection(mut stream: TcpStream, registry: &SegmentRegistry, stop: &At
         // Not this protocol: nothing after it can be trusted, so the connection closes.
         let req = XferRequest::decode(&head)?;
         let seg = registry.get(req.segment);
-        let checked = match &seg {
+        let checked = guard.authorize(&req, &mut keys).and_then(|()| match &seg {
             None => Err(ErrorCode::SEGMENT_NOT_FOUND),
             Some(_) if req.len == 0 => Err(ErrorCode::INVALID_PARAMS),
             Some(m) => match req.offset.checked_add(req.len) {
                 Some(end) if end <= m.len() as u64 => Ok(m),
                 _ => Err(ErrorCode::INVALID_PARAMS),
             },
-        };
+        });
         let m = match checked {
             Ok(m) => m,
             Err(code) => {

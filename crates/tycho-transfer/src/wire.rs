@@ -1,20 +1,25 @@
-//! The transfer protocol: a fixed 48-byte request header, then for writes the bytes; a fixed
-//! 16-byte answer, then for reads the bytes and a 16-byte trailer. Bulk bytes never pass
-//! through a serializer, so they go from memory to socket and from socket to memory without
-//! extra copies.
+//! The transfer protocol: after the connection greeting (`tycho_proto::auth::handshake`), a
+//! fixed 112-byte request header, then for writes the bytes; a fixed 16-byte answer, then for
+//! reads the bytes and a 16-byte trailer. Bulk bytes never pass through a serializer, so they
+//! go from memory to socket and from socket to memory without extra copies.
 //!
 //! ```text
-//! request:  magic "TYXF" (u32) | op (u8) | version (u8) | 0 0 | segment (u128) | offset (u64)
-//!           | len (u64) | incarnation (u32) | generation (u32)
+//! request:  magic "TYXF" (u32) | op (u8) | version (u8) | rights (u8) | 0 | segment (u128)
+//!           | offset (u64) | len (u64) | incarnation (u32) | generation (u32)
+//!           | grant offset (u64) | grant len (u64) | expiry ms (u64) | epoch (u64)
+//!           | tenant tag (u64) | group (u16) | 0 x6 | capability MAC (16)
 //! answer:   status (i32, 0 or an error code) | 0 (u32) | len (u64)
 //! trailer:  an answer again, after a read's bytes: 0 if the range still carried the request's
 //!           incarnation and generation once every byte was sent, else RANGE_REUSED (the bytes
 //!           sent are not the object's and must be thrown away)
 //! ```
 //!
-//! The server stamps a write's generation on the range before it receives the first byte
-//! (see [`Mapping`](crate::Mapping)).
+//! `offset` and `len` name the bytes this request moves; the grant fields and the MAC are the
+//! master's capability for the whole replica range, which must contain them. The server stamps
+//! a write's generation on the range before it receives the first byte (see
+//! [`Mapping`](crate::Mapping)).
 
+use tycho_proto::auth::capability::Capability;
 use tycho_proto::{ErrorCode, SegmentId};
 
 use crate::TransferError;
@@ -22,9 +27,9 @@ use crate::TransferError;
 /// First bytes of every transfer request.
 pub const XFER_MAGIC: u32 = u32::from_le_bytes(*b"TYXF");
 /// Version of the request layout; a request of another version is refused.
-pub const XFER_VERSION: u8 = 2;
+pub const XFER_VERSION: u8 = 3;
 /// Request header size.
-pub const REQUEST_LEN: usize = 48;
+pub const REQUEST_LEN: usize = 112;
 /// Answer header size.
 pub const ANSWER_LEN: usize = 16;
 /// Largest single request; larger transfers are split by the client. A write header announcing
@@ -57,6 +62,20 @@ pub struct XferRequest {
     pub incarnation: u32,
     /// Generation of the range.
     pub gen: u32,
+    /// Start of the granted replica range inside the segment.
+    pub grant_offset: u64,
+    /// Length of the granted replica range.
+    pub grant_len: u64,
+    /// The master's capability for the granted range.
+    pub cap: Capability,
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
 impl XferRequest {
@@ -66,17 +85,25 @@ impl XferRequest {
         b[0..4].copy_from_slice(&XFER_MAGIC.to_le_bytes());
         b[4] = self.op as u8;
         b[5] = XFER_VERSION;
-        b[40..44].copy_from_slice(&self.incarnation.to_le_bytes());
-        b[44..48].copy_from_slice(&self.gen.to_le_bytes());
+        b[6] = self.cap.rights;
         b[8..24].copy_from_slice(&self.segment.0.to_le_bytes());
         b[24..32].copy_from_slice(&self.offset.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b[40..44].copy_from_slice(&self.incarnation.to_le_bytes());
+        b[44..48].copy_from_slice(&self.gen.to_le_bytes());
+        b[48..56].copy_from_slice(&self.grant_offset.to_le_bytes());
+        b[56..64].copy_from_slice(&self.grant_len.to_le_bytes());
+        b[64..72].copy_from_slice(&self.cap.expires_ms.to_le_bytes());
+        b[72..80].copy_from_slice(&self.cap.epoch.to_le_bytes());
+        b[80..88].copy_from_slice(&self.cap.tenant.to_le_bytes());
+        b[88..90].copy_from_slice(&self.cap.group.to_le_bytes());
+        b[96..112].copy_from_slice(&self.cap.mac);
         b
     }
 
     /// Parses a header; anything that is not a request of this protocol is an error.
     pub fn decode(b: &[u8; REQUEST_LEN]) -> Result<XferRequest, TransferError> {
-        let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+        let magic = u32_at(b, 0);
         if magic != XFER_MAGIC {
             return Err(TransferError::Protocol(format!("bad magic {magic:#010x}")));
         }
@@ -92,7 +119,7 @@ impl XferRequest {
             3 => XferOp::Retire,
             o => return Err(TransferError::Protocol(format!("unknown op {o}"))),
         };
-        let len = u64::from_le_bytes(b[32..40].try_into().expect("8 bytes"));
+        let len = u64_at(b, 32);
         // A retire moves no bytes: its range may be as large as a replica.
         if len > MAX_REQUEST_BYTES && op != XferOp::Retire {
             return Err(TransferError::Protocol(format!("request of {len} bytes exceeds {MAX_REQUEST_BYTES}")));
@@ -100,11 +127,28 @@ impl XferRequest {
         Ok(XferRequest {
             op,
             segment: SegmentId(u128::from_le_bytes(b[8..24].try_into().expect("16 bytes"))),
-            offset: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            offset: u64_at(b, 24),
             len,
-            incarnation: u32::from_le_bytes(b[40..44].try_into().expect("4 bytes")),
-            gen: u32::from_le_bytes(b[44..48].try_into().expect("4 bytes")),
+            incarnation: u32_at(b, 40),
+            gen: u32_at(b, 44),
+            grant_offset: u64_at(b, 48),
+            grant_len: u64_at(b, 56),
+            cap: Capability {
+                rights: b[6],
+                expires_ms: u64_at(b, 64),
+                epoch: u64_at(b, 72),
+                tenant: u64_at(b, 80),
+                group: u16::from_le_bytes([b[88], b[89]]),
+                mac: b[96..112].try_into().expect("16 bytes"),
+            },
         })
+    }
+
+    /// Whether the bytes this request moves lie inside its granted range.
+    pub fn within_grant(&self) -> bool {
+        let end = self.offset.checked_add(self.len);
+        let grant_end = self.grant_offset.checked_add(self.grant_len);
+        matches!((end, grant_end), (Some(e), Some(g)) if self.offset >= self.grant_offset && e <= g)
     }
 }
 
@@ -147,7 +191,14 @@ mod tests {
             len: 4096,
             incarnation: 3,
             gen: 0xdead_beef,
+            grant_offset: 8,
+            grant_len: 8192,
+            cap: Capability { rights: 2, expires_ms: 99, epoch: 4, group: 5, tenant: 6, mac: [7; 16] },
         };
+        assert!(r.within_grant());
+        assert!(!XferRequest { offset: 4, ..r }.within_grant());
+        assert!(!XferRequest { len: 8189, ..r }.within_grant());
+        assert!(!XferRequest { offset: u64::MAX, ..r }.within_grant());
         assert_eq!(XferRequest::decode(&r.encode()).unwrap(), r);
         let mut bad = r.encode();
         bad[0] = b'X';
@@ -156,7 +207,7 @@ mod tests {
         bad[4] = 9;
         assert!(XferRequest::decode(&bad).is_err());
         let mut old = r.encode();
-        old[5] = 1;
+        old[5] = 2;
         assert!(XferRequest::decode(&old).is_err());
         let huge = XferRequest { len: MAX_REQUEST_BYTES + 1, ..r };
         assert!(XferRequest::decode(&huge.encode()).is_err());

@@ -4,9 +4,41 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 
+use tycho_proto::auth::capability::{unix_ms, Capability, SegmentKey, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
-use tycho_transfer::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN};
+use tycho_transfer::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN};
 use tycho_transfer::*;
+
+fn secret() -> Arc<Secret> {
+    Arc::new(Secret::from_text(b"transfer-test-cluster-secret").unwrap())
+}
+
+/// An engine of a process on `host` holding the cluster secret.
+fn engine(host: &str, force_tcp: bool) -> TransferEngine {
+    TransferEngine::new(host, force_tcp, Arc::new(SegmentRegistry::default()), Some(secret()))
+}
+
+/// A capability for `len` bytes at `offset` of segment 1 in incarnation `inc`, as a master
+/// would mint it.
+fn grant(inc: u32, offset: u64, len: u64, rights: u8, expires_ms: u64, epoch: u64) -> Capability {
+    grant_on(1, inc, offset, len, rights, expires_ms, epoch)
+}
+
+/// [`grant`] on segment `seg`.
+fn grant_on(seg: u128, inc: u32, offset: u64, len: u64, rights: u8, expires_ms: u64, epoch: u64) -> Capability {
+    let base = Capability { rights, expires_ms, epoch, group: 0, tenant: 0, mac: [0; 16] };
+    SegmentKey::new(&secret(), SegmentId(seg), inc).mint(offset, len, base)
+}
+
+/// A raw connection that has passed the greeting with the cluster secret.
+fn raw(p: &Peer) -> TcpStream {
+    let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
+    let auth = ResolvedAuth { secret: Some(secret()), strict: true, origin: "test".into() };
+    assert!(handshake::connect(&mut s, Service::Transfer, &auth, None).unwrap());
+    s
+}
 
 struct Peer {
     registry: Arc<SegmentRegistry>,
@@ -18,19 +50,21 @@ fn peer(size: usize) -> Peer {
     let registry = Arc::new(SegmentRegistry::default());
     let mapping = Arc::new(Mapping::create("test", size).unwrap());
     registry.register(SegmentId(1), mapping.clone());
-    let server = TransferServer::start("127.0.0.1:0", registry.clone()).unwrap();
+    let server = TransferServer::start("127.0.0.1:0", registry.clone(), Some(secret())).unwrap();
     Peer { registry, server, mapping }
 }
 
 fn replica(p: &Peer, offset: u64, len: u64, host: &str) -> ReplicaDesc {
+    let inc = p.mapping.incarnation();
     ReplicaDesc {
+        cap: grant(inc, offset, len, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1),
         segment: SegmentId(1),
         offset,
         len,
         endpoint: p.server.local_addr().to_string(),
         host: host.into(),
         shm_path: p.mapping.peer_path(),
-        incarnation: p.mapping.incarnation(),
+        incarnation: inc,
         gen: 1,
     }
 }
@@ -42,8 +76,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[test]
 fn tcp_and_shared_memory_move_the_same_bytes() {
     let p = peer(64 << 20);
-    let tcp = TransferEngine::new("here", true, Arc::new(SegmentRegistry::default()));
-    let shm = TransferEngine::new("here", false, Arc::new(SegmentRegistry::default()));
+    let tcp = engine("here", true);
+    let shm = engine("here", false);
     // 20 MiB: split into slices over several connections.
     let r = replica(&p, 4096, 20 << 20, "here");
     assert_eq!(tcp.transport_for(&r), Transport::Tcp);
@@ -69,10 +103,21 @@ fn tcp_and_shared_memory_move_the_same_bytes() {
 #[test]
 fn bad_requests_are_refused_and_the_connection_survives() {
     let p = peer(1 << 20);
-    let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
+    let mut s = raw(&p);
     let mut answer = [0u8; ANSWER_LEN];
     let mut ask = |op, segment, offset, len, payload: &[u8]| {
-        let req = XferRequest { op, segment: SegmentId(segment), offset, len, incarnation: 0, gen: 1 };
+        let cap = grant_on(segment, 0, offset, len, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+        let req = XferRequest {
+            op,
+            segment: SegmentId(segment),
+            offset,
+            len,
+            incarnation: 0,
+            gen: 1,
+            grant_offset: offset,
+            grant_len: len,
+            cap,
+        };
         s.write_all(&req.encode()).unwrap();
         s.write_all(payload).unwrap();
         s.read_exact(&mut answer).unwrap();
@@ -107,15 +152,16 @@ fn bad_requests_are_refused_and_the_connection_survives() {
 #[test]
 fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
     let p = peer(1 << 20);
-    let tcp = TransferEngine::new("here", true, Arc::new(SegmentRegistry::default()));
-    let shm = TransferEngine::new("here", false, Arc::new(SegmentRegistry::default()));
+    let tcp = engine("here", true);
+    let shm = engine("here", false);
     let old = replica(&p, 4096, 8192, "here");
     shm.write(&old, 0, &pattern(8192, 1)).unwrap();
     let mut out = vec![0u8; 8192];
     tcp.read(&old, 0, &mut out).unwrap();
     assert_eq!(out, pattern(8192, 1));
     // The object goes; a 100-byte value of generation 2 lands in the middle of its range.
-    let new = ReplicaDesc { offset: 8192, len: 100, gen: 2, ..old.clone() };
+    let cap = grant(old.incarnation, 8192, 100, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+    let new = ReplicaDesc { offset: 8192, len: 100, gen: 2, cap, ..old.clone() };
     tcp.write(&new, 0, &pattern(100, 2)).unwrap();
     for engine in [&tcp, &shm] {
         let err = engine.read(&old, 0, &mut out).unwrap_err();
@@ -134,7 +180,8 @@ fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
         assert_eq!(engine.read(&new, 0, &mut v).unwrap_err().code(), ErrorCode::RANGE_REUSED);
         assert_eq!(engine.write(&new, 0, &v).unwrap_err().code(), ErrorCode::RANGE_REUSED);
     }
-    let fresh = ReplicaDesc { incarnation: inc, gen: 1, ..new };
+    let cap = grant(inc, new.offset, new.len, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+    let fresh = ReplicaDesc { incarnation: inc, gen: 1, cap, ..new };
     tcp.write(&fresh, 0, &pattern(100, 3)).unwrap();
     shm.read(&fresh, 0, &mut v).unwrap();
     assert_eq!(v, pattern(100, 3));
@@ -143,7 +190,7 @@ fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
 #[test]
 fn unregistered_segment_is_refused() {
     let p = peer(1 << 20);
-    let engine = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()));
+    let engine = engine("there", true);
     let r = replica(&p, 0, 100, "here");
     engine.write(&r, 0, &[1; 100]).unwrap();
     p.registry.unregister(SegmentId(1));
@@ -156,11 +203,11 @@ fn unregistered_segment_is_refused() {
 #[test]
 fn garbage_closes_only_its_connection() {
     let p = peer(1 << 20);
-    let engine = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()));
+    let engine = engine("there", true);
     let r = replica(&p, 0, 10, "here");
     engine.write(&r, 0, b"0123456789").unwrap();
-    let mut bad = TcpStream::connect(p.server.local_addr()).unwrap();
-    bad.write_all(&[0xee; 48]).unwrap();
+    let mut bad = raw(&p);
+    bad.write_all(&[0xee; REQUEST_LEN]).unwrap();
     let mut buf = Vec::new();
     assert_eq!(bad.read_to_end(&mut buf).unwrap(), 0, "server closes the garbage connection");
     let mut out = [0u8; 10];
@@ -171,7 +218,7 @@ fn garbage_closes_only_its_connection() {
 #[test]
 fn engine_checks_object_bounds_before_sending() {
     let p = peer(1 << 20);
-    let engine = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()));
+    let engine = engine("there", true);
     let r = replica(&p, 0, 10, "here");
     assert_eq!(engine.write(&r, 5, &[0; 10]).unwrap_err().code(), ErrorCode::INVALID_PARAMS);
     assert_eq!(engine.write(&r, 0, &[]).unwrap_err().code(), ErrorCode::INVALID_PARAMS);
@@ -180,7 +227,7 @@ fn engine_checks_object_bounds_before_sending() {
 #[test]
 fn batch_succeeds_only_if_every_part_does() {
     let p = peer(8 << 20);
-    let engine = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()));
+    let engine = engine("there", true);
     let a = replica(&p, 0, 2 << 20, "here");
     let b = replica(&p, 2 << 20, 2 << 20, "here");
     let (da, db) = (pattern(2 << 20, 1), pattern(2 << 20, 2));
@@ -192,7 +239,13 @@ fn batch_succeeds_only_if_every_part_does() {
         .run(vec![Part::Read { replica: &a, at: 0, dst: &mut ra }, Part::Read { replica: &b, at: 0, dst: &mut rb }])
         .unwrap();
     assert!(ra == da && rb == db);
-    let missing = ReplicaDesc { segment: SegmentId(99), ..a.clone() };
+    // A grant names its segment: one for segment 1 does not open segment 99; a real grant for
+    // a segment this peer does not serve finds nothing.
+    let foreign = ReplicaDesc { segment: SegmentId(99), ..a.clone() };
+    let err = engine.run(vec![Part::Read { replica: &foreign, at: 0, dst: &mut rb }]).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::CAPABILITY_INVALID);
+    let cap = grant_on(99, 0, a.offset, a.len, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+    let missing = ReplicaDesc { segment: SegmentId(99), cap, ..a.clone() };
     let err = engine
         .run(vec![
             Part::Read { replica: &a, at: 0, dst: &mut ra },
@@ -200,4 +253,83 @@ fn batch_succeeds_only_if_every_part_does() {
         ])
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::SEGMENT_NOT_FOUND);
+}
+
+/// Every request needs the master's capability for a range containing it, with the right it
+/// uses, unexpired, and (for writes) from a group epoch no older than one already seen;
+/// anything else is refused with a typed code and changes nothing.
+#[test]
+fn transfers_need_a_capability_for_their_range() {
+    let p = peer(1 << 20);
+    let e = engine("there", true);
+    let good = replica(&p, 8192, 4096, "here");
+    e.write(&good, 0, &pattern(4096, 1)).unwrap();
+    let mut out = vec![0u8; 4096];
+    let refused = |r: &ReplicaDesc, want: ErrorCode| {
+        let mut buf = vec![0u8; r.len as usize];
+        assert_eq!(e.read(r, 0, &mut buf).unwrap_err().code(), want, "read {r:?}");
+        assert_eq!(e.write(r, 0, &pattern(r.len as usize, 9)).unwrap_err().code(), want, "write {r:?}");
+    };
+    // No capability, a forged one, one for another range or segment generation.
+    refused(&ReplicaDesc { cap: Capability::default(), ..good.clone() }, ErrorCode::CAPABILITY_INVALID);
+    refused(
+        &ReplicaDesc { cap: Capability { mac: [7; 16], ..good.cap }, ..good.clone() },
+        ErrorCode::CAPABILITY_INVALID,
+    );
+    refused(&ReplicaDesc { offset: 0, len: 8192 + 4096, ..good.clone() }, ErrorCode::CAPABILITY_INVALID);
+    refused(
+        &ReplicaDesc { cap: Capability { expires_ms: u64::MAX, ..good.cap }, ..good.clone() },
+        ErrorCode::CAPABILITY_INVALID,
+    );
+    let other_gen =
+        ReplicaDesc { cap: grant(7, 8192, 4096, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1), ..good.clone() };
+    refused(&other_gen, ErrorCode::CAPABILITY_INVALID);
+    // Expired.
+    let expired =
+        ReplicaDesc { cap: grant(0, 8192, 4096, RIGHT_READ | RIGHT_WRITE, unix_ms() - 60_000, 1), ..good.clone() };
+    refused(&expired, ErrorCode::CAPABILITY_EXPIRED);
+    // A read grant does not write; a write grant does not read.
+    let read_only = ReplicaDesc { cap: grant(0, 8192, 4096, RIGHT_READ, unix_ms() + 60_000, 1), ..good.clone() };
+    e.read(&read_only, 0, &mut out).unwrap();
+    assert_eq!(e.write(&read_only, 0, &out).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    assert_eq!(e.retire(&read_only).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    let write_only = ReplicaDesc { cap: grant(0, 8192, 4096, RIGHT_WRITE, unix_ms() + 60_000, 1), ..good.clone() };
+    assert_eq!(e.read(&write_only, 0, &mut out).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    // A write granted under a newer epoch fences writes granted under older ones.
+    let newer =
+        ReplicaDesc { cap: grant(0, 8192, 4096, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 2), ..good.clone() };
+    e.write(&newer, 0, &pattern(4096, 2)).unwrap();
+    assert_eq!(e.write(&good, 0, &pattern(4096, 3)).unwrap_err().code(), ErrorCode::STALE_EPOCH);
+    // None of the refused writes changed a byte.
+    e.read(&good, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(4096, 2));
+}
+
+/// A connection must prove the cluster secret before any request: none, or another
+/// cluster's, is refused with its reason; a client that holds a secret refuses a server that
+/// cannot prove it.
+#[test]
+fn connections_must_prove_the_secret() {
+    let p = peer(1 << 20);
+    let r = replica(&p, 0, 100, "here");
+    let mut out = [0u8; 100];
+    let none = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()), None);
+    let err = none.read(&r, 0, &mut out).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::AUTH_REQUIRED, "{err}");
+    assert!(err.to_string().contains("TYCHO_SECRET_FILE"), "{err}");
+    let other = Arc::new(Secret::from_text(b"another-cluster-secret").unwrap());
+    let wrong = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()), Some(other));
+    assert_eq!(wrong.read(&r, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_FAILED);
+    // Raw bytes without a greeting: the server answers its greeting, then closes.
+    let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
+    s.write_all(&[0u8; 200]).unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    assert!(buf.len() < 100, "only the greeting comes back, no data: {} bytes", buf.len());
+    // A server without the secret is refused by a client holding one.
+    let registry = Arc::new(SegmentRegistry::default());
+    registry.register(SegmentId(1), p.mapping.clone());
+    let open = TransferServer::start("127.0.0.1:0", registry, None).unwrap();
+    let r2 = ReplicaDesc { endpoint: open.local_addr().to_string(), ..r.clone() };
+    assert_eq!(engine("there", true).read(&r2, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_FAILED);
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use tycho_master::{run_housekeeping, Master, MasterConfig, MasterRpc, SystemClock};
+use tycho_proto::auth::{ClientAuth, Secret};
 use tycho_proto::AllocStrategy;
 use tycho_rpc::{serve, ServerConfig};
 
@@ -77,9 +78,66 @@ pub struct MasterArgs {
     /// Seconds a self-probe may take before it counts as failed.
     #[arg(long = "rpc-probe-timeout", alias = "rpc_probe_timeout_seconds", default_value_t = 3.0)]
     pub rpc_probe_timeout: f64,
+    /// Cluster secret and authentication.
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// `mooncake_master` flags Tycho does not implement, set aside before parsing.
     #[arg(skip)]
     pub mooncake_flags: Vec<crate::mooncake_flags::Unhandled>,
+}
+
+/// How a process authenticates: the cluster secret, or `--insecure`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SecurityArgs {
+    /// File holding the cluster secret (mode 0600). Default: `TYCHO_SECRET_FILE`, else
+    /// `TYCHO_SECRET`, else (a master) the file it keeps for its port in the runtime directory,
+    /// created on first start, or (a node) the file of its master's port there.
+    #[arg(long = "secret-file", value_name = "PATH")]
+    pub secret_file: Option<std::path::PathBuf>,
+    /// Run without authentication or capabilities: anyone who reaches the ports may read,
+    /// overwrite and delete everything. For benchmarks and isolated test machines only.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+impl SecurityArgs {
+    /// The secret a server listening on `port` uses, announced on stdout; `None` with
+    /// `--insecure`, announced on stderr.
+    pub fn server_secret(&self, port: u16) -> Result<Option<Arc<Secret>>, String> {
+        use tycho_proto::auth::files::{self, Origin};
+        if self.insecure {
+            eprintln!(
+                "WARNING: --insecure: no authentication and no capabilities; anyone who can reach port {port} or a \
+                 node may read, overwrite and delete every object"
+            );
+            return Ok(None);
+        }
+        let (secret, origin) = files::server_secret(self.secret_file.as_deref(), &files::port_name(port))
+            .map_err(|e| format!("cluster secret: {e}"))?;
+        let fp = secret.fingerprint();
+        match origin {
+            Origin::Given(from) => println!("cluster secret from {from} (fingerprint {fp})"),
+            Origin::Reused(p) | Origin::Created(p) => println!(
+                "cluster secret in {} (fingerprint {fp}); processes of this user on this host find it; \
+                 elsewhere set TYCHO_SECRET_FILE to a copy (docs/security.md)",
+                p.display()
+            ),
+        }
+        Ok(Some(Arc::new(secret)))
+    }
+
+    /// How a client process (a node) authenticates.
+    pub fn client_auth(&self) -> Result<tycho_client::ClientAuth, String> {
+        if self.insecure {
+            return Ok(tycho_client::ClientAuth::Insecure);
+        }
+        match &self.secret_file {
+            Some(p) => tycho_proto::auth::files::load(p)
+                .map(|s| tycho_client::ClientAuth::Secret(Arc::new(s)))
+                .map_err(|e| format!("cluster secret: {e}")),
+            None => Ok(tycho_client::ClientAuth::Discover),
+        }
+    }
 }
 
 fn duration_ms(s: &str) -> Result<u64, String> {
@@ -91,7 +149,7 @@ fn duration_s(s: &str) -> Result<u64, String> {
 }
 
 impl MasterArgs {
-    fn admin(&self, rpc_addr: SocketAddr) -> Result<tycho_master::AdminConfig, String> {
+    fn admin(&self, rpc_addr: SocketAddr, secret: Option<Arc<Secret>>) -> Result<tycho_master::AdminConfig, String> {
         let sane = |v: f64| v.is_finite() && v > 0.0 && v <= 86_400.0;
         if !(sane(self.rpc_probe_interval) && sane(self.rpc_probe_timeout)) {
             return Err(
@@ -106,6 +164,7 @@ impl MasterArgs {
                 interval: Duration::from_secs_f64(self.rpc_probe_interval),
                 timeout: Duration::from_secs_f64(self.rpc_probe_timeout),
             }),
+            probe_auth: probe_auth(secret),
         })
     }
 }
@@ -163,6 +222,14 @@ pub struct UpArgs {
     /// Port of the admin HTTP server (loopback).
     #[arg(long = "metrics-port", default_value_t = 9003)]
     pub metrics_port: u16,
+    /// Cluster secret and authentication.
+    #[command(flatten)]
+    pub security: SecurityArgs,
+}
+
+/// How a master's own probe authenticates: with the master's secret, or not at all.
+fn probe_auth(secret: Option<Arc<Secret>>) -> ClientAuth {
+    secret.map_or(ClientAuth::Insecure, ClientAuth::Secret)
 }
 
 fn runtime(threads: usize) -> tokio::runtime::Runtime {
@@ -185,25 +252,26 @@ pub fn run_master(args: MasterArgs) -> i32 {
     let rt = runtime(args.rpc_thread_num);
     rt.block_on(async move {
         let addr = format!("{}:{}", args.rpc_address, args.rpc_port);
-        let running = match start_master(&addr, cfg, args.max_frame_bytes).await {
+        let running = match start_master(&addr, cfg, args.max_frame_bytes, &args.security).await {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("error: cannot listen on {addr}: {e}");
-                return 1;
-            }
-        };
-        let admin = match args.admin(running.addr).map_err(std::io::Error::other).and_then(|cfg| {
-            let bind = cfg.bind.clone();
-            tycho_master::start_admin(cfg, running.master.clone(), running.metrics.clone())
-                .map_err(|e| std::io::Error::other(format!("admin HTTP on {bind}: {e}")))
-        }) {
-            Ok(a) => a,
-            Err(e) => {
                 eprintln!("error: {e}");
-                running.stop().await;
                 return 1;
             }
         };
+        let admin =
+            match args.admin(running.addr, running.secret.clone()).map_err(std::io::Error::other).and_then(|cfg| {
+                let bind = cfg.bind.clone();
+                tycho_master::start_admin(cfg, running.master.clone(), running.metrics.clone())
+                    .map_err(|e| std::io::Error::other(format!("admin HTTP on {bind}: {e}")))
+            }) {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    running.stop().await;
+                    return 1;
+                }
+            };
         let signals = Signals::install();
         admin.probe().set_serving(true);
         println!("tycho master listening on {}", running.addr);
@@ -221,14 +289,19 @@ pub fn run_master(args: MasterArgs) -> i32 {
 pub fn run_up(args: UpArgs) -> i32 {
     let rt = runtime(0);
     let addr = format!("127.0.0.1:{}", args.rpc_port);
-    let running = match rt.block_on(start_master(&addr, MasterConfig::default(), tycho_proto::frame::DEFAULT_MAX_FRAME))
-    {
+    let running = match rt.block_on(start_master(
+        &addr,
+        MasterConfig::default(),
+        tycho_proto::frame::DEFAULT_MAX_FRAME,
+        &args.security,
+    )) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: cannot listen on {addr}: {e} (is another master running? pass --rpc-port)");
+            eprintln!("error: {e} (is another master running? pass --rpc-port)");
             return 1;
         }
     };
+    let auth = probe_auth(running.secret.clone());
     let master_addr = running.addr.to_string();
     let admin_cfg = tycho_master::AdminConfig {
         bind: format!("127.0.0.1:{}", args.metrics_port),
@@ -237,6 +310,7 @@ pub fn run_up(args: UpArgs) -> i32 {
             interval: tycho_master::DEFAULT_PROBE_INTERVAL,
             timeout: tycho_master::DEFAULT_PROBE_TIMEOUT,
         }),
+        probe_auth: auth.clone(),
     };
     let admin = match tycho_master::start_admin(admin_cfg, running.master.clone(), running.metrics.clone()) {
         Ok(a) => a,
@@ -253,6 +327,7 @@ pub fn run_up(args: UpArgs) -> i32 {
     let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
     node_cfg.segment_size = args.segment_size;
     node_cfg.staging_buffer_size = 0;
+    node_cfg.auth = auth.clone();
     let node = match tycho_client::Client::connect(node_cfg) {
         Ok(n) => n,
         Err(e) => {
@@ -266,7 +341,7 @@ pub fn run_up(args: UpArgs) -> i32 {
     println!("  master RPC     {master_addr}");
     println!("  node segment   {} bytes, transfer server {}", args.segment_size, node.hostname());
     println!("  admin HTTP     http://{}  (/readyz /livez /metrics)", admin.local_addr());
-    match self_check(&master_addr) {
+    match self_check(&master_addr, &auth) {
         Ok(line) => println!("  self-check     {line}"),
         Err(e) => println!("  self-check     FAILED: {e}"),
     }
@@ -281,8 +356,10 @@ pub fn run_up(args: UpArgs) -> i32 {
 }
 
 /// Puts, gets and removes a test object through a separate client; reports the latencies.
-fn self_check(master: &str) -> Result<String, String> {
-    let client = tycho_client::Client::connect(tycho_client::ClientConfig::new(master)).map_err(|e| e.to_string())?;
+fn self_check(master: &str, auth: &ClientAuth) -> Result<String, String> {
+    let mut cfg = tycho_client::ClientConfig::new(master);
+    cfg.auth = auth.clone();
+    let client = tycho_client::Client::connect(cfg).map_err(|e| e.to_string())?;
     let key = format!("tycho-up-self-check-{}", std::process::id());
     let value: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
     let t = std::time::Instant::now();
@@ -301,6 +378,7 @@ fn self_check(master: &str) -> Result<String, String> {
 
 struct RunningMaster {
     addr: SocketAddr,
+    secret: Option<Arc<Secret>>,
     master: Arc<Master>,
     metrics: Arc<tycho_master::RpcMetrics>,
     server: tycho_rpc::ServerHandle,
@@ -316,13 +394,27 @@ impl RunningMaster {
     }
 }
 
-async fn start_master(addr: &str, cfg: MasterConfig, max_frame: u32) -> std::io::Result<RunningMaster> {
+/// Binds `addr`, settles the cluster secret (named after the bound port when it comes from the
+/// runtime directory) and starts serving.
+async fn start_master(
+    addr: &str,
+    mut cfg: MasterConfig,
+    max_frame: u32,
+    security: &SecurityArgs,
+) -> Result<RunningMaster, String> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+    let secret = security.server_secret(port)?;
+    cfg.secret = secret.clone();
     let master = Arc::new(Master::new(cfg, Arc::new(SystemClock::new())));
     let metrics = Arc::new(tycho_master::RpcMetrics::default());
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let server =
-        serve(listener, Arc::new(MasterRpc::new(master.clone(), metrics.clone())), ServerConfig { max_frame })?;
+    let server = serve(
+        listener,
+        Arc::new(MasterRpc::new(master.clone(), metrics.clone())),
+        ServerConfig { max_frame, secret: secret.clone() },
+    )
+    .map_err(|e| e.to_string())?;
     let stop = Arc::new(AtomicBool::new(false));
     let housekeeping = run_housekeeping(master.clone(), Duration::from_millis(100), stop.clone());
-    Ok(RunningMaster { addr: server.local_addr(), master, metrics, server, stop, housekeeping })
+    Ok(RunningMaster { addr: server.local_addr(), secret, master, metrics, server, stop, housekeeping })
 }

@@ -21,12 +21,16 @@ pub struct NodeArgs {
     /// auto (shared memory on the same host, else TCP) or tcp.
     #[arg(long, default_value = "auto")]
     pub protocol: Protocol,
+    /// Cluster secret and authentication.
+    #[command(flatten)]
+    pub security: crate::master_cmd::SecurityArgs,
 }
 
 impl NodeArgs {
     /// The client configuration of a node.
-    pub fn client_config(&self) -> ClientConfig {
+    pub fn client_config(&self) -> Result<ClientConfig, String> {
         let mut cfg = ClientConfig::new(&self.master);
+        cfg.auth = self.security.client_auth()?;
         cfg.segment_size = self.segment_size;
         cfg.local_hostname = self.local_hostname.clone();
         if let Some(h) = &self.host_id {
@@ -34,13 +38,20 @@ impl NodeArgs {
         }
         cfg.protocol = self.protocol;
         cfg.staging_buffer_size = 0;
-        cfg
+        Ok(cfg)
     }
 }
 
 /// Runs a node until SIGINT or SIGTERM, then unmounts cleanly.
 pub fn run(args: NodeArgs) -> i32 {
-    let client = match Client::connect(args.client_config()) {
+    let cfg = match args.client_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let client = match Client::connect(cfg) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: cannot start the node against {}: {e}: {}", args.master, e.hint());

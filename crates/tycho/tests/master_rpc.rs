@@ -123,7 +123,12 @@ async fn object_surface_over_rpc() {
     let Response::Replicas(before) = c.call(Request::GetReplicaList(q("k1"))).await else { panic!() };
     assert!(matches!(c.call(Request::UpsertStart(start(a, "k1", 2000, 1))).await, Response::WriteStarted(_)));
     // The end names the replaced value's ranges, for the writer to retire.
-    assert_eq!(c.call(Request::UpsertEnd(fin(a, "k1"))).await, Response::Committed(before.replicas));
+    let Response::Committed(replaced) = c.call(Request::UpsertEnd(fin(a, "k1"))).await else { panic!() };
+    let ranges = |l: &[ReplicaDesc]| l.iter().map(|r| (r.segment, r.offset, r.len, r.gen)).collect::<Vec<_>>();
+    assert_eq!(ranges(&replaced), ranges(&before.replicas));
+    // Granted for retiring (a write), where the read list granted reading.
+    use tycho_proto::auth::capability::{RIGHT_READ, RIGHT_WRITE};
+    assert_eq!((replaced[0].cap.rights, before.replicas[0].cap.rights), (RIGHT_WRITE, RIGHT_READ));
     let Response::Replicas(l) = c.call(Request::GetReplicaList(q("k1"))).await else { panic!() };
     assert_eq!(l.size, 2000);
 
@@ -238,18 +243,33 @@ async fn object_surface_over_rpc() {
 async fn oversized_and_garbage_frames_are_refused_without_harm() {
     let m = start_master(&["--max-frame-bytes", "65536"]);
     let good = C::connect(&m.rpc).await;
-    // A header announcing 1 GiB: the master closes that connection without reading it.
-    let mut raw = tokio::net::TcpStream::connect(&m.rpc).await.unwrap();
     let h = frame::FrameHeader { kind: frame::FrameKind::Request, len: 1 << 30, request_id: 1 };
-    let mut buf = [0u8; frame::HEADER_LEN];
-    h.encode(&mut buf);
-    raw.write_all(&buf).await.unwrap();
-    let mut rest = Vec::new();
-    assert_eq!(tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await.unwrap().unwrap(), 0);
-    // Garbage.
+    let mut huge = [0u8; frame::HEADER_LEN];
+    h.encode(&mut huge);
+    // Reads what the master sends until it closes the connection; the count of bytes.
+    async fn until_closed(raw: &mut tokio::net::TcpStream) -> usize {
+        let mut rest = Vec::new();
+        match tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await.unwrap() {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => rest.len(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let greeting = frame::HEADER_LEN + tycho_proto::auth::handshake::SERVER_HELLO_LEN;
+    // Before the greeting: a header announcing 1 GiB, or garbage, is answered by nothing but
+    // the master's own greeting, and the connection closes.
+    for bytes in [&huge[..], &[0xde; 64][..]] {
+        let mut raw = tokio::net::TcpStream::connect(&m.rpc).await.unwrap();
+        raw.write_all(bytes).await.unwrap();
+        assert_eq!(until_closed(&mut raw).await, greeting);
+    }
+    // After it: the 1 GiB header closes the connection without being read.
     let mut raw = tokio::net::TcpStream::connect(&m.rpc).await.unwrap();
-    raw.write_all(&[0xde; 64]).await.unwrap();
-    assert_eq!(tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest)).await.unwrap().unwrap(), 0);
+    let auth = tycho_proto::auth::ClientAuth::Discover.resolve(&m.rpc).unwrap();
+    let service = tycho_proto::auth::handshake::Service::Rpc;
+    assert!(tycho_rpc::greet::connect(&mut raw, service, &auth, None, Duration::from_secs(5)).await.unwrap());
+    raw.write_all(&huge).await.unwrap();
+    assert_eq!(until_closed(&mut raw).await, 0);
     assert_eq!(good.call(Request::ServiceReady).await, Response::ServiceReady(true));
     assert_eq!(stats(&good).await.objects, 0);
 }

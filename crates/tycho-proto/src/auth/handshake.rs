@@ -1,0 +1,488 @@
+//! The greeting at the start of every RPC and transfer connection.
+//!
+//! ```text
+//! server -> client  Hello frame: service (u8) | flags (u8, bit 0: secret required) | 0 x6
+//!                   | server nonce (16)
+//! client -> server  Hello frame: service (u8) | flags (u8, bit 0: proof, bit 1: credential)
+//!                   | 0 x6 | client nonce (16) | proof (32) | client id (16) | credential proof (32)
+//! server -> client  Hello frame: status (i32, 0 or an error code) | 0 x4 | server proof (32)
+//! ```
+//!
+//! Hello frames are ordinary frames (kind 2) of at most [`HELLO_MAX`] bytes, so a peer of
+//! another frame version fails on the first header it reads with an error naming both
+//! versions. The proofs are HMAC-SHA256 under a key derived from the cluster secret, over
+//! both nonces and the service: a recorded greeting cannot be replayed on a new connection,
+//! and a connection to one service cannot be passed off on another. The server proves the
+//! secret too, so a client never talks to an impostor that took a master's port.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+
+use super::{mac32, random_bytes, same_mac, ResolvedAuth, Secret, SECRET_FILE_ENV};
+use crate::frame::{FrameError, FrameHeader, FrameKind, FRAME_VERSION, HEADER_LEN};
+use crate::ErrorCode;
+
+/// Largest greeting frame payload; anything larger is refused before it is buffered.
+pub const HELLO_MAX: u32 = 256;
+/// Length of a server's opening greeting payload.
+pub const SERVER_HELLO_LEN: usize = 24;
+/// Length of a client's greeting payload.
+pub const CLIENT_HELLO_LEN: usize = 104;
+/// Length of the server's closing answer payload.
+pub const SERVER_FINISH_LEN: usize = 40;
+
+/// Which protocol follows the greeting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// Master RPC frames.
+    Rpc = 1,
+    /// Transfer requests.
+    Transfer = 2,
+}
+
+impl Service {
+    fn from_u8(b: u8) -> Option<Service> {
+        match b {
+            1 => Some(Service::Rpc),
+            2 => Some(Service::Transfer),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Service::Rpc => "master RPC",
+            Service::Transfer => "transfer",
+        }
+    }
+}
+
+/// A client identity proven on a connection: its id and the credential the master issued.
+#[derive(Clone)]
+pub struct Identity {
+    /// The client id.
+    pub client: u128,
+    /// Its credential (see [`credential`]).
+    pub credential: [u8; 32],
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Identity({:032x})", self.client)
+    }
+}
+
+/// The credential of client `id`: what the master issues to it at registration and what it
+/// proves on every later connection.
+pub fn credential(secret: &Secret, id: u128) -> [u8; 32] {
+    secret.derive("client credential v1", &[&id.to_le_bytes()])
+}
+
+/// What a server learned about the peer of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Peer {
+    /// The peer proved the cluster secret (false only on servers that do not ask for it).
+    pub authenticated: bool,
+    /// The client id whose credential the peer proved, if it presented one.
+    pub client: Option<u128>,
+}
+
+/// Why a greeting failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The connection failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The peer speaks another frame version.
+    #[error("the peer speaks Tycho frame version {peer}, this build speaks {ours}; run the same Tycho release on both sides")]
+    Version {
+        /// The peer's version.
+        peer: u8,
+        /// This build's.
+        ours: u8,
+    },
+    /// The peer's bytes are not a Tycho greeting.
+    #[error("the peer does not greet in the Tycho protocol: {0}")]
+    NotTycho(String),
+    /// The server closed the connection before it greeted.
+    #[error(
+        "the server closed the connection before greeting; it may run a Tycho older than frame version {FRAME_VERSION}"
+    )]
+    ClosedEarly,
+    /// The port serves another protocol.
+    #[error("the port serves the {found} protocol, not {wanted}")]
+    WrongService {
+        /// What the server offers.
+        found: &'static str,
+        /// What the client asked for.
+        wanted: &'static str,
+    },
+    /// The server requires the cluster secret and this process has none.
+    #[error(
+        "the server requires the cluster secret and this process has none: set {SECRET_FILE_ENV}=<path of a copy of the \
+         master's secret file> (or TYCHO_SECRET=<the secret>); see docs/security.md"
+    )]
+    SecretRequired,
+    /// The server refused the client's proof.
+    #[error("the server refused this connection: {0} ({hint})", hint = .0.hint())]
+    Refused(ErrorCode),
+    /// The client's proof is wrong (seen by a server).
+    #[error("the peer's proof of the cluster secret is wrong")]
+    BadClientProof,
+    /// The client's credential proof is wrong (seen by a server).
+    #[error("the peer's client credential is wrong")]
+    BadCredential,
+    /// The peer sent no proof though the secret is required (seen by a server).
+    #[error("the peer did not present the cluster secret")]
+    MissingProof,
+    /// The server could not prove the secret: another cluster's server, or an impostor.
+    #[error("the server could not prove it holds this cluster secret ({origin}): it belongs to another cluster or is an impostor")]
+    BadServerProof {
+        /// Where the client's secret came from.
+        origin: String,
+    },
+    /// A client given a secret explicitly reached a server that asks for none.
+    #[error(
+        "the server runs without authentication (--insecure) but this client was given a cluster secret ({origin}); \
+         set TYCHO_INSECURE=1 to talk to it anyway"
+    )]
+    ServerInsecure {
+        /// Where the client's secret came from.
+        origin: String,
+    },
+}
+
+impl HandshakeError {
+    /// The typed code a caller reports for this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            HandshakeError::Io(_) | HandshakeError::ClosedEarly => ErrorCode::RPC_FAIL,
+            HandshakeError::Version { .. } | HandshakeError::NotTycho(_) | HandshakeError::WrongService { .. } => {
+                ErrorCode::INVALID_VERSION
+            }
+            HandshakeError::SecretRequired | HandshakeError::MissingProof => ErrorCode::AUTH_REQUIRED,
+            HandshakeError::Refused(c) => *c,
+            HandshakeError::BadClientProof
+            | HandshakeError::BadCredential
+            | HandshakeError::BadServerProof { .. }
+            | HandshakeError::ServerInsecure { .. } => ErrorCode::AUTH_FAILED,
+        }
+    }
+}
+
+impl From<FrameError> for HandshakeError {
+    fn from(e: FrameError) -> Self {
+        match e {
+            FrameError::UnsupportedVersion(v) => HandshakeError::Version { peer: v, ours: FRAME_VERSION },
+            other => HandshakeError::NotTycho(other.to_string()),
+        }
+    }
+}
+
+fn hello_frame(payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; HEADER_LEN];
+    let header = FrameHeader { kind: FrameKind::Hello, len: payload.len() as u32, request_id: 0 };
+    header.encode((&mut out[..HEADER_LEN]).try_into().expect("header length"));
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Parses a greeting frame held whole in `buf` (header and payload); used by the decoders and
+/// the fuzz targets.
+pub fn split_hello(buf: &[u8]) -> Result<&[u8], HandshakeError> {
+    let head: &[u8; HEADER_LEN] =
+        buf.first_chunk().ok_or_else(|| HandshakeError::NotTycho(format!("{} bytes of greeting", buf.len())))?;
+    let h = FrameHeader::decode(head, HELLO_MAX)?;
+    if h.kind != FrameKind::Hello {
+        return Err(HandshakeError::NotTycho(format!("a {:?} frame where a greeting belongs", h.kind)));
+    }
+    buf.get(HEADER_LEN..HEADER_LEN + h.len as usize)
+        .ok_or_else(|| HandshakeError::NotTycho("truncated greeting".into()))
+}
+
+/// Reads one greeting frame and returns its payload.
+pub fn read_hello<R: Read>(r: &mut R) -> Result<Vec<u8>, HandshakeError> {
+    let mut head = [0u8; HEADER_LEN];
+    r.read_exact(&mut head)?;
+    let h = FrameHeader::decode(&head, HELLO_MAX)?;
+    if h.kind != FrameKind::Hello {
+        return Err(HandshakeError::NotTycho(format!("a {:?} frame where a greeting belongs", h.kind)));
+    }
+    let mut payload = vec![0u8; h.len as usize];
+    r.read_exact(&mut payload)?;
+    Ok(payload)
+}
+
+fn conn_key(secret: &Secret) -> [u8; 32] {
+    secret.derive("connection v1", &[])
+}
+
+/// The server's half of a greeting in progress.
+pub struct ServerSide {
+    service: Service,
+    nonce: [u8; 16],
+    secret: Option<Arc<Secret>>,
+}
+
+impl ServerSide {
+    /// Starts a greeting; returns the frame to send first.
+    pub fn start(service: Service, secret: Option<Arc<Secret>>) -> Result<(ServerSide, Vec<u8>), HandshakeError> {
+        let mut nonce = [0u8; 16];
+        random_bytes(&mut nonce).map_err(|e| HandshakeError::Io(std::io::Error::other(e.to_string())))?;
+        let mut p = [0u8; SERVER_HELLO_LEN];
+        p[0] = service as u8;
+        p[1] = u8::from(secret.is_some());
+        p[8..24].copy_from_slice(&nonce);
+        Ok((ServerSide { service, nonce, secret }, hello_frame(&p)))
+    }
+
+    /// Checks the client's greeting payload; returns the frame to answer with (sent whether or
+    /// not the client is accepted, so that it learns why) and the verdict.
+    pub fn finish(&self, payload: &[u8]) -> (Vec<u8>, Result<Peer, HandshakeError>) {
+        let verdict = self.check(payload);
+        let mut p = [0u8; SERVER_FINISH_LEN];
+        match &verdict {
+            Ok(_) => {
+                if let (Some(secret), Some(cn)) = (&self.secret, payload.get(8..24)) {
+                    let proof = mac32(&conn_key(secret), "server hello v1", &[&[self.service as u8], cn, &self.nonce]);
+                    p[8..40].copy_from_slice(&proof);
+                }
+            }
+            Err(e) => p[0..4].copy_from_slice(&e.code().as_i32().to_le_bytes()),
+        }
+        (hello_frame(&p), verdict)
+    }
+
+    fn check(&self, payload: &[u8]) -> Result<Peer, HandshakeError> {
+        let p: &[u8; CLIENT_HELLO_LEN] = payload
+            .try_into()
+            .map_err(|_| HandshakeError::NotTycho(format!("client greeting of {} bytes", payload.len())))?;
+        let service = Service::from_u8(p[0]).ok_or_else(|| HandshakeError::NotTycho(format!("service {}", p[0])))?;
+        if service != self.service {
+            return Err(HandshakeError::WrongService { found: self.service.name(), wanted: service.name() });
+        }
+        let Some(secret) = &self.secret else {
+            return Ok(Peer { authenticated: false, client: None });
+        };
+        let (flags, cn) = (p[1], &p[8..24]);
+        if flags & 1 == 0 {
+            return Err(HandshakeError::MissingProof);
+        }
+        let want = mac32(&conn_key(secret), "client hello v1", &[&[p[0]], &self.nonce, cn]);
+        if !same_mac(&want, &p[24..56]) {
+            return Err(HandshakeError::BadClientProof);
+        }
+        let mut peer = Peer { authenticated: true, client: None };
+        if flags & 2 != 0 {
+            let id = u128::from_le_bytes(p[56..72].try_into().expect("16 bytes"));
+            let want = mac32(&credential(secret, id), "credential v1", &[&self.nonce, cn]);
+            if !same_mac(&want, &p[72..104]) {
+                return Err(HandshakeError::BadCredential);
+            }
+            peer.client = Some(id);
+        }
+        Ok(peer)
+    }
+}
+
+/// The client's half of a greeting in progress.
+pub struct ClientSide {
+    service: Service,
+    nonce: [u8; 16],
+    server_nonce: [u8; 16],
+    secret: Option<Arc<Secret>>,
+    origin: String,
+}
+
+impl ClientSide {
+    /// Answers the server's opening greeting; returns the frame to send.
+    pub fn answer(
+        service: Service,
+        server_hello: &[u8],
+        auth: &ResolvedAuth,
+        identity: Option<&Identity>,
+    ) -> Result<(ClientSide, Vec<u8>), HandshakeError> {
+        let h: &[u8; SERVER_HELLO_LEN] = server_hello
+            .try_into()
+            .map_err(|_| HandshakeError::NotTycho(format!("server greeting of {} bytes", server_hello.len())))?;
+        let found = Service::from_u8(h[0]).ok_or_else(|| HandshakeError::NotTycho(format!("service {}", h[0])))?;
+        if found != service {
+            return Err(HandshakeError::WrongService { found: found.name(), wanted: service.name() });
+        }
+        let required = h[1] & 1 != 0;
+        let sn = &h[8..24];
+        let secret = match (&auth.secret, required) {
+            (None, true) => return Err(HandshakeError::SecretRequired),
+            (Some(_), false) if auth.strict => {
+                return Err(HandshakeError::ServerInsecure { origin: auth.origin.clone() });
+            }
+            (Some(s), true) => Some(s.clone()),
+            _ => None,
+        };
+        let mut nonce = [0u8; 16];
+        random_bytes(&mut nonce).map_err(|e| HandshakeError::Io(std::io::Error::other(e.to_string())))?;
+        let mut p = [0u8; CLIENT_HELLO_LEN];
+        p[0] = service as u8;
+        p[8..24].copy_from_slice(&nonce);
+        if let Some(s) = &secret {
+            p[1] |= 1;
+            p[24..56].copy_from_slice(&mac32(&conn_key(s), "client hello v1", &[&[service as u8], sn, &nonce]));
+            if let Some(id) = identity {
+                p[1] |= 2;
+                p[56..72].copy_from_slice(&id.client.to_le_bytes());
+                p[72..104].copy_from_slice(&mac32(&id.credential, "credential v1", &[sn, &nonce]));
+            }
+        }
+        let server_nonce = sn.try_into().expect("16 bytes");
+        Ok((ClientSide { service, nonce, server_nonce, secret, origin: auth.origin.clone() }, hello_frame(&p)))
+    }
+
+    /// Checks the server's closing answer; true when the connection is authenticated.
+    pub fn finish(&self, payload: &[u8]) -> Result<bool, HandshakeError> {
+        let p: &[u8; SERVER_FINISH_LEN] = payload
+            .try_into()
+            .map_err(|_| HandshakeError::NotTycho(format!("server answer of {} bytes", payload.len())))?;
+        let status = i32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
+        if status != 0 {
+            let code = ErrorCode::from_i32(status).unwrap_or(ErrorCode::AUTH_FAILED);
+            return Err(HandshakeError::Refused(code));
+        }
+        let Some(secret) = &self.secret else { return Ok(false) };
+        let want =
+            mac32(&conn_key(secret), "server hello v1", &[&[self.service as u8], &self.nonce, &self.server_nonce]);
+        if !same_mac(&want, &p[8..40]) {
+            return Err(HandshakeError::BadServerProof { origin: self.origin.clone() });
+        }
+        Ok(true)
+    }
+}
+
+/// Runs the server side of a greeting on a blocking stream.
+pub fn serve<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    secret: Option<Arc<Secret>>,
+) -> Result<Peer, HandshakeError> {
+    let (side, hello) = ServerSide::start(service, secret)?;
+    s.write_all(&hello)?;
+    let payload = read_hello(s)?;
+    let (answer, verdict) = side.finish(&payload);
+    s.write_all(&answer)?;
+    verdict
+}
+
+/// Runs the client side of a greeting on a blocking stream; true when authenticated.
+pub fn connect<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    auth: &ResolvedAuth,
+    identity: Option<&Identity>,
+) -> Result<bool, HandshakeError> {
+    let hello = match read_hello(s) {
+        Err(HandshakeError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(HandshakeError::ClosedEarly);
+        }
+        other => other?,
+    };
+    let (side, reply) = ClientSide::answer(service, &hello, auth, identity)?;
+    s.write_all(&reply)?;
+    side.finish(&read_hello(s)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(t: &str) -> Option<Arc<Secret>> {
+        Some(Arc::new(Secret::from_text(t.as_bytes()).unwrap()))
+    }
+
+    fn auth(s: Option<Arc<Secret>>, strict: bool) -> ResolvedAuth {
+        ResolvedAuth { secret: s, strict, origin: "test".into() }
+    }
+
+    /// Runs both sides in memory; the server's verdict and the client's.
+    fn run(
+        server: Option<Arc<Secret>>,
+        client: ResolvedAuth,
+        identity: Option<&Identity>,
+    ) -> (Result<Peer, HandshakeError>, Result<bool, HandshakeError>) {
+        let (srv, hello) = ServerSide::start(Service::Rpc, server).unwrap();
+        let (cli, reply) = match ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &client, identity) {
+            Ok(x) => x,
+            Err(e) => return (Ok(Peer::default()), Err(e)),
+        };
+        let (answer, verdict) = srv.finish(split_hello(&reply).unwrap());
+        (verdict, cli.finish(split_hello(&answer).unwrap()))
+    }
+
+    #[test]
+    fn matching_secrets_authenticate_both_ways() {
+        let s = secret("the-cluster-secret");
+        let (peer, client) = run(s.clone(), auth(s.clone(), true), None);
+        assert_eq!(peer.unwrap(), Peer { authenticated: true, client: None });
+        assert!(client.unwrap());
+        let id = Identity { client: 42, credential: credential(s.as_ref().unwrap(), 42) };
+        let (peer, _) = run(s.clone(), auth(s.clone(), true), Some(&id));
+        assert_eq!(peer.unwrap().client, Some(42));
+        let forged = Identity { client: 43, credential: id.credential };
+        let (peer, client) = run(s.clone(), auth(s, true), Some(&forged));
+        assert!(matches!(peer, Err(HandshakeError::BadCredential)));
+        assert!(matches!(client, Err(HandshakeError::Refused(ErrorCode::AUTH_FAILED))));
+    }
+
+    #[test]
+    fn a_missing_or_wrong_secret_is_refused_with_its_reason() {
+        let s = secret("the-cluster-secret");
+        let (_, client) = run(s.clone(), auth(None, false), None);
+        let e = client.unwrap_err();
+        assert!(matches!(e, HandshakeError::SecretRequired));
+        assert!(e.to_string().contains("TYCHO_SECRET_FILE"), "{e}");
+        let (peer, client) = run(s.clone(), auth(secret("another-cluster-secret"), true), None);
+        assert!(matches!(peer, Err(HandshakeError::BadClientProof)));
+        assert_eq!(client.unwrap_err().code(), ErrorCode::AUTH_FAILED);
+        // A strict client refuses a server without authentication; a lenient one accepts it.
+        let (_, client) = run(None, auth(s.clone(), true), None);
+        assert!(matches!(client, Err(HandshakeError::ServerInsecure { .. })));
+        let (peer, client) = run(None, auth(s, false), None);
+        assert_eq!(peer.unwrap(), Peer::default());
+        assert!(!client.unwrap());
+    }
+
+    #[test]
+    fn an_impostor_server_is_found_out() {
+        let s = secret("the-cluster-secret");
+        let (srv, hello) = ServerSide::start(Service::Rpc, secret("impostors-own-secret")).unwrap();
+        let (cli, reply) =
+            ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s, true), None).unwrap();
+        // The impostor accepts anything and answers status 0 with a proof under its own key.
+        let (mut answer, _) = srv.finish(split_hello(&reply).unwrap());
+        answer[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&0i32.to_le_bytes());
+        assert!(matches!(cli.finish(split_hello(&answer).unwrap()), Err(HandshakeError::BadServerProof { .. })));
+    }
+
+    #[test]
+    fn other_versions_and_services_are_named() {
+        let (_, mut hello) = ServerSide::start(Service::Transfer, None).unwrap();
+        let r = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(None, false), None);
+        assert!(matches!(r, Err(HandshakeError::WrongService { .. })));
+        hello[2] = 2;
+        let e = split_hello(&hello).unwrap_err();
+        assert!(e.to_string().contains("version 2, this build speaks 3"), "{e}");
+        assert_eq!(e.code(), ErrorCode::INVALID_VERSION);
+    }
+
+    #[test]
+    fn garbage_greetings_are_errors_not_panics() {
+        let s = secret("the-cluster-secret");
+        let (srv, _) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
+        for len in [0, 1, 24, 103, 105, 256] {
+            let (_, v) = srv.finish(&vec![0xa5; len]);
+            assert!(v.is_err(), "{len} bytes");
+        }
+        for len in [0, 23, 25] {
+            assert!(ClientSide::answer(Service::Rpc, &vec![1; len], &auth(s.clone(), true), None).is_err());
+        }
+        assert!(split_hello(&[0u8; 5]).is_err());
+    }
+}
