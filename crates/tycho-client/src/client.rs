@@ -227,7 +227,6 @@ impl Client {
                 size: cfg.segment_size,
                 endpoint: hostname.clone(),
                 host: cfg.host_id.clone(),
-                shm_path: memory.peer_path(),
                 incarnation: 0,
             };
             registry.register(desc.id, memory.clone());
@@ -656,6 +655,12 @@ impl Client {
         // SAFETY: see the function's contract.
         let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
         self.get_into(key, dst)
+    }
+
+    /// How many same-host peers' segments this client has mapped (received over their local
+    /// sockets); for diagnostics and tests.
+    pub fn peer_mappings(&self) -> usize {
+        self.inner.engine.local_mappings()
     }
 
     // ---- reads ---------------------------------------------------------------------------

@@ -173,7 +173,6 @@ impl MountedSegment {
             len,
             endpoint: self.desc.endpoint.clone(),
             host: self.desc.host.clone(),
-            shm_path: self.desc.shm_path.clone(),
             incarnation: self.desc.incarnation,
             gen: a.gen,
         }
@@ -389,7 +388,6 @@ mod tests {
             size,
             endpoint: endpoint.into(),
             host: "h".into(),
-            shm_path: String::new(),
             incarnation: 1,
         }
     }

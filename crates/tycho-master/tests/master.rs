@@ -60,7 +60,6 @@ fn seg_desc(id: u128, size: u64) -> SegmentDesc {
         size,
         endpoint: format!("10.0.0.{id}:17000"),
         host: format!("host-{id}"),
-        shm_path: String::new(),
         incarnation: 1,
     }
 }

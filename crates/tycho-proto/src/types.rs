@@ -80,10 +80,9 @@ pub struct SegmentDesc {
     pub size: u64,
     /// Address of the transfer server that serves this segment (`ip:port`).
     pub endpoint: String,
-    /// Identity of the host; peers on the same host may map the segment directly.
+    /// Identity of the host; peers of the same user on the same host may ask the holder for a
+    /// mapping of the segment over its local socket (never by a path given here).
     pub host: String,
-    /// Shared-memory file backing the segment, empty when it cannot be mapped by peers.
-    pub shm_path: String,
     /// Incarnation of the segment's memory: its owner bumps it before every (re)mount, so that
     /// readers of ranges handed out by an earlier mount see that they may have been reused.
     pub incarnation: u32,
@@ -103,8 +102,6 @@ pub struct ReplicaDesc {
     pub endpoint: String,
     /// Host identity of the segment's owner.
     pub host: String,
-    /// Shared-memory file of the segment, empty if none.
-    pub shm_path: String,
     /// Incarnation of the segment the range was handed out in.
     pub incarnation: u32,
     /// Generation of the range: its writer stamps it on every block of the range before the

@@ -82,6 +82,9 @@ pub struct TransferEngine {
     local: Arc<SegmentRegistry>,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
     mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
+    /// Same-host endpoints whose holder has no local socket this process can reach (another
+    /// user's process): their replicas go over TCP.
+    no_local: Mutex<std::collections::HashSet<String>>,
 }
 
 impl TransferEngine {
@@ -102,6 +105,7 @@ impl TransferEngine {
             local,
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
+            no_local: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -111,7 +115,7 @@ impl TransferEngine {
             Transport::Tcp
         } else if self.local.get(r.segment).is_some() {
             Transport::Local
-        } else if r.host == self.host && !r.shm_path.is_empty() {
+        } else if r.host == self.host && !self.no_local.lock().contains(&r.endpoint) {
             Transport::SharedMemory
         } else {
             Transport::Tcp
@@ -161,10 +165,11 @@ impl TransferEngine {
                 let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
                 m.retire(replica.offset, len, replica.incarnation, replica.gen)
             }
-            Transport::SharedMemory => {
-                self.map_peer(replica)?.retire(replica.offset, len, replica.incarnation, replica.gen)
+            Transport::SharedMemory if self.map_peer(replica, true)?.is_some() => {
+                let m = self.map_peer(replica, true)?.expect("mapped just above");
+                m.retire(replica.offset, len, replica.incarnation, replica.gen)
             }
-            Transport::Tcp => {
+            Transport::SharedMemory | Transport::Tcp => {
                 let mut s = self.connection(&replica.endpoint)?;
                 let head = request(XferOp::Retire, replica, replica.offset, replica.len);
                 // A holder that does not answer (paused, partitioned) must not hold up the write
@@ -198,31 +203,49 @@ impl TransferEngine {
                 let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
                 copy_checked(&m, replica, offset, part, streaming)
             }
-            Transport::SharedMemory => copy_checked(&*self.map_peer(replica)?, replica, offset, part, streaming),
+            Transport::SharedMemory => {
+                let write = matches!(part, Part::Write { .. });
+                match self.map_peer(replica, write)? {
+                    Some(m) => copy_checked(&m, replica, offset, part, streaming),
+                    None => self.tcp(replica, offset, part),
+                }
+            }
             Transport::Tcp => self.tcp(replica, offset, part),
         }
     }
 
-    fn map_peer(&self, r: &ReplicaDesc) -> Result<Arc<Mapping>, TransferError> {
-        // Keyed by segment id, never by path: a peer that closes a segment and creates a new
-        // one may get the same fd number, and so the same path, for different memory.
+    /// A mapping of a same-host peer's segment, writable if `write`; `None` when the peer
+    /// cannot hand one to this process (the caller goes over TCP).
+    fn map_peer(&self, r: &ReplicaDesc, write: bool) -> Result<Option<Arc<Mapping>>, TransferError> {
+        // Keyed by segment id: the memfd a holder passes is the segment's memory itself.
         if let Some(m) = self.mapped.lock().get(&r.segment) {
-            if m.len() as u64 >= r.offset + r.len {
-                return Ok(m.clone());
+            let fits = m.len() as u64 >= r.offset + r.len;
+            if fits && (m.is_writable() || !write) && m.peer_still_open() {
+                return Ok(Some(m.clone()));
             }
         }
-        let m = Arc::new(Mapping::open(&r.shm_path)?);
+        let Some(m) = crate::local::request_mapping(r, write)? else {
+            self.no_local.lock().insert(r.endpoint.clone());
+            return Ok(None);
+        };
+        let m = Arc::new(m);
         let mut mapped = self.mapped.lock();
-        // A new segment is a good moment to let go of segments whose owners closed them, so
+        // A new segment is a good moment to let go of segments whose owners let them go, so
         // their memory is not kept alive by this process.
         mapped.retain(|_, old| old.peer_still_open());
         mapped.insert(r.segment, m.clone());
-        Ok(m)
+        Ok(Some(m))
+    }
+
+    /// How many same-host peers' segments this engine has mapped.
+    pub fn local_mappings(&self) -> usize {
+        self.mapped.lock().len()
     }
 
     /// Forgets cached peer mappings (a peer restarted and its paths now name other memory).
     pub fn forget_mappings(&self) {
         self.mapped.lock().clear();
+        self.no_local.lock().clear();
     }
 
     fn tcp(&self, r: &ReplicaDesc, offset: u64, part: Part<'_>) -> Result<(), TransferError> {

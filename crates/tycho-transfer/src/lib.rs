@@ -9,6 +9,7 @@
 mod copy;
 mod engine;
 mod error;
+mod local;
 mod registry;
 mod segment;
 mod server;
@@ -17,6 +18,7 @@ pub mod wire;
 pub use copy::streaming_threshold;
 pub use engine::{Part, TransferEngine, Transport, MAX_PARALLEL, SLICE_BYTES};
 pub use error::TransferError;
+pub use local::socket_path;
 pub use registry::SegmentRegistry;
 pub use segment::Mapping;
 pub use server::TransferServer;

@@ -2,8 +2,11 @@
 //! process, and mappings of other processes' segments on the same host.
 //!
 //! A segment's memory is a memfd, so it disappears with its last user: no file is left in
-//! `/dev/shm` when a process dies. Peers on the same host open it through
-//! `/proc/<pid>/fd/<fd>` and map it, then copy with one `memcpy`.
+//! `/dev/shm` when a process dies. It is sealed against shrinking and growing, so a peer that
+//! maps it can never be crashed by a SIGBUS from its owner truncating it. Peers of the same user
+//! on the same host receive the memfd itself over a Unix socket (see `local`), read-only unless
+//! they were granted a write, map it, and copy with one `memcpy`. No path to a segment ever
+//! comes from the network.
 //!
 //! ## Generations
 //!
@@ -47,6 +50,11 @@ const PAGE: usize = 4096;
 const GEN_MAGIC: u64 = u64::from_le_bytes(*b"TYGENS\0\0");
 /// Layout version of the generation area; a mapping of another version is refused.
 const GEN_VERSION: u32 = 2;
+/// Incarnation an owner writes when it lets go of a segment: peers drop their mappings of it,
+/// and every range of it fails its check. Never handed out.
+const CLOSED: u32 = u32::MAX;
+/// Seals every segment memfd carries: its size can never change.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 /// The fixed header in front of the generation words.
 #[repr(C)]
@@ -87,9 +95,12 @@ pub struct Mapping {
     map_len: usize,
     gen_off: usize,
     block_shift: u32,
-    /// For a peer's segment: the path it was opened by and the file's identity then.
-    peer: Option<(String, (u64, u64))>,
-    // Keeps the memfd open for as long as peers may open it by path.
+    /// Whether the memory is mapped writable (a peer's segment is read-only unless a write
+    /// was granted).
+    writable: bool,
+    /// For a peer's segment: the owner's pid and its start time, to tell when it has exited.
+    owner: Option<(i32, u64)>,
+    /// The memfd, passed on to peers that present a grant.
     fd: OwnedFd,
 }
 
@@ -110,7 +121,7 @@ impl Mapping {
             layout(len).ok_or_else(|| TransferError::InvalidRange("segment size too large".into()))?;
         let cname = CString::new(name).map_err(|_| TransferError::InvalidRange("bad segment name".into()))?;
         // SAFETY: memfd_create takes a valid C string and flags; it returns a new fd or -1.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
@@ -120,7 +131,11 @@ impl Mapping {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) } != 0 {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        let m = Self::map(fd, len, total, gen_off, block_shift)?;
+        // SAFETY: fcntl on an owned fd.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(TransferError::Io(std::io::Error::last_os_error()));
+        }
+        let m = Self::map(fd, len, total, gen_off, block_shift, true)?;
         // SAFETY: the header page lies inside the mapping and nothing else uses it yet.
         unsafe {
             let h = m.map as *mut GenHeader;
@@ -133,13 +148,19 @@ impl Mapping {
         Ok(m)
     }
 
-    /// Maps a peer's segment through its `/proc/<pid>/fd/<fd>` path; its size and layout come
-    /// from the generation header, which must be of this build's version.
-    pub fn open(path: &str) -> Result<Mapping, TransferError> {
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-        let meta = file.metadata()?;
-        let actual = meta.len() as usize;
-        let bad = |why: &str| TransferError::InvalidRange(format!("{path}: {why}"));
+    /// Maps a peer's segment from its memfd (received over the local socket from process
+    /// `owner`). The memfd must be sealed against size changes; its layout comes from the
+    /// generation header, which must be of this build's version. `writable` maps it for writing,
+    /// which needs a descriptor opened for writing.
+    pub fn from_fd(fd: OwnedFd, writable: bool, owner: i32) -> Result<Mapping, TransferError> {
+        let bad = |why: &str| TransferError::InvalidRange(format!("segment memory from process {owner}: {why}"));
+        // SAFETY: fcntl on an owned fd.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) {
+            return Err(bad("not sealed against resizing"));
+        }
+        let file = std::fs::File::from(fd);
+        let actual = file.metadata()?.len() as usize;
         // Read the header with pread, and check that it describes this file, before mapping.
         let mut probe = vec![0u8; std::mem::size_of::<GenHeader>()];
         use std::os::unix::fs::FileExt;
@@ -155,9 +176,7 @@ impl Mapping {
             return Err(bad("the header does not match the file's size"));
         }
         let (gen_off, total, block_shift) = layout(len).expect("checked above");
-        use std::os::unix::fs::MetadataExt;
-        let identity = (meta.dev(), meta.ino());
-        let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift)?;
+        let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift, writable)?;
         // SAFETY: the header page is inside the mapping.
         let (version, shift) = unsafe {
             let h = m.map as *const GenHeader;
@@ -166,25 +185,52 @@ impl Mapping {
         if version != GEN_VERSION || shift != block_shift {
             return Err(bad(&format!("generation layout version {version}, block shift {shift}")));
         }
-        m.peer = Some((path.to_string(), identity));
+        m.owner = Some((owner, start_time(owner).unwrap_or(0)));
         Ok(m)
+    }
+
+    /// A descriptor of this segment's memfd for a peer: read-only unless `writable`.
+    pub fn fd_for_peer(&self, writable: bool) -> std::io::Result<OwnedFd> {
+        if writable {
+            return self.fd.try_clone();
+        }
+        // Reopening through /proc gives a new open file description with read-only access.
+        let path = CString::new(format!("/proc/self/fd/{}", self.fd.as_raw_fd())).expect("no NUL");
+        // SAFETY: a valid C string; the result is checked.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+
+    /// Whether this mapping may be written.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     /// Maps `total` bytes of `fd`, pre-faulted: otherwise the first copy into each page pays a
     /// page fault, which can cost as much as the copy itself.
-    fn map(fd: OwnedFd, len: usize, total: usize, gen_off: usize, block_shift: u32) -> Result<Mapping, TransferError> {
+    fn map(
+        fd: OwnedFd,
+        len: usize,
+        total: usize,
+        gen_off: usize,
+        block_shift: u32,
+        writable: bool,
+    ) -> Result<Mapping, TransferError> {
         let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: mapping a valid fd of at least `total` bytes; the result is checked.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), total, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), total, prot, flags, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
         let map = ptr as *mut u8;
         // SAFETY: the data starts one page into the mapping, which is larger than a page.
         let data = unsafe { map.add(PAGE) };
-        Ok(Mapping { map, ptr: data, len, map_len: total, gen_off, block_shift, peer: None, fd })
+        Ok(Mapping { map, ptr: data, len, map_len: total, gen_off, block_shift, writable, owner: None, fd })
     }
 
     fn header(&self) -> &GenHeader {
@@ -243,9 +289,21 @@ impl Mapping {
     /// Starts a new incarnation (before the owner mounts the segment again) and returns it:
     /// every reader and writer holding ranges of an earlier one fails from now on.
     pub fn bump_incarnation(&self) -> u32 {
-        let n = self.header().incarnation.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        let h = &self.header().incarnation;
+        let mut n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        if n == CLOSED {
+            n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        }
         fence(Ordering::SeqCst);
         n
+    }
+
+    fn refuse_read_only(&self) -> Result<(), TransferError> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(TransferError::Remote(ErrorCode::CAPABILITY_INVALID))
+        }
     }
 
     /// Before writing `[offset, offset + len)` of a range of generation `gen` handed out in
@@ -267,6 +325,7 @@ impl Mapping {
         streaming: bool,
     ) -> Result<(), TransferError> {
         self.check(offset, len)?;
+        self.refuse_read_only()?;
         if len == 0 {
             return Ok(());
         }
@@ -292,6 +351,7 @@ impl Mapping {
     /// their new generation.
     pub fn retire(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
         self.check(offset, len)?;
+        self.refuse_read_only()?;
         if len == 0 || self.incarnation() != incarnation {
             return Ok(());
         }
@@ -335,13 +395,12 @@ impl Mapping {
         Ok(())
     }
 
-    /// For a peer's segment: whether its path still names the memory mapped here (the owner
-    /// has not closed it). Always true for this process's own segments.
+    /// For a peer's segment: whether its owner still serves it (it has neither let go of the
+    /// segment nor exited). Always true for this process's own segments.
     pub fn peer_still_open(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        match &self.peer {
+        match self.owner {
             None => true,
-            Some((path, id)) => std::fs::metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == *id),
+            Some((pid, started)) => self.incarnation() != CLOSED && start_time(pid) == Some(started),
         }
     }
 
@@ -358,11 +417,6 @@ impl Mapping {
     /// Address of the first byte in this process.
     pub fn base(&self) -> u64 {
         self.ptr as u64
-    }
-
-    /// The path a same-host peer opens to map this memory.
-    pub fn peer_path(&self) -> String {
-        format!("/proc/{}/fd/{}", std::process::id(), self.fd.as_raw_fd())
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<usize, TransferError> {
@@ -394,6 +448,7 @@ impl Mapping {
     /// [`write`](Self::write), with streaming stores when `streaming` is set.
     pub fn write_with(&self, offset: u64, src: &[u8], streaming: bool) -> Result<(), TransferError> {
         let off = self.check(offset, src.len())?;
+        self.refuse_read_only()?;
         // SAFETY: the range is inside the mapping (checked); src is a distinct buffer.
         unsafe { crate::copy::copy(self.ptr.add(off), src.as_ptr(), src.len(), streaming) };
         Ok(())
@@ -417,6 +472,7 @@ impl Mapping {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], TransferError> {
         let off = self.check(offset, len)?;
+        self.refuse_read_only()?;
         // SAFETY: in bounds (checked); exclusivity is the caller's contract above.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) })
     }
@@ -430,8 +486,21 @@ fn words_differ(words: *const u32, n: usize, gen: u32) -> u32 {
     (0..n).fold(0u32, |acc, i| acc | (unsafe { words.add(i).read() } ^ gen))
 }
 
+/// When process `pid` started (field 22 of `/proc/<pid>/stat`), to tell it from a later
+/// process that got the same pid.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from its last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if self.owner.is_none() && self.writable {
+            // The owner lets go: peers still mapping it see it closed, and drop it.
+            self.header().incarnation.store(CLOSED, Ordering::Release);
+        }
         // SAFETY: unmapping exactly what map() mapped.
         unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
     }
@@ -448,7 +517,7 @@ mod tests {
         let mut out = [0u8; 5];
         m.read(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
-        let peer = Mapping::open(&m.peer_path()).unwrap();
+        let peer = peer_of(&m, true);
         assert_eq!(peer.len(), 1 << 20);
         peer.read(100, &mut out).unwrap();
         assert_eq!(&out, b"hello");
@@ -456,12 +525,26 @@ mod tests {
         let mut one = [0u8; 1];
         m.read(0, &mut one).unwrap();
         assert_eq!(&one, b"x");
+        // A read-only peer reads, and refuses every kind of write.
+        let reader = peer_of(&m, false);
+        reader.read(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+        assert!(reader.write(0, b"y").is_err());
+        assert!(reader.stamp(0, 64, reader.incarnation(), 3).is_err());
+        assert!(reader.retire(0, 64, reader.incarnation(), 3).is_err());
+        // The memory cannot change size under its peers.
+        // SAFETY: ftruncate on a valid fd; it must fail.
+        assert_ne!(unsafe { libc::ftruncate(m.fd.as_raw_fd(), 4096) }, 0, "sealed against shrinking");
+        // An owner that lets go is seen as gone.
+        assert!(reader.peer_still_open());
+        drop(m);
+        assert!(!reader.peer_still_open());
     }
 
     #[test]
     fn a_read_overlapped_by_a_new_write_fails_and_a_remount_fails_old_ranges() {
         let m = Mapping::create("t", 3000).unwrap();
-        let peer = Mapping::open(&m.peer_path()).unwrap();
+        let peer = peer_of(&m, true);
         assert_eq!(peer.len(), 3000);
         let inc = m.bump_incarnation();
         assert_eq!(peer.incarnation(), inc);
@@ -508,24 +591,30 @@ mod tests {
         m.verify(2990, 10, next, 5).unwrap();
     }
 
+    /// A peer's view of `m`, as the local socket would hand it over.
+    fn peer_of(m: &Mapping, writable: bool) -> Mapping {
+        Mapping::from_fd(m.fd_for_peer(writable).unwrap(), writable, std::process::id() as i32).unwrap()
+    }
+
     #[test]
-    fn open_refuses_memory_without_a_generation_header() {
-        let f = tempfile_with(&[0u8; 8192]);
-        assert!(matches!(Mapping::open(&f), Err(TransferError::InvalidRange(_))));
-        let _ = std::fs::remove_file(&f);
-    }
-
-    fn tempfile_with(bytes: &[u8]) -> String {
-        let path = std::env::temp_dir().join(format!("tycho-gen-{}-{}", std::process::id(), rand_suffix()));
-        std::fs::write(&path, bytes).unwrap();
-        path.to_string_lossy().into_owned()
-    }
-
-    fn rand_suffix() -> u64 {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u8(0);
-        h.finish()
+    fn memory_without_seals_or_a_generation_header_is_refused() {
+        // SAFETY: plain libc calls on fds owned here.
+        let unsealed = unsafe {
+            let raw = libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(raw >= 0);
+            assert_eq!(libc::ftruncate(raw, 8192), 0);
+            OwnedFd::from_raw_fd(raw)
+        };
+        let me = std::process::id() as i32;
+        assert!(matches!(Mapping::from_fd(unsealed, false, me), Err(TransferError::InvalidRange(_))));
+        // SAFETY: as above.
+        let blank = unsafe {
+            let raw = libc::memfd_create(c"y".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            assert_eq!(libc::ftruncate(raw, 8192), 0);
+            assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, SEALS), 0);
+            OwnedFd::from_raw_fd(raw)
+        };
+        assert!(matches!(Mapping::from_fd(blank, false, me), Err(TransferError::InvalidRange(_))));
     }
 
     #[test]

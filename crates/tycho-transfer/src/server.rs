@@ -19,6 +19,7 @@ use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::Secret;
 use tycho_proto::{ErrorCode, SegmentId};
 
+use crate::local::LocalServer;
 use crate::wire::{encode_answer, XferOp, XferRequest, REQUEST_LEN};
 
 /// How long a new connection has to complete its greeting.
@@ -30,6 +31,8 @@ pub struct TransferServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     accept: Option<std::thread::JoinHandle<()>>,
+    /// Hands the memfds of registered segments to same-host peers of this user.
+    _local: Option<LocalServer>,
 }
 
 impl TransferServer {
@@ -53,6 +56,14 @@ impl TransferServer {
     ) -> std::io::Result<TransferServer> {
         let guard = Arc::new(Guard { secret, epochs: Mutex::new(HashMap::new()) });
         let addr = listener.local_addr()?;
+        let local = match LocalServer::start(addr.port(), registry.clone(), guard.clone()) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                // Peers on this host then go over TCP; nothing else is lost.
+                tracing::warn!(error = %e, "no local socket for same-host peers");
+                None
+            }
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let accept = std::thread::Builder::new().name("tycho-xfer-accept".into()).spawn(move || {
@@ -71,7 +82,7 @@ impl TransferServer {
                 });
             }
         })?;
-        Ok(TransferServer { addr, stop, accept: Some(accept) })
+        Ok(TransferServer { addr, stop, accept: Some(accept), _local: local })
     }
 
     /// The address peers connect to.
@@ -103,7 +114,7 @@ fn drain(stream: &mut TcpStream, mut len: u64) -> std::io::Result<()> {
 }
 
 /// What every connection of one server checks requests against.
-struct Guard {
+pub(crate) struct Guard {
     secret: Option<Arc<Secret>>,
     /// Highest group epoch seen on a write capability, per group: a write granted under an
     /// older epoch comes from a master that no longer owns the group.
@@ -113,7 +124,11 @@ struct Guard {
 impl Guard {
     /// Whether `req` carries a valid capability for what it does; `keys` caches segment keys
     /// for the connection.
-    fn authorize(&self, req: &XferRequest, keys: &mut HashMap<(SegmentId, u32), SegmentKey>) -> Result<(), ErrorCode> {
+    pub(crate) fn authorize(
+        &self,
+        req: &XferRequest,
+        keys: &mut HashMap<(SegmentId, u32), SegmentKey>,
+    ) -> Result<(), ErrorCode> {
         let Some(secret) = &self.secret else { return Ok(()) };
         if !req.within_grant() {
             return Err(ErrorCode::CAPABILITY_INVALID);

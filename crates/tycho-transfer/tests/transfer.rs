@@ -63,7 +63,6 @@ fn replica(p: &Peer, offset: u64, len: u64, host: &str) -> ReplicaDesc {
         len,
         endpoint: p.server.local_addr().to_string(),
         host: host.into(),
-        shm_path: p.mapping.peer_path(),
         incarnation: inc,
         gen: 1,
     }
@@ -332,4 +331,39 @@ fn connections_must_prove_the_secret() {
     let open = TransferServer::start("127.0.0.1:0", registry, None).unwrap();
     let r2 = ReplicaDesc { endpoint: open.local_addr().to_string(), ..r.clone() };
     assert_eq!(engine("there", true).read(&r2, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_FAILED);
+}
+
+/// A same-host peer of the same user gets the segment's memfd over the holder's local socket
+/// only with a grant: read-only for a read grant, writable for a write grant; no path is taken
+/// from the descriptor. Without a reachable socket, the same replica goes over TCP.
+#[test]
+fn same_host_mappings_need_a_grant_and_fall_back_to_tcp_without_a_socket() {
+    let p = peer(1 << 20);
+    let shm = engine("here", false);
+    let rw = replica(&p, 0, 4096, "here");
+    shm.write(&rw, 0, &pattern(4096, 5)).unwrap();
+    assert_eq!(shm.local_mappings(), 1, "the write went through a mapping");
+    assert_eq!(shm.transport_for(&rw), Transport::SharedMemory);
+    // A fresh engine with only a read grant maps read-only: it reads, but cannot write.
+    let reader = engine("here", false);
+    let ro = ReplicaDesc { cap: grant(rw.incarnation, 0, 4096, RIGHT_READ, unix_ms() + 60_000, 1), ..rw.clone() };
+    let mut out = vec![0u8; 4096];
+    reader.read(&ro, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(4096, 5));
+    assert_eq!(reader.local_mappings(), 1);
+    assert_eq!(reader.write(&ro, 0, &out).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    // No grant, a forged one: no descriptor at all.
+    let forger = engine("here", false);
+    let none = ReplicaDesc { cap: Capability::default(), ..rw.clone() };
+    assert_eq!(forger.read(&none, 0, &mut out).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    let forged = ReplicaDesc { cap: Capability { mac: [1; 16], ..rw.cap }, ..rw.clone() };
+    assert_eq!(forger.write(&forged, 0, &out).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    assert_eq!(forger.local_mappings(), 0);
+    // Without the holder's socket (as for another user's process), TCP carries the bytes.
+    std::fs::remove_file(socket_path(p.server.local_addr().port())).unwrap();
+    let other = engine("here", false);
+    other.read(&rw, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(4096, 5));
+    assert_eq!(other.local_mappings(), 0);
+    assert_eq!(other.transport_for(&rw), Transport::Tcp);
 }

@@ -223,7 +223,6 @@ async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), S
         size: FAKE_SEGMENT,
         endpoint: format!("fake-{client}:{n}"),
         host: "bench".into(),
-        shm_path: String::new(),
         incarnation: 1,
     };
     c.call(&Request::MountSegment { client, segment: desc }).await.map_err(|e| format!("mount: {e}"))?;

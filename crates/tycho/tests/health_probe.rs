@@ -127,7 +127,6 @@ fn metrics_parse_and_counters_move_with_rpcs() {
         size: 1 << 20,
         endpoint: "127.0.0.1:1".into(),
         host: "h".into(),
-        shm_path: String::new(),
         incarnation: 1,
     };
     assert_eq!(rpc.call::<_, Response>(&Request::MountSegment { client, segment: seg }, t).unwrap(), Response::Done);

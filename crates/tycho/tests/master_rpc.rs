@@ -38,7 +38,6 @@ fn seg(id: u128, endpoint: &str, size: u64) -> SegmentDesc {
         size,
         endpoint: endpoint.into(),
         host: "host-a".into(),
-        shm_path: String::new(),
         incarnation: 1,
     }
 }

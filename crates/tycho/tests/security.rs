@@ -178,3 +178,24 @@ fn master_calls_without_the_secret_never_run() {
     assert_eq!(segs.len(), before);
     assert_eq!(owner.get("kept").unwrap(), b"value");
 }
+
+/// A client on the node's host maps the node's segment through the node's local socket (the
+/// memfd passed over it, no path from the master), reads and writes with one copy, and a
+/// client that cannot reach the socket still gets the same bytes over TCP.
+#[test]
+fn same_host_clients_map_the_segment_through_the_local_socket() {
+    let home = TempDir::new("tycho-sec-local").unwrap();
+    let file = secret_file(home.path(), "local-mapping-cluster-secret");
+    let f = file.to_str().unwrap();
+    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
+    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
+    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
+    let mut cfg = ClientConfig::new(&m.rpc);
+    cfg.auth = ClientAuth::Secret(secret);
+    let c = Client::connect(cfg).unwrap();
+    let value: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    c.put("local", &value, &Default::default()).unwrap();
+    assert_eq!(c.peer_mappings(), 1, "the write mapped the node's segment");
+    assert_eq!(c.get("local").unwrap(), value);
+    assert_eq!(c.peer_mappings(), 1);
+}
