@@ -446,6 +446,12 @@ impl Client {
         config: &ReplicateConfig,
         bounded: bool,
     ) -> Vec<Result<(), ErrorCode>> {
+        if items.len() > MAX_BATCH_KEYS {
+            return items
+                .chunks(MAX_BATCH_KEYS)
+                .flat_map(|c| self.write_batch_parts(mode, c, config, bounded))
+                .collect();
+        }
         let n = items.len();
         if let Err(e) = self.check_open() {
             return vec![Err(e); n];
@@ -748,6 +754,9 @@ impl Client {
 
     /// Finds many keys at once (one master call). One result per key, in order.
     pub fn lookup_batch(&self, keys: &[&str]) -> Vec<Result<Lookup, ErrorCode>> {
+        if keys.len() > MAX_BATCH_KEYS {
+            return keys.chunks(MAX_BATCH_KEYS).flat_map(|c| self.lookup_batch(c)).collect();
+        }
         if let Err(e) = self.check_open() {
             return vec![Err(e); keys.len()];
         }
@@ -958,6 +967,9 @@ impl Client {
 
     /// Existence of many keys.
     pub fn exists_batch(&self, keys: &[&str]) -> Vec<Result<bool, ErrorCode>> {
+        if keys.len() > MAX_BATCH_KEYS {
+            return keys.chunks(MAX_BATCH_KEYS).flat_map(|c| self.exists_batch(c)).collect();
+        }
         if let Err(e) = self.check_open() {
             return vec![Err(e); keys.len()];
         }
@@ -983,6 +995,9 @@ impl Client {
 
     /// Removes many keys.
     pub fn remove_batch(&self, keys: &[&str], force: bool) -> Vec<Result<(), ErrorCode>> {
+        if keys.len() > MAX_BATCH_KEYS {
+            return keys.chunks(MAX_BATCH_KEYS).flat_map(|c| self.remove_batch(c, force)).collect();
+        }
         if let Err(e) = self.check_open() {
             return vec![Err(e); keys.len()];
         }
@@ -1003,6 +1018,9 @@ impl Client {
     /// or only their replicas on `segment` (a segment name, `host:port`) when it is not empty.
     /// One result per key: Ok when cleared, otherwise why not.
     pub fn replica_clear(&self, keys: &[&str], segment: &str) -> Vec<Result<(), ErrorCode>> {
+        if keys.len() > MAX_BATCH_KEYS {
+            return keys.chunks(MAX_BATCH_KEYS).flat_map(|c| self.replica_clear(c, segment)).collect();
+        }
         if let Err(e) = self.check_open() {
             return vec![Err(e); keys.len()];
         }

@@ -19,6 +19,10 @@ pub const DEFAULT_PUT_START_RELEASE_MS: u64 = 600_000;
 pub const SWEEP_BATCH: usize = 64;
 /// Most unfinished writes one client may hold at once.
 pub const DEFAULT_MAX_PENDING_WRITES_PER_CLIENT: u64 = 1 << 20;
+/// Largest segment one mount may contribute (64 TiB).
+pub const DEFAULT_MAX_SEGMENT_SIZE: u64 = 64 << 40;
+/// Most segments one client may have mounted at once.
+pub const DEFAULT_MAX_SEGMENTS_PER_CLIENT: usize = 64;
 /// Most replicas one object may ask for.
 pub const MAX_REPLICA_NUM: u32 = 16;
 
@@ -52,6 +56,10 @@ pub struct MasterConfig {
     /// Most unfinished writes one client may hold at once; more starts get
     /// TOO_MANY_PENDING_WRITES.
     pub max_pending_writes_per_client: u64,
+    /// Largest segment a mount may contribute; larger ones get RESOURCE_LIMIT.
+    pub max_segment_size: u64,
+    /// Most segments one client may have mounted; more get RESOURCE_LIMIT.
+    pub max_segments_per_client: usize,
     /// The cluster secret: replica descriptors carry capabilities minted under it. `None`
     /// (`--insecure`) grants without capabilities.
     pub secret: Option<std::sync::Arc<tycho_proto::auth::Secret>>,
@@ -74,6 +82,8 @@ impl Default for MasterConfig {
             group_epoch: tycho_routing::INITIAL_GROUP_EPOCH,
             max_pending_writes_per_client: DEFAULT_MAX_PENDING_WRITES_PER_CLIENT,
             secret: None,
+            max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
+            max_segments_per_client: DEFAULT_MAX_SEGMENTS_PER_CLIENT,
         }
     }
 }

@@ -260,6 +260,15 @@ impl Master {
     /// Mounts a segment for `client` (idempotent) and registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
+        // Caps first, so that a refused mount changes nothing: a huge segment would inflate the
+        // capacity eviction is measured against; many segments, the master's tables.
+        if desc.size > self.cfg.max_segment_size {
+            return Err(ErrorCode::RESOURCE_LIMIT);
+        }
+        let already = self.segments.live().iter().filter(|s| s.client == client && s.desc.id != id).count();
+        if already >= self.cfg.max_segments_per_client {
+            return Err(ErrorCode::RESOURCE_LIMIT);
+        }
         // A newer incarnation of a segment this client has mounted replaces it. The old one is
         // taken down and swept first, and so is any earlier incarnation the expiry sweep has not
         // reached yet: their unfinished writes must be known (as orphaned ranges) before
@@ -949,7 +958,9 @@ impl Master {
     {
         let mut removed = 0;
         for shard in self.shards.iter() {
-            let keys: Vec<ObjectKey> = shard.read().keys().filter(|k| pick(k)).cloned().collect();
+            // The filter (maybe a regular expression) runs after the shard's lock is released.
+            let mut keys: Vec<ObjectKey> = shard.read().keys().cloned().collect();
+            keys.retain(|k| pick(k));
             for chunk in keys.chunks(SWEEP_BATCH) {
                 let now = self.now();
                 let mut map = shard.write();
@@ -986,21 +997,40 @@ impl Master {
             .collect()
     }
 
-    /// Keys matching the filters, at most `limit`.
+    /// Keys matching the filters, at most `limit` (and at most [`MAX_LIST_KEYS`] keys or
+    /// [`MAX_LIST_BYTES`] of key bytes, so that the answer fits in a frame). The regular
+    /// expression runs outside the shards' locks.
     pub fn list_keys(&self, tenant: Option<&str>, regex: Option<&str>, limit: u32) -> WireResult<Vec<KeyInfo>> {
         let re = regex.map(whole_key_regex).transpose()?;
-        let now = self.now();
+        let limit = (limit as usize).min(MAX_LIST_KEYS);
         let mut out = Vec::new();
-        'shards: for shard in self.shards.iter() {
+        let mut bytes = 0;
+        for shard in self.shards.iter() {
+            if out.len() >= limit || bytes >= MAX_LIST_BYTES {
+                break;
+            }
+            let mut keys: Vec<ObjectKey> = {
+                let map = shard.read();
+                map.keys()
+                    .filter(|k| decode_object_key(k).is_some_and(|(t, _)| tenant.is_none_or(|want| want == t)))
+                    .cloned()
+                    .collect()
+            };
+            if let Some(re) = &re {
+                keys.retain(|k| decode_object_key(k).is_some_and(|(_, key)| re.is_match(key)));
+            }
+            if keys.is_empty() {
+                continue;
+            }
+            let now = self.now();
             let map = shard.read();
-            for (k, o) in map.iter() {
-                let Some((t, key)) = decode_object_key(k) else { continue };
-                if tenant.is_some_and(|want| want != t) || re.as_ref().is_some_and(|re| !re.is_match(key)) {
-                    continue;
+            for k in &keys {
+                if out.len() >= limit || bytes >= MAX_LIST_BYTES {
+                    break;
                 }
-                if out.len() >= limit as usize {
-                    break 'shards;
-                }
+                // Removed since the keys were collected: skip it.
+                let (Some(o), Some((t, key))) = (map.get(k), decode_object_key(k)) else { continue };
+                bytes += k.len();
                 out.push(key_info(t, key, o, now));
             }
         }
@@ -1284,11 +1314,31 @@ fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
     }
 }
 
+/// Longest regular expression a listing or a removal by pattern accepts, in bytes.
+pub const MAX_REGEX_LEN: usize = 1024;
+/// Memory one compiled regular expression, and its lazy DFA, may use.
+const REGEX_SIZE_LIMIT: usize = 1 << 20;
+/// Most keys one listing answers.
+pub const MAX_LIST_KEYS: usize = 10_000;
+/// Most key bytes one listing answers (well inside the 64 MiB frame).
+pub const MAX_LIST_BYTES: usize = 16 << 20;
+
 /// Compiles `pattern` to match whole keys. The pattern is checked on its own first: wrapped,
-/// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key.
+/// an unbalanced one such as `a)|(.*` would compile and match far more than a whole key. Both
+/// compile within bounded memory; the engine matches in time linear in the key.
 fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
-    regex::Regex::new(pattern).map_err(|_| ErrorCode::INVALID_PARAMS)?;
-    regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|_| ErrorCode::INVALID_PARAMS)
+    if pattern.len() > MAX_REGEX_LEN {
+        return Err(ErrorCode::INVALID_PARAMS);
+    }
+    let build = |p: &str| {
+        regex::RegexBuilder::new(p)
+            .size_limit(REGEX_SIZE_LIMIT)
+            .dfa_size_limit(REGEX_SIZE_LIMIT)
+            .build()
+            .map_err(|_| ErrorCode::INVALID_PARAMS)
+    };
+    build(pattern)?;
+    build(&format!("^(?:{pattern})$"))
 }
 
 /// An eviction candidate: lease deadline, shard, key, bytes.

@@ -1,5 +1,6 @@
 //! The master behind the RPC server: maps each [`Request`] to the service call.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,12 +18,40 @@ pub struct MasterRpc {
     master: Arc<Master>,
     metrics: Arc<RpcMetrics>,
     health_budget: Duration,
+    /// Key scans (listings, removal by pattern or all) running now.
+    scans: Arc<AtomicUsize>,
 }
+
+/// Most key scans run at once; more are answered SCANS_BUSY. Each walks every shard on a
+/// blocking thread: two keep a third thread free for the rest of the master's blocking work.
+pub const MAX_CONCURRENT_SCANS: usize = 2;
 
 impl MasterRpc {
     /// Serves `master`, recording into `metrics`.
     pub fn new(master: Arc<Master>, metrics: Arc<RpcMetrics>) -> MasterRpc {
-        MasterRpc { master, metrics, health_budget: HEALTH_CHECK_BUDGET }
+        MasterRpc { master, metrics, health_budget: HEALTH_CHECK_BUDGET, scans: Arc::new(AtomicUsize::new(0)) }
+    }
+
+    /// Runs a key scan on a blocking thread, unless [`MAX_CONCURRENT_SCANS`] already run.
+    fn scan<F>(&self, f: F) -> Reply<Response>
+    where
+        F: FnOnce(&Master) -> Response + Send + 'static,
+    {
+        if self.scans.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_SCANS {
+            self.scans.fetch_sub(1, Ordering::AcqRel);
+            return Reply::Ready(Response::Error(ErrorCode::SCANS_BUSY));
+        }
+        let scans = self.scans.clone();
+        self.blocking(move |m| {
+            struct Done(Arc<AtomicUsize>);
+            impl Drop for Done {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            let _done = Done(scans);
+            f(m)
+        })
     }
 }
 
@@ -98,9 +127,38 @@ impl Service for MasterRpc {
     }
 }
 
+/// Batches of more keys than this run on a blocking thread, so that RPC workers stay free for
+/// heartbeats and small calls.
+pub const BATCH_INLINE_KEYS: usize = 1024;
+
+/// A batch request answered on a blocking thread (writes may wait there for one eviction
+/// round, as the inline path's retry does).
+fn batch_off_worker(m: &Master, req: Request) -> Response {
+    match req {
+        Request::BatchPutStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Put, &r)),
+        Request::BatchUpsertStart(r) => Response::BatchWriteStarted(m.batch_write_start(WriteMode::Upsert, &r)),
+        Request::BatchPutEnd(r) | Request::BatchUpsertEnd(r) => {
+            Response::BatchCommitted(m.batch_write_finish(&r, true))
+        }
+        Request::BatchPutRevoke(r) | Request::BatchUpsertRevoke(r) => {
+            Response::BatchDone(m.batch_write_finish(&r, false).into_iter().map(|x| x.map(drop)).collect())
+        }
+        Request::BatchGetReplicaList(q) => Response::BatchReplicas(m.batch_get_replica_list(&q)),
+        Request::BatchExistKey(q) => Response::BatchExists(m.batch_exist_key(&q)),
+        Request::BatchRemove(r) => Response::BatchDone(m.batch_remove(&r)),
+        Request::BatchReplicaClear(r) => Response::BatchDone(m.batch_replica_clear(&r)),
+        _ => Response::Error(ErrorCode::INTERNAL_ERROR),
+    }
+}
+
 impl MasterRpc {
     fn dispatch(&self, req: Request) -> Reply<Response> {
         let m = &*self.master;
+        match req.batch_len() {
+            n if n > tycho_proto::MAX_BATCH_KEYS => return Reply::Ready(Response::Error(ErrorCode::BATCH_TOO_LARGE)),
+            n if n > BATCH_INLINE_KEYS => return self.blocking(move |m| batch_off_worker(m, req)),
+            _ => {}
+        }
         let resp = match req {
             Request::Ping { client } => Response::Ping(m.ping(client)),
             Request::ServiceReady => Response::ServiceReady(true),
@@ -135,14 +193,14 @@ impl MasterRpc {
             Request::Remove(r) => done(m.remove(&r)),
             Request::BatchRemove(r) => Response::BatchDone(m.batch_remove(&r)),
             Request::RemoveByRegex { tenant, regex, force } => {
-                return self.blocking(move |m| {
+                return self.scan(move |m| {
                     m.remove_by_regex(&tenant, &regex, force).map_or_else(Response::Error, Response::Removed)
                 })
             }
-            Request::RemoveAll { force } => return self.blocking(move |m| Response::Removed(m.remove_all(force))),
+            Request::RemoveAll { force } => return self.scan(move |m| Response::Removed(m.remove_all(force))),
             Request::ListSegments => Response::Segments(m.list_segments()),
             Request::ListKeys { tenant, regex, limit } => {
-                return self.blocking(move |m| {
+                return self.scan(move |m| {
                     m.list_keys(tenant.as_deref(), regex.as_deref(), limit).map_or_else(Response::Error, Response::Keys)
                 })
             }

@@ -564,7 +564,11 @@ fn remove_all_and_remove_by_regex() {
     assert_eq!(objects(m), 8);
     // "kv/1)|(.*" is not a valid regex; naively wrapped as "^(?:kv/1)|(.*)$" it would match
     // every key.
-    for bad in ["(", "kv/[", "kv/1)|(.*", "*"] {
+    // Too long, or compiling past the size limit (a counted repetition of a large class), is
+    // refused too: a pattern cannot buy unbounded memory or time.
+    let long = "a".repeat(tycho_master::MAX_REGEX_LEN + 1);
+    let huge = r"(\w{100}){100}";
+    for bad in ["(", "kv/[", "kv/1)|(.*", "*", long.as_str(), huge] {
         assert_eq!(m.remove_by_regex(T, bad, true), Err(ErrorCode::INVALID_PARAMS), "regex {bad:?}");
         assert_eq!(objects(m), 8, "regex {bad:?} removed something");
         assert_eq!(m.list_keys(Some(T), Some(bad), 100), Err(ErrorCode::INVALID_PARAMS), "regex {bad:?}");

@@ -176,6 +176,12 @@ error_codes! {
     CAPABILITY_EXPIRED = -2203, RetrySame;
     /// The caller's role or tenant does not allow this operation.
     PERMISSION_DENIED = -2204, Fail;
+    /// The master runs as many key scans (listings, removal by pattern) as it allows at once.
+    SCANS_BUSY = -2205, RetrySame;
+    /// A batch names more keys than one request may carry.
+    BATCH_TOO_LARGE = -2206, Fail;
+    /// A configured cap is reached (segment size, segments per client).
+    RESOURCE_LIMIT = -2207, Fail;
 }
 
 impl ErrorCode {
@@ -215,6 +221,9 @@ impl ErrorCode {
             CAPABILITY_INVALID => "the range was not granted to this caller; ask the master for the object again",
             CAPABILITY_EXPIRED => "the grant ran out before the transfer; ask the master again",
             PERMISSION_DENIED => "this operation needs the owner of the resource or the admin role",
+            SCANS_BUSY => "other key scans are running; retry shortly",
+            BATCH_TOO_LARGE => "split the batch; the client library does this by itself",
+            RESOURCE_LIMIT => "a configured cap is reached: see --max-segment-size and --max-segments-per-client",
             _ => "see docs/errors.md",
         }
     }

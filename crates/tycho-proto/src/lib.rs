@@ -21,3 +21,6 @@ pub use types::*;
 pub const MAX_KEY_LEN: usize = 4096;
 /// Longest tenant name accepted, in bytes.
 pub const MAX_TENANT_LEN: usize = 255;
+/// Most keys one batch request may name; a master answers more with BATCH_TOO_LARGE, and the
+/// client library splits larger batches into requests of at most this many.
+pub const MAX_BATCH_KEYS: usize = 8192;

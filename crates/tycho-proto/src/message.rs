@@ -236,6 +236,23 @@ pub enum Request {
     BatchReplicaClear(ReplicaClear),
 }
 
+impl Request {
+    /// How many keys a batch request names (0 for any other request).
+    pub fn batch_len(&self) -> usize {
+        match self {
+            Request::BatchPutStart(r) | Request::BatchUpsertStart(r) => r.items.len().max(r.write_ids.len()),
+            Request::BatchPutEnd(r)
+            | Request::BatchPutRevoke(r)
+            | Request::BatchUpsertEnd(r)
+            | Request::BatchUpsertRevoke(r) => r.keys.len().max(r.write_ids.len()),
+            Request::BatchGetReplicaList(q) | Request::BatchExistKey(q) => q.keys.len(),
+            Request::BatchRemove(r) => r.keys.len(),
+            Request::BatchReplicaClear(r) => r.keys.len(),
+            _ => 0,
+        }
+    }
+}
+
 /// The answer to a [`Request`]; each variant answers the request of the same name.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(Arbitrary))]

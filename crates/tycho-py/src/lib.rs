@@ -1036,6 +1036,11 @@ impl Store {
             Ok(c) => c,
             Err(e) => return code(e),
         };
+        // Checked on its own before it is wrapped: wrapped, an unbalanced pattern such as
+        // `a)|(.*` would compile and match every key.
+        if regex_syntax::Parser::new().parse(regex_pattern).is_err() {
+            return code(ErrorCode::INVALID_PARAMS);
+        }
         let search = format!("(?s:.*)(?:{regex_pattern})(?s:.*)");
         py.allow_threads(|| c.remove_by_regex(&search, force)).map_or_else(code, |n| n as i64)
     }

@@ -100,8 +100,11 @@ def test_batch_remove_regex_and_all(store):
         store.put(k, b"v")
     assert store.batch_remove(keys[:2]) == [0, 0]
     assert store.batch_remove([keys[0]]) == [OBJECT_NOT_FOUND]
-    assert store.remove_by_regex(tag) == 2  # searched anywhere in the key, as Mooncake
+    # An unbalanced pattern is refused, not wrapped into one that matches every key.
+    assert store.remove_by_regex("x)|(.*") == INVALID_PARAMS
     assert store.remove_by_regex("(") == INVALID_PARAMS
+    assert store.get_batch(keys[2:]) == [b"v", b"v"]
+    assert store.remove_by_regex(tag) == 2  # searched anywhere in the key, as Mooncake
     store.put(key("all"), b"v")
     assert store.remove_all() >= 1
     assert store.get_batch([keys[3]]) == [b""]

@@ -44,13 +44,22 @@ pub struct ServerConfig {
     /// The cluster secret every connection must prove; `None` serves without authentication
     /// (`--insecure`, and unit tests).
     pub secret: Option<Arc<Secret>>,
+    /// Most connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { max_frame: DEFAULT_MAX_FRAME, secret: None }
+        ServerConfig { max_frame: DEFAULT_MAX_FRAME, secret: None, max_connections: DEFAULT_MAX_CONNECTIONS }
     }
 }
+
+/// Default [`ServerConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
+/// Once a frame has started arriving, the rest of it must arrive within this long, so that a
+/// peer cannot hold a connection's buffer with a frame it never finishes.
+pub const FRAME_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A running server.
 pub struct ServerHandle {
@@ -95,6 +104,11 @@ pub fn serve<S: Service>(
                 _ = stop_rx.changed() => break,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
+                        if open.load(Ordering::Relaxed) >= config.max_connections as u64 {
+                            tracing::warn!(%peer, limit = config.max_connections, "connection limit reached; closing a new connection");
+                            drop(stream);
+                            continue;
+                        }
                         let svc = service.clone();
                         let cfg = config.clone();
                         let stop = stop_rx.clone();
@@ -145,6 +159,8 @@ async fn serve_connection<S: Service>(
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, S::Response)>();
     let mut rbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    // When the unfinished frame at the front of `rbuf` began to arrive.
+    let mut partial_since: Option<tokio::time::Instant> = None;
     loop {
         // Handle every whole frame already buffered, then write all their answers at once.
         let mut used = 0;
@@ -168,6 +184,11 @@ async fn serve_connection<S: Service>(
             }
         }
         rbuf.drain(..used);
+        partial_since = match (rbuf.is_empty(), used > 0) {
+            (true, _) => None,
+            (false, true) => Some(tokio::time::Instant::now()),
+            (false, false) => partial_since.or_else(|| Some(tokio::time::Instant::now())),
+        };
         while let Ok((id, resp)) = done_rx.try_recv() {
             encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
         }
@@ -190,6 +211,9 @@ async fn serve_connection<S: Service>(
             }
             Some((id, resp)) = done_rx.recv() => {
                 encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+            }
+            _ = tokio::time::sleep_until(partial_since.map_or_else(tokio::time::Instant::now, |t| t + FRAME_DEADLINE)), if partial_since.is_some() => {
+                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "a frame did not complete in time").into());
             }
             _ = stop.changed() => return Ok(()),
         }

@@ -65,7 +65,8 @@ fn cfg() -> ClientConfig {
 async fn start(max_frame: u32) -> (tycho_rpc::ServerHandle, Arc<TestService>, String) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let svc = Arc::new(TestService::default());
-    let h = serve(listener, svc.clone(), ServerConfig { max_frame, secret: Some(secret()) }).unwrap();
+    let h =
+        serve(listener, svc.clone(), ServerConfig { max_frame, secret: Some(secret()), ..Default::default() }).unwrap();
     let addr = h.local_addr().to_string();
     (h, svc, addr)
 }

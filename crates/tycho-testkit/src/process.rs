@@ -64,6 +64,11 @@ impl Proc {
         }
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends a signal (for example 15 for SIGTERM, 9 for SIGKILL) unless the process has
     /// already exited and been reaped.
     pub fn signal(&mut self, signal: i32) {

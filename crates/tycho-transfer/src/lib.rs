@@ -21,4 +21,4 @@ pub use error::TransferError;
 pub use local::socket_path;
 pub use registry::SegmentRegistry;
 pub use segment::Mapping;
-pub use server::TransferServer;
+pub use server::{TransferServer, MAX_CONNECTIONS};

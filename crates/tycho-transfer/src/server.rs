@@ -3,12 +3,12 @@
 //! Every connection starts with the greeting of `tycho_proto::auth::handshake`; with a cluster
 //! secret, every request must carry the master's capability for the range it touches.
 //!
-//! One thread per connection with blocking I/O: bulk transfers are few and long, and a
+//! One thread per connection with blocking I/O, at most [`MAX_CONNECTIONS`] of them: bulk transfers are few and long, and a
 //! thread that owns its socket moves bytes between socket and segment with no hand-offs.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use std::collections::HashMap;
@@ -21,6 +21,10 @@ use tycho_proto::{ErrorCode, SegmentId};
 
 use crate::local::LocalServer;
 use crate::wire::{encode_answer, XferOp, XferRequest, REQUEST_LEN};
+
+/// Most connections served at once (one thread each); more are closed as they arrive. A
+/// client engine keeps at most 16 idle connections per peer.
+pub const MAX_CONNECTIONS: usize = 256;
 
 /// How long a new connection has to complete its greeting.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -66,20 +70,37 @@ impl TransferServer {
         };
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let active = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new().name("tycho-xfer-accept".into()).spawn(move || {
             for conn in listener.incoming() {
                 if stop2.load(Ordering::Relaxed) {
                     break;
                 }
-                let Ok(stream) = conn else { continue };
+                let Ok(stream) = conn else {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    continue;
+                };
+                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    tracing::warn!(
+                        limit = MAX_CONNECTIONS,
+                        "transfer connection limit reached; closing a new connection"
+                    );
+                    continue;
+                }
+                active.fetch_add(1, Ordering::AcqRel);
                 let registry = registry.clone();
                 let stop = stop2.clone();
                 let guard = guard.clone();
-                let _ = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
+                let count = active.clone();
+                let spawned = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
                     if let Err(e) = serve_connection(stream, &registry, &guard, &stop) {
                         tracing::debug!(error = %e, "transfer connection closed");
                     }
+                    count.fetch_sub(1, Ordering::AcqRel);
                 });
+                if spawned.is_err() {
+                    active.fetch_sub(1, Ordering::AcqRel);
+                }
             }
         })?;
         Ok(TransferServer { addr, stop, accept: Some(accept), _local: local })

@@ -4,6 +4,7 @@ mod admin;
 mod bench_e2e;
 mod bench_fill;
 mod bench_master;
+mod fuzz;
 mod master_client;
 mod master_cmd;
 mod mooncake_flags;
@@ -48,6 +49,8 @@ enum Command {
     Rm(admin::RmArgs),
     /// List mounted segments.
     Segments(admin::Target),
+    /// Feed mutated bytes to every network decoder (see docs/security.md).
+    Fuzz(fuzz::FuzzArgs),
 }
 
 #[derive(clap::Args)]
@@ -99,6 +102,7 @@ fn main() {
         Command::Exist(a) => admin::exist(a),
         Command::Rm(a) => admin::rm(a),
         Command::Segments(t) => admin::segments(t),
+        Command::Fuzz(a) => fuzz::run(a),
     };
     std::process::exit(code);
 }

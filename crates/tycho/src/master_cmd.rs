@@ -54,6 +54,15 @@ pub struct MasterArgs {
     /// Most unfinished writes (started, neither ended nor revoked) one client may hold.
     #[arg(long = "max-pending-writes-per-client", default_value_t = tycho_master::DEFAULT_MAX_PENDING_WRITES_PER_CLIENT)]
     pub max_pending_writes_per_client: u64,
+    /// Largest segment one mount may contribute: bytes or a size such as 16TB.
+    #[arg(long = "max-segment-size", default_value = "64TB", value_parser = tycho_client::parse_size)]
+    pub max_segment_size: u64,
+    /// Most segments one client may have mounted at once.
+    #[arg(long = "max-segments-per-client", default_value_t = tycho_master::DEFAULT_MAX_SEGMENTS_PER_CLIENT)]
+    pub max_segments_per_client: usize,
+    /// Most RPC connections served at once; more are closed as they arrive.
+    #[arg(long = "max-connections", default_value_t = tycho_rpc::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Default placement: random, free-ratio-first or local-first.
     #[arg(long = "allocation-strategy", alias = "allocation_strategy", default_value = "random", value_parser = parse_strategy)]
     pub allocation_strategy: AllocStrategy,
@@ -205,6 +214,8 @@ impl MasterArgs {
             put_start_release_timeout_ms: self.put_start_release_timeout,
             default_strategy: self.allocation_strategy,
             max_pending_writes_per_client: self.max_pending_writes_per_client.max(1),
+            max_segment_size: self.max_segment_size,
+            max_segments_per_client: self.max_segments_per_client.max(1),
             ..MasterConfig::default()
         })
     }
@@ -252,7 +263,12 @@ pub fn run_master(args: MasterArgs) -> i32 {
     let rt = runtime(args.rpc_thread_num);
     rt.block_on(async move {
         let addr = format!("{}:{}", args.rpc_address, args.rpc_port);
-        let running = match start_master(&addr, cfg, args.max_frame_bytes, &args.security).await {
+        let server = ServerConfig {
+            max_frame: args.max_frame_bytes,
+            max_connections: args.max_connections,
+            ..Default::default()
+        };
+        let running = match start_master(&addr, cfg, server, &args.security).await {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -289,18 +305,14 @@ pub fn run_master(args: MasterArgs) -> i32 {
 pub fn run_up(args: UpArgs) -> i32 {
     let rt = runtime(0);
     let addr = format!("127.0.0.1:{}", args.rpc_port);
-    let running = match rt.block_on(start_master(
-        &addr,
-        MasterConfig::default(),
-        tycho_proto::frame::DEFAULT_MAX_FRAME,
-        &args.security,
-    )) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("error: {e} (is another master running? pass --rpc-port)");
-            return 1;
-        }
-    };
+    let running =
+        match rt.block_on(start_master(&addr, MasterConfig::default(), ServerConfig::default(), &args.security)) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e} (is another master running? pass --rpc-port)");
+                return 1;
+            }
+        };
     let auth = probe_auth(running.secret.clone());
     let master_addr = running.addr.to_string();
     let admin_cfg = tycho_master::AdminConfig {
@@ -399,7 +411,7 @@ impl RunningMaster {
 async fn start_master(
     addr: &str,
     mut cfg: MasterConfig,
-    max_frame: u32,
+    server: ServerConfig,
     security: &SecurityArgs,
 ) -> Result<RunningMaster, String> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
@@ -411,7 +423,7 @@ async fn start_master(
     let server = serve(
         listener,
         Arc::new(MasterRpc::new(master.clone(), metrics.clone())),
-        ServerConfig { max_frame, secret: secret.clone() },
+        ServerConfig { secret: secret.clone(), ..server },
     )
     .map_err(|e| e.to_string())?;
     let stop = Arc::new(AtomicBool::new(false));

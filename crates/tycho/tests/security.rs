@@ -199,3 +199,143 @@ fn same_host_clients_map_the_segment_through_the_local_socket() {
     assert_eq!(c.get("local").unwrap(), value);
     assert_eq!(c.peer_mappings(), 1);
 }
+
+/// Bounded work per request: a batch naming more than MAX_BATCH_KEYS keys is refused with a
+/// typed error and changes nothing; the client library splits larger batches by itself; large
+/// batches hammering the master from several connections do not starve heartbeats, so no
+/// client is expired meanwhile.
+#[test]
+fn oversized_batches_are_refused_split_by_clients_and_do_not_starve_heartbeats() {
+    let home = TempDir::new("tycho-sec-batch").unwrap();
+    let file = secret_file(home.path(), "batch-limit-cluster-secret");
+    let f = file.to_str().unwrap();
+    let m = MasterProc::start(TYCHO, &["--secret-file", f, "--client-ttl", "2"]);
+    let _node = NodeProc::start_env(TYCHO, &m.rpc, "32MB", &["--secret-file", f], &[]);
+    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
+    let mut cfg = ClientConfig::new(&m.rpc);
+    cfg.auth = ClientAuth::Secret(secret.clone());
+    let c = Client::connect(cfg).unwrap();
+    let rpc_cfg = tycho_rpc::ClientConfig { auth: ClientAuth::Secret(secret), ..Default::default() };
+    let rpc = Arc::new(tycho_rpc::BlockingClient::new(&m.rpc, rpc_cfg));
+    let keys = |n: usize| -> Vec<KeyRef> {
+        (0..n)
+            .map(|i| {
+                let k = format!("batch-{i}");
+                KeyRef { route: tycho_routing::route_for("", &k, 1), key: k }
+            })
+            .collect()
+    };
+    let too_many = Request::BatchExistKey(BatchKeyQuery { tenant: String::new(), keys: keys(MAX_BATCH_KEYS + 1) });
+    let t = std::time::Duration::from_secs(30);
+    assert_eq!(rpc.call::<Request, Response>(&too_many, t).unwrap(), Response::Error(ErrorCode::BATCH_TOO_LARGE));
+    let remove =
+        Request::BatchRemove(BatchRemoveKeys { tenant: String::new(), keys: keys(MAX_BATCH_KEYS + 1), force: true });
+    assert_eq!(rpc.call::<Request, Response>(&remove, t).unwrap(), Response::Error(ErrorCode::BATCH_TOO_LARGE));
+    // The client splits: 9,000 writes and 20,000 existence checks in one call each.
+    let names: Vec<String> = (0..9000).map(|i| format!("split-{i}")).collect();
+    let items: Vec<(&str, &[u8])> = names.iter().map(|k| (k.as_str(), &b"v"[..])).collect();
+    let wrote = c.write_batch(tycho_client::WriteMode::Put, &items, &Default::default(), false);
+    assert!(wrote.iter().all(|r| r.is_ok()), "{:?}", wrote.iter().find(|r| r.is_err()));
+    let mut probe: Vec<String> = names.clone();
+    probe.extend((0..11_000).map(|i| format!("absent-{i}")));
+    let refs: Vec<&str> = probe.iter().map(String::as_str).collect();
+    let found = c.exists_batch(&refs);
+    assert_eq!(found.len(), 20_000);
+    assert!(found[..9000].iter().all(|r| *r == Ok(true)) && found[9000..].iter().all(|r| *r == Ok(false)));
+    // Full-size batches from four connections for three client TTLs: the node keeps its segment.
+    let full = Arc::new(Request::BatchExistKey(BatchKeyQuery { tenant: String::new(), keys: keys(MAX_BATCH_KEYS) }));
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(6);
+    let hammers: Vec<_> = (0..4)
+        .map(|_| {
+            let (rpc, full) = (rpc.clone(), full.clone());
+            std::thread::spawn(move || {
+                let mut calls = 0;
+                while std::time::Instant::now() < end {
+                    let Response::BatchExists(r) = rpc.call::<Request, Response>(&full, t).unwrap() else { panic!() };
+                    assert_eq!(r.len(), MAX_BATCH_KEYS);
+                    calls += 1;
+                }
+                calls
+            })
+        })
+        .collect();
+    let calls: u32 = hammers.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(calls > 0);
+    let Response::Stats(s) = c.call(&Request::Stats).unwrap() else { panic!() };
+    assert_eq!((s.segments, s.objects), (1, 9000), "no client expired, nothing lost");
+}
+
+fn threads(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+}
+
+/// Resource caps: a huge segment and too many segments per client are refused and change
+/// nothing; connections that never greet hold neither a master nor a node (bounded threads,
+/// closed after the greeting deadline) and the store keeps serving.
+#[test]
+fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
+    let home = TempDir::new("tycho-sec-caps").unwrap();
+    let file = secret_file(home.path(), "resource-caps-cluster-secret");
+    let f = file.to_str().unwrap();
+    let m = MasterProc::start(TYCHO, &["--secret-file", f, "--max-segments-per-client", "2"]);
+    let node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
+    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
+    let mut cfg = ClientConfig::new(&m.rpc);
+    cfg.auth = ClientAuth::Secret(secret.clone());
+    let c = Client::connect(cfg).unwrap();
+    c.put("kept", b"value", &Default::default()).unwrap();
+    let Response::Stats(before) = c.call(&Request::Stats).unwrap() else { panic!() };
+    let rpc = tycho_rpc::BlockingClient::new(
+        &m.rpc,
+        tycho_rpc::ClientConfig { auth: ClientAuth::Secret(secret), ..Default::default() },
+    );
+    let t = std::time::Duration::from_secs(10);
+    let me = ClientId(0xfeed);
+    let seg = |id: u128, size: u64| SegmentDesc {
+        id: SegmentId(id),
+        name: format!("s{id}"),
+        base: id as u64 * (1 << 40),
+        size,
+        endpoint: "127.0.0.1:9".into(),
+        host: "h".into(),
+        incarnation: 1,
+    };
+    let mount =
+        |d: SegmentDesc| rpc.call::<Request, Response>(&Request::MountSegment { client: me, segment: d }, t).unwrap();
+    assert_eq!(mount(seg(1, 1 << 50)), Response::Error(ErrorCode::RESOURCE_LIMIT));
+    assert_eq!(mount(seg(2, 1 << 20)), Response::Done);
+    assert_eq!(mount(seg(3, 1 << 20)), Response::Done);
+    assert_eq!(mount(seg(4, 1 << 20)), Response::Error(ErrorCode::RESOURCE_LIMIT));
+    let Response::Stats(after) = c.call(&Request::Stats).unwrap() else { panic!() };
+    assert_eq!(after.capacity_bytes, before.capacity_bytes + (2 << 20));
+    assert_eq!(after.segments, before.segments + 2);
+
+    // 300 connections to the node's transfer port and 300 to the master that never greet.
+    let xfer = c.replicas("kept").unwrap()[0].endpoint.clone();
+    let idle: Vec<std::net::TcpStream> = (0..300)
+        .flat_map(|_| [std::net::TcpStream::connect(&xfer).unwrap(), std::net::TcpStream::connect(&m.rpc).unwrap()])
+        .collect();
+    let node_threads = threads(node.proc.pid());
+    assert!(node_threads <= tycho_transfer::MAX_CONNECTIONS + 16, "{node_threads} threads in the node");
+    let master_threads = threads(m.proc.pid());
+    assert!(master_threads < 64, "{master_threads} threads in the master");
+    // Each is closed once the greeting deadline passes (or at once, past the node's cap).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    for mut s in idle {
+        s.set_read_timeout(Some(
+            deadline.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1)),
+        ))
+        .unwrap();
+        let mut sink = Vec::new();
+        let closed = match std::io::Read::read_to_end(&mut s, &mut sink) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        };
+        assert!(closed, "a connection that never greeted was kept past the deadline");
+    }
+    // The store kept serving, and nobody was expired.
+    assert_eq!(c.get("kept").unwrap(), b"value");
+    let Response::Stats(last) = c.call(&Request::Stats).unwrap() else { panic!() };
+    assert_eq!(last.objects, after.objects);
+}
