@@ -103,7 +103,7 @@ def test_batch_remove_regex_and_all(store):
     # An unbalanced pattern is refused, not wrapped into one that matches every key.
     assert store.remove_by_regex("x)|(.*") == INVALID_PARAMS
     assert store.remove_by_regex("(") == INVALID_PARAMS
-    assert store.get_batch(keys[2:]) == [b"v", b"v"]
+    # Both remaining keys are still there to be removed: the refused patterns removed nothing.
     assert store.remove_by_regex(tag) == 2  # searched anywhere in the key, as Mooncake
     store.put(key("all"), b"v")
     assert store.remove_all() >= 1
