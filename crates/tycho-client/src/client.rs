@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
+use tycho_proto::auth::handshake::Identity;
 use tycho_proto::*;
 use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
 use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferServer, Transport};
 
-use crate::config::{ClientConfig, Protocol};
+use crate::config::{ClientAuth, ClientConfig, Protocol};
 use crate::retry::call_with_retry;
 
 /// Put (put-if-absent) or upsert (replace).
@@ -201,18 +202,39 @@ impl Client {
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
         let registry = Arc::new(SegmentRegistry::default());
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
-        let master = BlockingClient::new(
+        let first = BlockingClient::new(
             &cfg.master_addr,
             RpcConfig { spin: cfg.rpc_spin, auth: cfg.auth.clone(), ..RpcConfig::default() },
         );
-        master.check().map_err(|e| {
+        first.check().map_err(|e| {
             tracing::error!(master = %cfg.master_addr, error = %e, "cannot reach the master");
             e.code()
         })?;
         // Peers prove the secret the master accepted (none if the master asks for none).
-        let secret = master.secret();
+        let secret = first.secret();
+        // With a secret, the master issues this client's id and credential, and every later
+        // connection proves them; without one, the client picks its id.
+        let (id, master) = match &secret {
+            None => (ClientId(rand::random()), first),
+            Some(s) => {
+                let Response::Registered { client, credential } =
+                    call_with_retry(&first, &Request::Register { tenant: cfg.tenant.clone() }, cfg.rpc_timeout)?
+                else {
+                    return Err(ErrorCode::INTERNAL_ERROR);
+                };
+                let identity = Identity::Client { client: client.0, tenant: cfg.tenant.clone(), credential };
+                let rpc = RpcConfig {
+                    spin: cfg.rpc_spin,
+                    auth: ClientAuth::Secret(s.clone()),
+                    identity: Some(identity),
+                    ..RpcConfig::default()
+                };
+                let master = BlockingClient::new(&cfg.master_addr, rpc);
+                master.check().map_err(|e| e.code())?;
+                (client, master)
+            }
+        };
         let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone());
-        let id = ClientId(rand::random());
         let mut segments = Vec::new();
         if cfg.segment_size > 0 {
             let size = usize::try_from(cfg.segment_size).map_err(|_| ErrorCode::INVALID_PARAMS)?;

@@ -10,7 +10,7 @@
 //! | `/livez`, `/health` | 200 while the process lives |
 //! | `/readyz` | 200 when serving and the last probe succeeded, else 503 |
 //! | `/metrics` | Prometheus text |
-//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON, as Mooncake's admin port |
+//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON; with a cluster secret, only to a request that sends it (`Authorization: Bearer <secret>`) |
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -20,14 +20,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::get;
 use axum::Router;
 use tokio::sync::watch;
+use tycho_proto::auth::{same_mac, Secret};
 use tycho_proto::{Request, Response};
 use tycho_rpc::{ClientConfig, RpcClient};
 
+use crate::master::KeyCursor;
 use crate::metrics::LATENCY_BUCKETS;
 use crate::{Master, RpcMetrics};
 
@@ -57,6 +59,9 @@ pub struct AdminConfig {
     pub probe: Option<ProbeConfig>,
     /// How the probe authenticates to the RPC server (the master's own secret).
     pub probe_auth: tycho_proto::auth::ClientAuth,
+    /// The cluster secret the listing endpoints require (`Authorization: Bearer <secret>`);
+    /// `None` leaves them open (`--insecure`). Health and metrics endpoints are always open.
+    pub http_secret: Option<Arc<Secret>>,
 }
 
 /// What the probe last saw, plus whether the master serves.
@@ -101,7 +106,32 @@ struct AdminState {
     metrics: Arc<RpcMetrics>,
     probe: Arc<ProbeState>,
     probe_enabled: bool,
+    secret: Option<Arc<Secret>>,
 }
+
+impl AdminState {
+    /// `None` when `headers` carry the cluster secret (or none is required), else the refusal.
+    fn refuse(&self, headers: &HeaderMap) -> Option<HttpResponse> {
+        let secret = self.secret.as_ref()?;
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|t| Secret::from_text(t.as_bytes()).ok());
+        let ok = given.is_some_and(|g| same_mac(&g.derive("admin http", &[]), &secret.derive("admin http", &[])));
+        if ok {
+            return None;
+        }
+        let why = "this endpoint needs the cluster secret: send `Authorization: Bearer <contents of the secret file>` \
+                   (docs/security.md)\n";
+        Some((StatusCode::UNAUTHORIZED, why).into_response())
+    }
+}
+
+/// Keys one `/get_all_keys` page answers by default, and at most.
+pub const KEYS_PAGE_DEFAULT: usize = 1000;
+/// See [`KEYS_PAGE_DEFAULT`].
+pub const KEYS_PAGE_MAX: usize = 10_000;
 
 /// A running admin server.
 pub struct AdminHandle {
@@ -150,7 +180,13 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let probe = Arc::new(ProbeState::default());
-    let state = Arc::new(AdminState { master, metrics, probe: probe.clone(), probe_enabled: cfg.probe.is_some() });
+    let state = Arc::new(AdminState {
+        master,
+        metrics,
+        probe: probe.clone(),
+        probe_enabled: cfg.probe.is_some(),
+        secret: cfg.http_secret.clone(),
+    });
     let (stop, stop_rx) = watch::channel(false);
     let target = probe_target(cfg.rpc_addr);
     let thread = std::thread::Builder::new().name("tycho-admin".into()).spawn(move || {
@@ -257,19 +293,54 @@ fn json<T: serde::Serialize>(v: &T) -> HttpResponse {
     }
 }
 
-async fn all_segments(State(s): State<Arc<AdminState>>) -> HttpResponse {
+async fn all_segments(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> HttpResponse {
+    if let Some(no) = s.refuse(&headers) {
+        return no;
+    }
     json(&s.master.list_segments())
 }
 
-async fn all_keys(State(s): State<Arc<AdminState>>) -> HttpResponse {
+/// One page of keys: `?limit=N` (default 1000, at most 10,000), `?tenant=T` (one tenant), and
+/// `?after=CURSOR` (the `next` of the previous page). Answers
+/// `{"keys": [{"tenant", "key"}...], "next": CURSOR or null}`.
+async fn all_keys(
+    State(s): State<Arc<AdminState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> HttpResponse {
+    if let Some(no) = s.refuse(&headers) {
+        return no;
+    }
+    let limit = match q.get("limit").map(|l| l.parse::<usize>()) {
+        None => KEYS_PAGE_DEFAULT,
+        Some(Ok(n)) => n.clamp(1, KEYS_PAGE_MAX),
+        Some(Err(_)) => return (StatusCode::BAD_REQUEST, "limit must be a number\n").into_response(),
+    };
+    let after = match q.get("after").filter(|a| !a.is_empty()).map(|a| KeyCursor::parse(a)) {
+        None => None,
+        Some(Some(c)) => Some(c),
+        Some(None) => return (StatusCode::BAD_REQUEST, "after is not a cursor from a previous page\n").into_response(),
+    };
+    let tenant = q.get("tenant").cloned();
     let m = s.master.clone();
-    match tokio::task::spawn_blocking(move || m.list_keys(None, None, u32::MAX)).await {
-        Ok(Ok(keys)) => json(&keys.into_iter().map(|k| k.key).collect::<Vec<_>>()),
-        _ => (StatusCode::INTERNAL_SERVER_ERROR, "listing failed\n").into_response(),
+    match tokio::task::spawn_blocking(move || m.list_keys_page(tenant.as_deref(), limit, after)).await {
+        Ok((keys, next)) => {
+            let keys: Vec<serde_json::Value> =
+                keys.into_iter().map(|k| serde_json::json!({"tenant": k.tenant, "key": k.key})).collect();
+            json(&serde_json::json!({"keys": keys, "next": next.map(|c| c.to_string())}))
+        }
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "listing failed\n").into_response(),
     }
 }
 
-async fn query_key(State(s): State<Arc<AdminState>>, Query(q): Query<HashMap<String, String>>) -> HttpResponse {
+async fn query_key(
+    State(s): State<Arc<AdminState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> HttpResponse {
+    if let Some(no) = s.refuse(&headers) {
+        return no;
+    }
     let Some(key) = q.get("key").cloned() else {
         return (StatusCode::BAD_REQUEST, "missing ?key=\n").into_response();
     };
@@ -412,6 +483,11 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
             &c.sweep_objects_removed,
         ),
         ("tycho_master_clients_expired_total", "Clients expired for silence.", &c.clients_expired),
+        (
+            "tycho_master_expiry_pauses_total",
+            "Housekeeping rounds that skipped client expiry while the master itself was stalled.",
+            &c.expiry_pauses,
+        ),
         ("tycho_master_removed_objects_total", "Objects removed by clients.", &c.objects_removed),
         (
             "tycho_master_writes_discarded_total",
@@ -488,6 +564,7 @@ mod tests {
             rpc_addr: "127.0.0.1:9".parse().unwrap(),
             probe: None,
             probe_auth: Default::default(),
+            http_secret: None,
         };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         let addr = admin.local_addr();
@@ -510,6 +587,7 @@ mod tests {
             rpc_addr: dead,
             probe: Some(probe),
             probe_auth: Default::default(),
+            http_secret: None,
         };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         admin.probe().set_serving(true);

@@ -27,7 +27,10 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::*;
 pub use evict::{RoundRequest, EVICTION_WAIT};
 pub use health::HEALTH_CHECK_BUDGET;
-pub use master::{Counters, Master, ObjectGauges, WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN};
+pub use master::{
+    Counters, Master, ObjectGauges, WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS,
+    STALL_MS,
+};
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;
 pub use rpc::{MasterRpc, MAX_CONCURRENT_SCANS};

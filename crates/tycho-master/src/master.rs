@@ -5,7 +5,7 @@
 //! eviction, which visits every shard). Ping only touches the client table.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -54,6 +54,8 @@ pub struct Counters {
     /// Objects removed by a client (Remove, its batch form, RemoveByRegex, RemoveAll, replica
     /// clear).
     pub objects_removed: AtomicU64,
+    /// Housekeeping rounds that skipped client expiry because the master itself was stalled.
+    pub expiry_pauses: AtomicU64,
 }
 
 struct ClientEntry {
@@ -62,6 +64,9 @@ struct ClientEntry {
     segments: Mutex<Vec<SegmentId>>,
     /// Unfinished writes of this client.
     pending: Arc<AtomicU64>,
+    /// An admin unmounted one of its segments: its pings are answered NeedRemount until it
+    /// remounts.
+    must_remount: AtomicBool,
 }
 
 /// Ranges waiting to be freed because an old writer may still be writing into them (a write
@@ -113,6 +118,12 @@ pub struct Master {
     /// the next commit of the key hands these ranges to its writer to retire, with the ranges it
     /// replaced. Lock order: the shard's lock, then this one.
     tombstones: Box<[Mutex<HashMap<ObjectKey, Tombstone>>]>,
+    /// When the RPC runtime last showed that it runs ([`Master::note_responsive`]); 0 while
+    /// nothing watches it.
+    rpc_alive: AtomicU64,
+    /// When housekeeping last found the master stalled: clients get a full TTL from then on to
+    /// ping again, since their pings may have waited behind the stall.
+    stalled_at: AtomicU64,
     /// Background-work counters.
     pub counters: Counters,
 }
@@ -136,6 +147,8 @@ impl Master {
             last_abandon_scan: AtomicU64::new(0),
             evictor: Evictor::default(),
             tombstones: (0..crate::object::SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
+            rpc_alive: AtomicU64::new(0),
+            stalled_at: AtomicU64::new(0),
             counters: Counters::default(),
         }
     }
@@ -230,7 +243,11 @@ impl Master {
         let status = match self.clients.read().get(&client) {
             Some(c) => {
                 c.last_ping.store(self.now(), Ordering::Relaxed);
-                ClientStatus::Ok
+                if c.must_remount.load(Ordering::Relaxed) {
+                    ClientStatus::NeedRemount
+                } else {
+                    ClientStatus::Ok
+                }
             }
             None => ClientStatus::NeedRemount,
         };
@@ -252,6 +269,7 @@ impl Master {
                     host: Mutex::new(None),
                     segments: Mutex::new(Vec::new()),
                     pending: Arc::new(AtomicU64::new(0)),
+                    must_remount: AtomicBool::new(false),
                 })
             })
             .clone()
@@ -316,9 +334,41 @@ impl Master {
     /// Registers `client` and mounts all its segments; used after NEED_REMOUNT. An empty list
     /// registers a client that contributes no memory.
     pub fn remount_segments(&self, client: ClientId, descs: Vec<SegmentDesc>) -> WireResult<()> {
-        self.register_client(client);
+        self.register_client(client).must_remount.store(false, Ordering::Relaxed);
         for d in descs {
             self.mount_segment(client, d)?;
+        }
+        Ok(())
+    }
+
+    /// The cluster secret capabilities are minted under, if any.
+    pub fn secret(&self) -> Option<&Arc<tycho_proto::auth::Secret>> {
+        self.cfg.secret.as_ref()
+    }
+
+    /// Register: a fresh client id of `tenant` and its credential (zero without a secret).
+    /// Nothing is stored: any master of the cluster checks the credential from the secret.
+    pub fn register(&self, tenant: &str) -> WireResult<(ClientId, [u8; 32])> {
+        if tenant.len() > MAX_TENANT_LEN {
+            return Err(ErrorCode::INVALID_KEY);
+        }
+        let mut raw = [0u8; 16];
+        tycho_proto::auth::random_bytes(&mut raw).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        let id = u128::from_le_bytes(raw).max(1);
+        let credential =
+            self.cfg.secret.as_ref().map_or([0; 32], |s| tycho_proto::auth::handshake::credential(s, id, tenant));
+        Ok((ClientId(id), credential))
+    }
+
+    /// An admin's unmount of any client's segment: its replicas are dropped, and its owner's
+    /// pings are answered NeedRemount until it mounts its segments again under a new
+    /// incarnation. Unmounting an unknown segment succeeds.
+    pub fn admin_unmount(&self, id: SegmentId) -> WireResult<()> {
+        let Some(seg) = self.segments.get(id) else { return Ok(()) };
+        let owner = seg.client;
+        self.unmount_segment(owner, id)?;
+        if let Some(c) = self.clients.read().get(&owner) {
+            c.must_remount.store(true, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -1037,6 +1087,38 @@ impl Master {
         Ok(out)
     }
 
+    /// One page of keys (of `tenant`, or of all tenants), in a stable order (by shard, then by
+    /// encoded key), after `after`; at most `limit`. The second value is where the next page
+    /// starts, `None` after the last page.
+    pub fn list_keys_page(
+        &self,
+        tenant: Option<&str>,
+        limit: usize,
+        after: Option<KeyCursor>,
+    ) -> (Vec<KeyInfo>, Option<KeyCursor>) {
+        let now = self.now();
+        let first = after.as_ref().map_or(0, |c| c.shard as usize);
+        let mut out = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate().skip(first) {
+            let map = shard.read();
+            let mut keys: Vec<&ObjectKey> = map
+                .keys()
+                .filter(|k| decode_object_key(k).is_some_and(|(t, _)| tenant.is_none_or(|want| want == t)))
+                .filter(|k| after.as_ref().is_none_or(|c| i > c.shard as usize || k[..] > c.key[..]))
+                .collect();
+            keys.sort_unstable();
+            for k in keys {
+                let (Some(o), Some((t, key))) = (map.get(k), decode_object_key(k)) else { continue };
+                out.push(key_info(t, key, o, now));
+                if out.len() >= limit {
+                    // The next page may turn out empty; that one says it is the last.
+                    return (out, Some(KeyCursor { shard: i as u32, key: k.to_vec() }));
+                }
+            }
+        }
+        (out, None)
+    }
+
     /// What the master holds for one key, found through its partition's shard.
     pub fn query_key(&self, tenant: &str, key: &str) -> WireResult<Option<KeyInfo>> {
         validate_key(tenant, key)?;
@@ -1101,16 +1183,30 @@ impl Master {
         self.evictor.stop();
     }
 
+    /// Notes that the RPC runtime runs: a task on it calls this every
+    /// [`RESPONSIVE_INTERVAL_MS`]. Once called, a gap longer than [`STALL_MS`] counts as the
+    /// master's own stall, and client expiry waits.
+    pub fn note_responsive(&self) {
+        self.rpc_alive.store(self.now(), Ordering::Relaxed);
+    }
+
     fn expire_clients(&self) {
         let now = self.now();
         let ttl = self.cfg.client_ttl_ms;
-        let silent: Vec<ClientId> = self
-            .clients
-            .read()
-            .iter()
-            .filter(|(_, c)| c.last_ping.load(Ordering::Relaxed) + ttl <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let alive = self.rpc_alive.load(Ordering::Relaxed);
+        if alive != 0 && now.saturating_sub(alive) > STALL_MS {
+            // Pings may be waiting behind the stall: expiring their senders would punish them
+            // for the master's own delay.
+            if self.stalled_at.swap(now, Ordering::Relaxed) + STALL_MS < now {
+                tracing::warn!(stalled_ms = now - alive, "the master is not answering in time; client expiry paused");
+            }
+            self.counters.expiry_pauses.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let since = self.stalled_at.load(Ordering::Relaxed);
+        let silent_since = |c: &ClientEntry| c.last_ping.load(Ordering::Relaxed).max(since) + ttl <= now;
+        let silent: Vec<ClientId> =
+            self.clients.read().iter().filter(|(_, c)| silent_since(c)).map(|(id, _)| *id).collect();
         if silent.is_empty() {
             return;
         }
@@ -1119,7 +1215,7 @@ impl Master {
                 let mut clients = self.clients.write();
                 // It may have pinged since the read above.
                 match clients.get(&id) {
-                    Some(c) if c.last_ping.load(Ordering::Relaxed) + ttl <= now => clients.remove(&id),
+                    Some(c) if silent_since(c) => clients.remove(&id),
                     _ => None,
                 }
             };
@@ -1313,6 +1409,42 @@ fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
         hard_pinned: o.hard_pin,
     }
 }
+
+/// Where a page of a key listing ends: a shard and the last encoded key taken from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyCursor {
+    /// Shard index.
+    pub shard: u32,
+    /// Last encoded key (tenant and key) taken from that shard.
+    pub key: Vec<u8>,
+}
+
+impl KeyCursor {
+    /// Parses the text form `<shard>.<hex of the encoded key>`.
+    pub fn parse(s: &str) -> Option<KeyCursor> {
+        let (shard, hex) = s.split_once('.')?;
+        let shard: u32 = shard.parse().ok().filter(|&n| (n as usize) < crate::object::SHARD_COUNT)?;
+        if hex.len() % 2 != 0 || hex.len() > 2 * (tycho_proto::MAX_KEY_LEN + tycho_proto::MAX_TENANT_LEN + 4) {
+            return None;
+        }
+        let key = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+            .collect::<Option<_>>()?;
+        Some(KeyCursor { shard, key })
+    }
+}
+
+impl std::fmt::Display for KeyCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.shard, tycho_proto::auth::hex(&self.key))
+    }
+}
+
+/// How often the RPC runtime notes that it runs ([`Master::note_responsive`]).
+pub const RESPONSIVE_INTERVAL_MS: u64 = 100;
+/// A gap this long in those notes counts as the master's own stall.
+pub const STALL_MS: u64 = 1_000;
 
 /// Longest regular expression a listing or a removal by pattern accepts, in bytes.
 pub const MAX_REGEX_LEN: usize = 1024;

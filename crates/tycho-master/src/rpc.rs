@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tycho_proto::auth::handshake::Peer;
 use tycho_proto::frame::FrameError;
 use tycho_proto::{ErrorCode, Request, Response, WireResult};
 use tycho_rpc::{Reply, Service};
@@ -100,13 +101,21 @@ impl Service for MasterRpc {
     type Request = Request;
     type Response = Response;
 
-    fn call(&self, req: Request) -> Reply<Response> {
+    fn call(&self, req: Request, peer: &Peer) -> Reply<Response> {
         // Tests stall RPC workers here to reproduce worker-pool exhaustion (spec 02).
         #[cfg(feature = "failpoints")]
         fail::fail_point!("master::rpc::stall");
         let index = req.index();
         let start = Instant::now();
-        match self.dispatch(req) {
+        let reply = match self.authorize(req, peer) {
+            // An admin unmounts any client's segment; its owner is told to remount.
+            Ok(Request::UnmountSegment { segment, .. }) if peer.admin && self.master.secret().is_some() => {
+                self.blocking(move |m| done(m.admin_unmount(segment)))
+            }
+            Ok(req) => self.dispatch(req),
+            Err(code) => Reply::Ready(Response::Error(code)),
+        };
+        match reply {
             Reply::Ready(resp) => {
                 self.metrics.record(index, start.elapsed(), &resp);
                 Reply::Ready(resp)
@@ -152,6 +161,40 @@ fn batch_off_worker(m: &Master, req: Request) -> Response {
 }
 
 impl MasterRpc {
+    /// Who may do what, when the master has a secret (see docs/security.md): a request that
+    /// names a client must come from a connection that proved that client's credential; one
+    /// that names a tenant, from a client of that tenant; listings without a tenant and RemoveAll
+    /// are narrowed to the caller's tenant. The admin credential may do anything. Answers the
+    /// request to run, or the refusal.
+    fn authorize(&self, req: Request, peer: &Peer) -> Result<Request, ErrorCode> {
+        if self.master.secret().is_none() || peer.admin {
+            return Ok(req);
+        }
+        let own = peer.client.as_ref();
+        if let Some(c) = req.client() {
+            if own.is_none_or(|(id, _)| *id != c.0) {
+                return Err(ErrorCode::ILLEGAL_CLIENT);
+            }
+        }
+        if let Some(t) = req.tenant() {
+            if own.is_none_or(|(_, tenant)| tenant != t) {
+                return Err(ErrorCode::PERMISSION_DENIED);
+            }
+        }
+        Ok(match req {
+            Request::ListKeys { tenant: None, regex, limit } => {
+                let (_, tenant) = own.ok_or(ErrorCode::PERMISSION_DENIED)?;
+                Request::ListKeys { tenant: Some(tenant.clone()), regex, limit }
+            }
+            // RemoveAll of a tenant's client: every object of its tenant.
+            Request::RemoveAll { force } => {
+                let (_, tenant) = own.ok_or(ErrorCode::PERMISSION_DENIED)?;
+                Request::RemoveByRegex { tenant: tenant.clone(), regex: "(?s).*".into(), force }
+            }
+            other => other,
+        })
+    }
+
     fn dispatch(&self, req: Request) -> Reply<Response> {
         let m = &*self.master;
         match req.batch_len() {
@@ -172,6 +215,10 @@ impl MasterRpc {
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }
+            Request::Register { tenant } => match m.register(&tenant) {
+                Ok((client, credential)) => Response::Registered { client, credential },
+                Err(code) => Response::Error(code),
+            },
             Request::PutStart(r) => return self.write_start(WriteMode::Put, r),
             Request::UpsertStart(r) => return self.write_start(WriteMode::Upsert, r),
             Request::PutEnd(r) | Request::UpsertEnd(r) => {

@@ -1517,3 +1517,36 @@ fn soft_pinned_objects_stay_when_eviction_may_not_take_them() {
     assert_eq!(m.evict(), (0, 0));
     assert_eq!(keys(m), set(&["soft"]));
 }
+
+/// Issue 11: a master that stalls (its RPC runtime stops noting that it runs, as when every
+/// worker is stuck) does not expire clients whose pings waited behind the stall; they get a
+/// full TTL from the end of the stall, and one that stays silent after it is expired then.
+#[test]
+fn client_expiry_waits_while_the_master_itself_is_stalled() {
+    let e = Env::new();
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    mount(m, B, 2, MIB);
+    m.note_responsive();
+    // Stalled for twice the TTL: nobody pings, the runtime notes nothing.
+    for _ in 0..2 * DEFAULT_CLIENT_TTL_MS / 1000 {
+        e.advance(1000);
+        m.tick();
+        assert_eq!(m.list_segments().len(), 2, "a client was expired during the master's own stall");
+    }
+    assert!(m.counters.expiry_pauses.load(Ordering::Relaxed) > 0);
+    // The stall ends: B pings again, A stays silent; A is expired one TTL after the stall.
+    let mut waited = 0;
+    while waited < DEFAULT_CLIENT_TTL_MS - 1000 {
+        e.advance(1000);
+        waited += 1000;
+        m.note_responsive();
+        e.tick_alive(&[B]);
+        assert_eq!(m.list_segments().len(), 2, "A expired {waited} ms after the stall");
+    }
+    e.advance(1000);
+    m.note_responsive();
+    e.tick_alive(&[B]);
+    assert_eq!(m.list_segments().len(), 1);
+    assert_eq!(m.counters.clients_expired.load(Ordering::Relaxed), 1);
+}

@@ -234,6 +234,12 @@ pub enum Request {
     /// Drop replicas of objects whose lease has ended (Mooncake's BatchReplicaClear); one result
     /// per key, Ok for each one cleared.
     BatchReplicaClear(ReplicaClear),
+    /// Ask for a client id of `tenant` and its credential (on a connection that proved the
+    /// cluster secret). The client then proves that identity on every connection.
+    Register {
+        /// The tenant the client's keys belong to.
+        tenant: String,
+    },
 }
 
 impl Request {
@@ -296,6 +302,14 @@ pub enum Response {
     Committed(Vec<ReplicaDesc>),
     /// Answer to BatchPutEnd / BatchUpsertEnd, per key.
     BatchCommitted(Vec<WireResult<Vec<ReplicaDesc>>>),
+    /// Answer to Register: a fresh client id and its credential (all zero from a master without
+    /// a secret).
+    Registered {
+        /// The client id to use.
+        client: ClientId,
+        /// The credential to prove on every connection.
+        credential: [u8; 32],
+    },
 }
 
 impl Request {
@@ -331,6 +345,7 @@ impl Request {
         "stats",
         "health_check",
         "batch_replica_clear",
+        "register",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -371,6 +386,51 @@ impl Request {
             Request::Stats => 27,
             Request::HealthCheck => 28,
             Request::BatchReplicaClear(_) => 29,
+            Request::Register { .. } => 30,
+        }
+    }
+
+    /// The client a request acts for, when it names one.
+    pub fn client(&self) -> Option<ClientId> {
+        match self {
+            Request::Ping { client }
+            | Request::MountSegment { client, .. }
+            | Request::ReMountSegment { client, .. }
+            | Request::UnmountSegment { client, .. } => Some(*client),
+            Request::PutStart(r) | Request::UpsertStart(r) => Some(r.client),
+            Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
+                Some(r.client)
+            }
+            Request::BatchPutStart(r) | Request::BatchUpsertStart(r) => Some(r.client),
+            Request::BatchPutEnd(r)
+            | Request::BatchPutRevoke(r)
+            | Request::BatchUpsertEnd(r)
+            | Request::BatchUpsertRevoke(r) => Some(r.client),
+            Request::BatchReplicaClear(r) => Some(r.client),
+            _ => None,
+        }
+    }
+
+    /// The tenant whose keys a request touches, when it names one.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Request::PutStart(r) | Request::UpsertStart(r) => Some(&r.tenant),
+            Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
+                Some(&r.tenant)
+            }
+            Request::BatchPutStart(r) | Request::BatchUpsertStart(r) => Some(&r.tenant),
+            Request::BatchPutEnd(r)
+            | Request::BatchPutRevoke(r)
+            | Request::BatchUpsertEnd(r)
+            | Request::BatchUpsertRevoke(r) => Some(&r.tenant),
+            Request::GetReplicaList(q) | Request::ExistKey(q) => Some(&q.tenant),
+            Request::BatchGetReplicaList(q) | Request::BatchExistKey(q) => Some(&q.tenant),
+            Request::Remove(r) => Some(&r.tenant),
+            Request::BatchRemove(r) => Some(&r.tenant),
+            Request::RemoveByRegex { tenant, .. } => Some(tenant),
+            Request::BatchReplicaClear(r) => Some(&r.tenant),
+            Request::ListKeys { tenant, .. } => tenant.as_deref(),
+            _ => None,
         }
     }
 }
@@ -432,12 +492,8 @@ mod tests {
     fn names_and_indices_agree() {
         assert_eq!(Request::HealthCheck.name(), "health_check");
         assert_eq!(Request::Stats.name(), "stats");
-        let last = Request::BatchReplicaClear(ReplicaClear {
-            client: ClientId(1),
-            tenant: String::new(),
-            keys: Vec::new(),
-            segment: String::new(),
-        });
+        let last = Request::Register { tenant: String::new() };
+        assert_eq!(last.name(), "register");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
-use tycho_proto::auth::handshake::{Identity, Service};
+use tycho_proto::auth::handshake::{admin_credential, Identity, Service};
 use tycho_proto::auth::{ClientAuth, ResolvedAuth};
 use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
 
@@ -48,6 +48,15 @@ impl Default for ClientConfig {
 }
 
 impl ClientConfig {
+    /// Settings of an operator's tool (the `tycho` admin commands, benchmarks) for the server at
+    /// `addr`: the secret found as [`ClientAuth::Discover`] finds it, proving the admin
+    /// credential derived from it, which may act across tenants and for any client.
+    pub fn admin(addr: &str) -> Result<ClientConfig, RpcError> {
+        let found = ClientConfig::default().resolve(addr)?;
+        let identity = found.secret.as_ref().map(|s| Identity::Admin { credential: admin_credential(s) });
+        Ok(ClientConfig { identity, ..ClientConfig::default() })
+    }
+
     /// Resolves the secret for `addr`; an unusable secret file is a connect error.
     pub(crate) fn resolve(&self, addr: &str) -> Result<ResolvedAuth, RpcError> {
         self.auth

@@ -11,7 +11,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
-use tycho_proto::auth::handshake::Service as Protocol;
+use tycho_proto::auth::handshake::{Peer, Service as Protocol};
 use tycho_proto::auth::Secret;
 use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameError, FrameKind, DEFAULT_MAX_FRAME};
 
@@ -30,8 +30,9 @@ pub trait Service: Send + Sync + 'static {
     type Request: DeserializeOwned + Send + 'static;
     /// The response message.
     type Response: Serialize + Send + 'static;
-    /// Handles one request. Must not block: long work goes into [`Reply::Later`].
-    fn call(&self, req: Self::Request) -> Reply<Self::Response>;
+    /// Handles one request from the connection's `peer` (what its greeting proved). Must not
+    /// block: long work goes into [`Reply::Later`].
+    fn call(&self, req: Self::Request, peer: &Peer) -> Reply<Self::Response>;
     /// The response to a request whose frame was valid but whose payload did not decode.
     fn malformed(&self, err: &FrameError) -> Self::Response;
 }
@@ -99,13 +100,18 @@ pub fn serve<S: Service>(
     let open = connections.clone();
     let task = tokio::spawn(async move {
         let mut stop_rx = stop_rx;
+        let mut refused = 0u64;
         loop {
             tokio::select! {
                 _ = stop_rx.changed() => break,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
                         if open.load(Ordering::Relaxed) >= config.max_connections as u64 {
-                            tracing::warn!(%peer, limit = config.max_connections, "connection limit reached; closing a new connection");
+                            // Logged at the 1st, 2nd, 4th... refusal, so that a flood does not flood the log.
+                            refused += 1;
+                            if refused.is_power_of_two() {
+                                tracing::warn!(%peer, limit = config.max_connections, refused, "connection limit reached; closing new connections");
+                            }
                             drop(stream);
                             continue;
                         }
@@ -154,7 +160,7 @@ async fn serve_connection<S: Service>(
 ) -> Result<(), ConnError> {
     stream.set_nodelay(true)?;
     let mut stream = stream;
-    crate::greet::serve(&mut stream, Protocol::Rpc, config.secret.clone()).await?;
+    let peer = crate::greet::serve(&mut stream, Protocol::Rpc, config.secret.clone()).await?;
     let (mut rd, mut wr) = stream.into_split();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, S::Response)>();
     let mut rbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
@@ -171,7 +177,7 @@ async fn serve_connection<S: Service>(
             }
             let id = header.request_id;
             let reply = match decode_payload::<S::Request>(payload) {
-                Ok(req) => service.call(req),
+                Ok(req) => service.call(req, &peer),
                 Err(e) => Reply::Ready(service.malformed(&e)),
             };
             match reply {

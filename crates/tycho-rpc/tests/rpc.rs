@@ -36,7 +36,7 @@ struct TestService {
 impl Service for TestService {
     type Request = Req;
     type Response = Resp;
-    fn call(&self, req: Req) -> Reply<Resp> {
+    fn call(&self, req: Req, _peer: &handshake::Peer) -> Reply<Resp> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         match req {
             Req::Echo(n) => Reply::Ready(Resp::Echo(n)),

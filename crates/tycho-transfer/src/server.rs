@@ -72,6 +72,7 @@ impl TransferServer {
         let stop2 = stop.clone();
         let active = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new().name("tycho-xfer-accept".into()).spawn(move || {
+            let mut refused = 0u64;
             for conn in listener.incoming() {
                 if stop2.load(Ordering::Relaxed) {
                     break;
@@ -81,10 +82,15 @@ impl TransferServer {
                     continue;
                 };
                 if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
-                    tracing::warn!(
-                        limit = MAX_CONNECTIONS,
-                        "transfer connection limit reached; closing a new connection"
-                    );
+                    // Logged at the 1st, 2nd, 4th, 8th... refusal: a flood does not flood the log.
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        tracing::warn!(
+                            limit = MAX_CONNECTIONS,
+                            refused,
+                            "transfer connection limit reached; closing new ones"
+                        );
+                    }
                     continue;
                 }
                 active.fetch_add(1, Ordering::AcqRel);

@@ -95,7 +95,7 @@ fn run_one(target: &str, input: &[u8]) {
             let (server, _) = ServerSide::start(Service::Rpc, Some(s.clone())).expect("random nonce");
             let _ = server.finish(payload);
             let auth = ResolvedAuth { secret: Some(s.clone()), strict: true, origin: "fuzz".into() };
-            let id = Identity { client: 7, credential: handshake::credential(&s, 7) };
+            let id = Identity::Client { client: 7, tenant: "t".into(), credential: handshake::credential(&s, 7, "t") };
             if let Ok((client, _)) = ClientSide::answer(Service::Rpc, payload, &auth, Some(&id)) {
                 let _ = client.finish(payload);
             }
@@ -300,7 +300,7 @@ fn write_seeds(dir: &Path) -> std::io::Result<usize> {
     let (server, hello) = ServerSide::start(Service::Rpc, Some(s.clone())).expect("nonce");
     put("handshake", "server-hello", &hello)?;
     let auth = ResolvedAuth { secret: Some(s.clone()), strict: true, origin: "seed".into() };
-    let id = Identity { client: 7, credential: handshake::credential(&s, 7) };
+    let id = Identity::Client { client: 7, tenant: "t".into(), credential: handshake::credential(&s, 7, "t") };
     let (_, reply) = ClientSide::answer(Service::Rpc, handshake::split_hello(&hello).expect("hello"), &auth, Some(&id))
         .expect("answer");
     put("handshake", "client-hello", &reply)?;

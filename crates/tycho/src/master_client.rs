@@ -16,8 +16,14 @@ pub struct MasterClient {
 
 impl MasterClient {
     /// Connects to the master at `addr`.
+    /// It proves the admin credential when it finds the cluster secret: these are operators'
+    /// tools, which act across tenants.
     pub async fn connect(addr: &str) -> Result<MasterClient, ErrorCode> {
-        let rpc = RpcClient::connect(addr, &ClientConfig::default()).await.map_err(|e| {
+        let cfg = ClientConfig::admin(addr).map_err(|e| {
+            eprintln!("error: {e}");
+            e.code()
+        })?;
+        let rpc = RpcClient::connect(addr, &cfg).await.map_err(|e| {
             tracing::debug!(error = %e, "connect failed");
             e.code()
         })?;

@@ -75,8 +75,9 @@ pub struct MasterArgs {
     /// Port of the admin HTTP server (/livez, /readyz, /metrics); 0 picks a free port.
     #[arg(long = "metrics-port", alias = "metrics_port", default_value_t = 9003)]
     pub metrics_port: u16,
-    /// Address the admin HTTP server binds.
-    #[arg(long = "metrics-address", alias = "metrics_address", default_value = "0.0.0.0")]
+    /// Address the admin HTTP server binds (loopback unless told otherwise: its listings need
+    /// the cluster secret, but its health and metrics endpoints are open).
+    #[arg(long = "metrics-address", alias = "metrics_address", default_value = "127.0.0.1")]
     pub metrics_address: String,
     /// Run the self-probe that feeds /readyz (HealthCheck over the real RPC path).
     #[arg(long = "enable-rpc-health-probe", alias = "enable_rpc_health_probe", default_value_t = true, action = clap::ArgAction::Set)]
@@ -173,7 +174,8 @@ impl MasterArgs {
                 interval: Duration::from_secs_f64(self.rpc_probe_interval),
                 timeout: Duration::from_secs_f64(self.rpc_probe_timeout),
             }),
-            probe_auth: probe_auth(secret),
+            probe_auth: probe_auth(secret.clone()),
+            http_secret: secret,
         })
     }
 }
@@ -323,6 +325,7 @@ pub fn run_up(args: UpArgs) -> i32 {
             timeout: tycho_master::DEFAULT_PROBE_TIMEOUT,
         }),
         probe_auth: auth.clone(),
+        http_secret: running.secret.clone(),
     };
     let admin = match tycho_master::start_admin(admin_cfg, running.master.clone(), running.metrics.clone()) {
         Ok(a) => a,
@@ -427,6 +430,16 @@ async fn start_master(
     )
     .map_err(|e| e.to_string())?;
     let stop = Arc::new(AtomicBool::new(false));
+    // A task on the RPC runtime shows housekeeping that the master answers: if every worker is
+    // stuck, it stops, and client expiry waits rather than punishing clients for the stall.
+    let watched = master.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(tycho_master::RESPONSIVE_INTERVAL_MS));
+        loop {
+            every.tick().await;
+            watched.note_responsive();
+        }
+    });
     let housekeeping = run_housekeeping(master.clone(), Duration::from_millis(100), stop.clone());
     Ok(RunningMaster { addr: server.local_addr(), secret, master, metrics, server, stop, housekeeping })
 }

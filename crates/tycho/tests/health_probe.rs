@@ -20,10 +20,16 @@ fn start(extra: &[&str]) -> MasterProc {
 
 /// A minimal HTTP/1.1 exchange; returns the status and the body.
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_as(addr, method, path, body, None)
+}
+
+/// [`http`] with `Authorization: Bearer <secret>` when a secret is given.
+fn http_as(addr: &str, method: &str, path: &str, body: &str, secret: Option<&str>) -> (u16, String) {
     let Ok(mut s) = TcpStream::connect(addr) else { return (0, String::new()) };
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let auth = secret.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).unwrap();
@@ -75,7 +81,7 @@ fn held_shard_lock_turns_readyz_503_while_liveness_still_answers() {
     // Liveness, Ping and ServiceReady take no shard lock and still answer at once.
     assert_eq!(http(&m.http, "GET", "/livez", "").0, 200);
     assert_eq!(http(&m.http, "GET", "/health", "").0, 200);
-    let rpc = BlockingClient::new(&m.rpc, ClientConfig::default());
+    let rpc = BlockingClient::new(&m.rpc, ClientConfig::admin(&m.rpc).unwrap());
     let quick = Duration::from_millis(500);
     let ping: Response = rpc.call(&Request::Ping { client: ClientId(1) }, quick).unwrap();
     assert!(matches!(ping, Response::Ping(_)));
@@ -96,7 +102,7 @@ fn exhausted_rpc_workers_turn_readyz_503() {
         .map(|_| {
             let addr = m.rpc.clone();
             std::thread::spawn(move || {
-                let c = BlockingClient::new(&addr, ClientConfig::default());
+                let c = BlockingClient::new(&addr, ClientConfig::admin(&addr).unwrap());
                 let _ = c.call::<_, Response>(&Request::Stats, Duration::from_secs(10));
             })
         })
@@ -117,7 +123,7 @@ fn metrics_parse_and_counters_move_with_rpcs() {
     let put = |s: &prometheus_parse::Scrape| value(s, "tycho_master_rpc_requests_total", Some(("rpc", "put_start")));
     let fails = |s: &prometheus_parse::Scrape| value(s, "tycho_master_rpc_failures_total", Some(("rpc", "put_start")));
     assert_eq!(put(&before), 0.0);
-    let rpc = BlockingClient::new(&m.rpc, ClientConfig::default());
+    let rpc = BlockingClient::new(&m.rpc, ClientConfig::admin(&m.rpc).unwrap());
     let t = Duration::from_secs(5);
     let client = ClientId(7);
     let seg = SegmentDesc {
@@ -162,12 +168,16 @@ fn metrics_parse_and_counters_move_with_rpcs() {
     let batch =
         rpc.call::<_, Response>(&Request::BatchGetReplicaList(BatchKeyQuery { tenant: String::new(), keys }), t);
     assert!(matches!(batch.unwrap(), Response::BatchReplicas(r) if r.iter().filter(|x| x.is_err()).count() == 1));
-    // The admin key lookup goes straight to the key's shard.
-    let (status, body) = http(&m.http, "GET", "/query_key?key=k0", "");
+    // The admin key lookup goes straight to the key's shard; it needs the master's secret.
+    let file = tycho_proto::auth::files::runtime_dir().join(tycho_proto::auth::files::port_name(m.port()));
+    let secret = std::fs::read_to_string(file).expect("the master's secret file");
+    let secret = Some(secret.trim());
+    assert_eq!(http(&m.http, "GET", "/query_key?key=k0", "").0, 401);
+    let (status, body) = http_as(&m.http, "GET", "/query_key?key=k0", "", secret);
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"key\":\"k0\"") && body.contains("\"size\":100"), "{body}");
-    assert_eq!(http(&m.http, "GET", "/query_key?key=missing", "").0, 404);
-    assert_eq!(http(&m.http, "GET", "/query_key?key=", "").0, 400);
+    assert_eq!(http_as(&m.http, "GET", "/query_key?key=missing", "", secret).0, 404);
+    assert_eq!(http_as(&m.http, "GET", "/query_key?key=", "", secret).0, 400);
     let after = scrape(&m.http);
     let batch_rpc = Some(("rpc", "batch_get_replica_list"));
     assert_eq!(value(&after, "tycho_master_rpc_failures_total", batch_rpc), 0.0);

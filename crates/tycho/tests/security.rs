@@ -215,8 +215,7 @@ fn oversized_batches_are_refused_split_by_clients_and_do_not_starve_heartbeats()
     let mut cfg = ClientConfig::new(&m.rpc);
     cfg.auth = ClientAuth::Secret(secret.clone());
     let c = Client::connect(cfg).unwrap();
-    let rpc_cfg = tycho_rpc::ClientConfig { auth: ClientAuth::Secret(secret), ..Default::default() };
-    let rpc = Arc::new(tycho_rpc::BlockingClient::new(&m.rpc, rpc_cfg));
+    let rpc = Arc::new(admin_rpc(&m.rpc, &secret));
     let keys = |n: usize| -> Vec<KeyRef> {
         (0..n)
             .map(|i| {
@@ -286,10 +285,7 @@ fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
     let c = Client::connect(cfg).unwrap();
     c.put("kept", b"value", &Default::default()).unwrap();
     let Response::Stats(before) = c.call(&Request::Stats).unwrap() else { panic!() };
-    let rpc = tycho_rpc::BlockingClient::new(
-        &m.rpc,
-        tycho_rpc::ClientConfig { auth: ClientAuth::Secret(secret), ..Default::default() },
-    );
+    let rpc = admin_rpc(&m.rpc, &secret);
     let t = std::time::Duration::from_secs(10);
     let me = ClientId(0xfeed);
     let seg = |id: u128, size: u64| SegmentDesc {
@@ -338,4 +334,200 @@ fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
     assert_eq!(c.get("kept").unwrap(), b"value");
     let Response::Stats(last) = c.call(&Request::Stats).unwrap() else { panic!() };
     assert_eq!(last.objects, after.objects);
+}
+
+/// `GET path` on the admin HTTP server, with the secret as a bearer token when given.
+fn http_get(addr: &str, path: &str, secret: Option<&str>) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    let auth = secret.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+/// The admin HTTP server binds loopback by default; its listings need the cluster secret while
+/// probes and metrics stay open; key listings are pages of bounded size that show the tenant.
+#[test]
+fn admin_http_listings_need_the_secret_and_come_in_pages() {
+    let home = TempDir::new("tycho-sec-http").unwrap();
+    let text = "admin-http-cluster-secret";
+    let file = secret_file(home.path(), text);
+    let f = file.to_str().unwrap();
+    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
+    assert!(m.http.starts_with("127.0.0.1:"), "{}", m.http);
+    let mut cmd = Command::new(TYCHO);
+    cmd.args(["master", "--rpc-port", "0", "--metrics-port", "0", "--secret-file", f]);
+    let mut default_bind = tycho_testkit::Proc::spawn(&mut cmd).unwrap();
+    let http =
+        default_bind.wait_line("tycho master admin HTTP on http://", std::time::Duration::from_secs(30)).unwrap();
+    assert!(http.starts_with("127.0.0.1:"), "the default admin address is loopback: {http}");
+    drop(default_bind);
+
+    for open in ["/livez", "/readyz", "/metrics"] {
+        let (status, _) = http_get(&m.http, open, None);
+        assert!(status == 200 || (open == "/readyz" && status == 503), "{open}: {status}");
+    }
+    for closed in ["/get_all_segments", "/get_all_keys", "/query_key?key=a"] {
+        assert_eq!(http_get(&m.http, closed, None).0, 401, "{closed}");
+        assert_eq!(http_get(&m.http, closed, Some("not-the-cluster-secret")).0, 401, "{closed}");
+    }
+    assert_eq!(http_get(&m.http, "/get_all_segments", Some(text)).0, 200);
+
+    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
+    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
+    for tenant in ["", "team-b"] {
+        let mut cfg = ClientConfig::new(&m.rpc);
+        cfg.auth = ClientAuth::Secret(secret.clone());
+        cfg.tenant = tenant.into();
+        let c = Client::connect(cfg).unwrap();
+        for i in 0..13 {
+            c.put(&format!("page-{i}"), b"v", &Default::default()).unwrap();
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut after = String::new();
+    let mut pages = 0;
+    loop {
+        let (status, body) = http_get(&m.http, &format!("/get_all_keys?limit=10&after={after}"), Some(text));
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["keys"].as_array().unwrap();
+        assert!(keys.len() <= 10);
+        for k in keys {
+            assert!(seen.insert((k["tenant"].as_str().unwrap().to_string(), k["key"].as_str().unwrap().to_string())));
+        }
+        pages += 1;
+        match v["next"].as_str() {
+            Some(n) => after = n.to_string(),
+            None => break,
+        }
+        assert!(pages < 10, "pages do not end");
+    }
+    assert_eq!(seen.len(), 26, "{seen:?}");
+    assert_eq!(seen.iter().filter(|(t, _)| t == "team-b").count(), 13);
+    let (status, body) = http_get(&m.http, "/get_all_keys?tenant=team-b&limit=100000", Some(text));
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["keys"].as_array().unwrap().len(), 13);
+    assert_eq!(http_get(&m.http, "/get_all_keys?after=garbage", Some(text)).0, 400);
+}
+
+/// A raw master connection with the admin credential (an operator's tool).
+fn admin_rpc(addr: &str, secret: &Arc<Secret>) -> tycho_rpc::BlockingClient {
+    let credential = tycho_proto::auth::handshake::admin_credential(secret);
+    let cfg = tycho_rpc::ClientConfig {
+        auth: ClientAuth::Secret(secret.clone()),
+        identity: Some(tycho_proto::auth::handshake::Identity::Admin { credential }),
+        ..Default::default()
+    };
+    tycho_rpc::BlockingClient::new(addr, cfg)
+}
+
+/// A raw master connection of a registered client of `tenant`: (its id, the connection).
+fn registered(addr: &str, secret: &Arc<Secret>, tenant: &str) -> (ClientId, tycho_rpc::BlockingClient) {
+    let t = std::time::Duration::from_secs(10);
+    let auth = ClientAuth::Secret(secret.clone());
+    let plain =
+        tycho_rpc::BlockingClient::new(addr, tycho_rpc::ClientConfig { auth: auth.clone(), ..Default::default() });
+    let Response::Registered { client, credential } =
+        plain.call::<Request, Response>(&Request::Register { tenant: tenant.into() }, t).unwrap()
+    else {
+        panic!("no registration")
+    };
+    let identity =
+        tycho_proto::auth::handshake::Identity::Client { client: client.0, tenant: tenant.into(), credential };
+    let cfg = tycho_rpc::ClientConfig { auth, identity: Some(identity), ..Default::default() };
+    (client, tycho_rpc::BlockingClient::new(addr, cfg))
+}
+
+/// An authenticated ordinary client of another tenant cannot act for another client (unmount
+/// its segment, ping for it, end or revoke its write), touch another tenant's keys, or reach
+/// past its own tenant with a forced RemoveAll or a listing; a forged identity is refused at
+/// the greeting. Only the admin credential may unmount another client's segment: its objects go
+/// and its owner remounts. Nothing else changes.
+#[test]
+fn clients_act_only_for_themselves_and_their_tenant() {
+    let home = TempDir::new("tycho-sec-tenant").unwrap();
+    let file = secret_file(home.path(), "tenant-scope-cluster-secret");
+    let f = file.to_str().unwrap();
+    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
+    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
+    let client_of = |tenant: &str, segment: u64| {
+        let mut cfg = ClientConfig::new(&m.rpc);
+        cfg.auth = ClientAuth::Secret(secret.clone());
+        cfg.tenant = tenant.into();
+        cfg.segment_size = segment;
+        Client::connect(cfg).unwrap()
+    };
+    let victim = client_of("team-a", 16 << 20);
+    for i in 0..5 {
+        victim.put(&format!("a-{i}"), b"tenant a's value", &Default::default()).unwrap();
+    }
+    let other = client_of("team-b", 0);
+    other.put("b-0", b"tenant b's value", &Default::default()).unwrap();
+    let seg = victim.segments()[0].id;
+    let t = std::time::Duration::from_secs(10);
+    let (attacker, rpc) = registered(&m.rpc, &secret, "team-b");
+    let ka = |k: &str| KeyRef { key: k.into(), route: tycho_routing::route_for("team-a", k, 1) };
+    let kb = |k: &str| KeyRef { key: k.into(), route: tycho_routing::route_for("team-b", k, 1) };
+    let call = |r: Request| rpc.call::<Request, Response>(&r, t).unwrap();
+    // Acting for the victim client.
+    assert_eq!(
+        call(Request::UnmountSegment { client: victim.id(), segment: seg }),
+        Response::Error(ErrorCode::ILLEGAL_CLIENT)
+    );
+    assert_eq!(call(Request::Ping { client: victim.id() }), Response::Error(ErrorCode::ILLEGAL_CLIENT));
+    let finish = WriteFinish { client: victim.id(), tenant: "team-a".into(), key: ka("a-0"), write_id: 1 };
+    assert_eq!(call(Request::PutRevoke(finish.clone())), Response::Error(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(call(Request::UpsertEnd(finish)), Response::Error(ErrorCode::ILLEGAL_CLIENT));
+    // Another tenant's keys.
+    let q = KeyQuery { tenant: "team-a".into(), key: ka("a-0") };
+    assert_eq!(call(Request::GetReplicaList(q)), Response::Error(ErrorCode::PERMISSION_DENIED));
+    let rm = RemoveKey { tenant: "team-a".into(), key: ka("a-1"), force: true };
+    assert_eq!(call(Request::Remove(rm)), Response::Error(ErrorCode::PERMISSION_DENIED));
+    let regex = Request::RemoveByRegex { tenant: "team-a".into(), regex: ".*".into(), force: true };
+    assert_eq!(call(regex), Response::Error(ErrorCode::PERMISSION_DENIED));
+    // Its own tenant only: RemoveAll with force removes team-b's object, none of team-a's.
+    assert_eq!(call(Request::RemoveAll { force: true }), Response::Removed(1));
+    let Response::Keys(keys) = call(Request::ListKeys { tenant: None, regex: None, limit: 100 }) else { panic!() };
+    assert!(keys.is_empty(), "{keys:?}");
+    let own = Request::ExistKey(KeyQuery { tenant: "team-b".into(), key: kb("b-0") });
+    assert_eq!(call(own), Response::Exists(false));
+    // A forged identity (another client's id with this client's credential) never gets in.
+    let Response::Registered { credential, .. } = call(Request::Register { tenant: "team-b".into() }) else { panic!() };
+    let forged =
+        tycho_proto::auth::handshake::Identity::Client { client: victim.id().0, tenant: "team-a".into(), credential };
+    let cfg = tycho_rpc::ClientConfig {
+        auth: ClientAuth::Secret(secret.clone()),
+        identity: Some(forged),
+        ..Default::default()
+    };
+    let err = tycho_rpc::BlockingClient::new(&m.rpc, cfg).call::<Request, Response>(&Request::Stats, t).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::AUTH_FAILED, "{err}");
+    // Nothing of team-a changed.
+    for i in 0..5 {
+        assert_eq!(victim.get(&format!("a-{i}")).unwrap(), b"tenant a's value");
+    }
+    let _ = attacker;
+    // The admin unmounts the victim's segment: its objects go, and the victim mounts it again.
+    let admin = admin_rpc(&m.rpc, &secret);
+    let admin_call = |r: Request| admin.call::<Request, Response>(&r, t).unwrap();
+    assert_eq!(admin_call(Request::UnmountSegment { client: victim.id(), segment: seg }), Response::Done);
+    assert_eq!(victim.exists("a-0"), Ok(false));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let Response::Segments(s) = admin_call(Request::ListSegments) else { panic!() };
+        if s.iter().any(|s| s.desc.id == seg) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the owner never mounted its segment again");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    victim.put("a-new", b"after the remount", &Default::default()).unwrap();
+    assert_eq!(victim.get("a-new").unwrap(), b"after the remount");
 }

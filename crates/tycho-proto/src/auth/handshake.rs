@@ -3,8 +3,9 @@
 //! ```text
 //! server -> client  Hello frame: service (u8) | flags (u8, bit 0: secret required) | 0 x6
 //!                   | server nonce (16)
-//! client -> server  Hello frame: service (u8) | flags (u8, bit 0: proof, bit 1: credential)
-//!                   | 0 x6 | client nonce (16) | proof (32) | client id (16) | credential proof (32)
+//! client -> server  Hello frame: service (u8) | flags (u8, bit 0: proof, bit 1: client
+//!                   credential, bit 2: admin credential) | 0 x6 | client nonce (16) | proof (32)
+//!                   | client id (16) | credential proof (32) | tenant length (u8) | tenant
 //! server -> client  Hello frame: status (i32, 0 or an error code) | 0 x4 | server proof (32)
 //! ```
 //!
@@ -23,11 +24,12 @@ use crate::frame::{FrameError, FrameHeader, FrameKind, FRAME_VERSION, HEADER_LEN
 use crate::ErrorCode;
 
 /// Largest greeting frame payload; anything larger is refused before it is buffered.
-pub const HELLO_MAX: u32 = 256;
+pub const HELLO_MAX: u32 = 512;
 /// Length of a server's opening greeting payload.
 pub const SERVER_HELLO_LEN: usize = 24;
-/// Length of a client's greeting payload.
-pub const CLIENT_HELLO_LEN: usize = 104;
+/// Length of a client's greeting payload before its tenant name (which takes up to 255 more
+/// bytes).
+pub const CLIENT_HELLO_LEN: usize = 105;
 /// Length of the server's closing answer payload.
 pub const SERVER_FINISH_LEN: usize = 40;
 
@@ -57,34 +59,55 @@ impl Service {
     }
 }
 
-/// A client identity proven on a connection: its id and the credential the master issued.
+/// Who a connection speaks for, beyond holding the cluster secret.
 #[derive(Clone)]
-pub struct Identity {
-    /// The client id.
-    pub client: u128,
-    /// Its credential (see [`credential`]).
-    pub credential: [u8; 32],
+pub enum Identity {
+    /// A registered client of one tenant, with the credential the master issued to it.
+    Client {
+        /// The client id.
+        client: u128,
+        /// Its tenant.
+        tenant: String,
+        /// Its credential ([`credential`]).
+        credential: [u8; 32],
+    },
+    /// An operator's tool with the admin credential ([`admin_credential`]): it may act across
+    /// tenants and on other clients' segments.
+    Admin {
+        /// The admin credential.
+        credential: [u8; 32],
+    },
 }
 
 impl std::fmt::Debug for Identity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Identity({:032x})", self.client)
+        match self {
+            Identity::Client { client, tenant, .. } => write!(f, "Client({client:032x}, tenant {tenant:?})"),
+            Identity::Admin { .. } => f.write_str("Admin"),
+        }
     }
 }
 
-/// The credential of client `id`: what the master issues to it at registration and what it
-/// proves on every later connection.
-pub fn credential(secret: &Secret, id: u128) -> [u8; 32] {
-    secret.derive("client credential v1", &[&id.to_le_bytes()])
+/// The credential of client `id` of `tenant`: what the master issues to it at registration and
+/// what it proves on every later connection. Any master of the cluster can check it.
+pub fn credential(secret: &Secret, id: u128, tenant: &str) -> [u8; 32] {
+    secret.derive("client credential v1", &[&id.to_le_bytes(), tenant.as_bytes()])
+}
+
+/// The admin credential, which operators' tools derive from the secret they were given.
+pub fn admin_credential(secret: &Secret) -> [u8; 32] {
+    secret.derive("admin credential v1", &[])
 }
 
 /// What a server learned about the peer of a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Peer {
     /// The peer proved the cluster secret (false only on servers that do not ask for it).
     pub authenticated: bool,
-    /// The client id whose credential the peer proved, if it presented one.
-    pub client: Option<u128>,
+    /// The client id (and its tenant) whose credential the peer proved, if any.
+    pub client: Option<(u128, String)>,
+    /// The peer proved the admin credential.
+    pub admin: bool,
 }
 
 /// Why a greeting failed.
@@ -254,15 +277,20 @@ impl ServerSide {
     }
 
     fn check(&self, payload: &[u8]) -> Result<Peer, HandshakeError> {
-        let p: &[u8; CLIENT_HELLO_LEN] = payload
-            .try_into()
-            .map_err(|_| HandshakeError::NotTycho(format!("client greeting of {} bytes", payload.len())))?;
+        let bad = || HandshakeError::NotTycho(format!("client greeting of {} bytes", payload.len()));
+        let p: &[u8; CLIENT_HELLO_LEN] =
+            payload.get(..CLIENT_HELLO_LEN).and_then(|p| p.try_into().ok()).ok_or_else(bad)?;
+        let tenant = &payload[CLIENT_HELLO_LEN..];
+        if tenant.len() != p[104] as usize {
+            return Err(bad());
+        }
+        let tenant = std::str::from_utf8(tenant).map_err(|_| HandshakeError::NotTycho("tenant is not UTF-8".into()))?;
         let service = Service::from_u8(p[0]).ok_or_else(|| HandshakeError::NotTycho(format!("service {}", p[0])))?;
         if service != self.service {
             return Err(HandshakeError::WrongService { found: self.service.name(), wanted: service.name() });
         }
         let Some(secret) = &self.secret else {
-            return Ok(Peer { authenticated: false, client: None });
+            return Ok(Peer::default());
         };
         let (flags, cn) = (p[1], &p[8..24]);
         if flags & 1 == 0 {
@@ -272,14 +300,25 @@ impl ServerSide {
         if !same_mac(&want, &p[24..56]) {
             return Err(HandshakeError::BadClientProof);
         }
-        let mut peer = Peer { authenticated: true, client: None };
-        if flags & 2 != 0 {
-            let id = u128::from_le_bytes(p[56..72].try_into().expect("16 bytes"));
-            let want = mac32(&credential(secret, id), "credential v1", &[&self.nonce, cn]);
-            if !same_mac(&want, &p[72..104]) {
-                return Err(HandshakeError::BadCredential);
+        let mut peer = Peer { authenticated: true, ..Peer::default() };
+        match flags & 6 {
+            0 => {}
+            2 => {
+                let id = u128::from_le_bytes(p[56..72].try_into().expect("16 bytes"));
+                let want = mac32(&credential(secret, id, tenant), "credential v1", &[&self.nonce, cn]);
+                if !same_mac(&want, &p[72..104]) {
+                    return Err(HandshakeError::BadCredential);
+                }
+                peer.client = Some((id, tenant.to_string()));
             }
-            peer.client = Some(id);
+            4 => {
+                let want = mac32(&admin_credential(secret), "admin v1", &[&self.nonce, cn]);
+                if !same_mac(&want, &p[72..104]) {
+                    return Err(HandshakeError::BadCredential);
+                }
+                peer.admin = true;
+            }
+            _ => return Err(HandshakeError::NotTycho("a greeting with two identities".into())),
         }
         Ok(peer)
     }
@@ -321,16 +360,29 @@ impl ClientSide {
         };
         let mut nonce = [0u8; 16];
         random_bytes(&mut nonce).map_err(|e| HandshakeError::Io(std::io::Error::other(e.to_string())))?;
-        let mut p = [0u8; CLIENT_HELLO_LEN];
+        let mut p = vec![0u8; CLIENT_HELLO_LEN];
         p[0] = service as u8;
         p[8..24].copy_from_slice(&nonce);
         if let Some(s) = &secret {
             p[1] |= 1;
             p[24..56].copy_from_slice(&mac32(&conn_key(s), "client hello v1", &[&[service as u8], sn, &nonce]));
-            if let Some(id) = identity {
-                p[1] |= 2;
-                p[56..72].copy_from_slice(&id.client.to_le_bytes());
-                p[72..104].copy_from_slice(&mac32(&id.credential, "credential v1", &[sn, &nonce]));
+            match identity {
+                None => {}
+                Some(Identity::Client { client, tenant, credential }) => {
+                    let t = tenant.as_bytes();
+                    if t.len() > crate::MAX_TENANT_LEN {
+                        return Err(HandshakeError::NotTycho(format!("a tenant name of {} bytes", t.len())));
+                    }
+                    p[1] |= 2;
+                    p[56..72].copy_from_slice(&client.to_le_bytes());
+                    p[72..104].copy_from_slice(&mac32(credential, "credential v1", &[sn, &nonce]));
+                    p[104] = t.len() as u8;
+                    p.extend_from_slice(t);
+                }
+                Some(Identity::Admin { credential }) => {
+                    p[1] |= 4;
+                    p[72..104].copy_from_slice(&mac32(credential, "admin v1", &[sn, &nonce]));
+                }
             }
         }
         let server_nonce = sn.try_into().expect("16 bytes");
@@ -420,15 +472,25 @@ mod tests {
     fn matching_secrets_authenticate_both_ways() {
         let s = secret("the-cluster-secret");
         let (peer, client) = run(s.clone(), auth(s.clone(), true), None);
-        assert_eq!(peer.unwrap(), Peer { authenticated: true, client: None });
+        assert_eq!(peer.unwrap(), Peer { authenticated: true, ..Peer::default() });
         assert!(client.unwrap());
-        let id = Identity { client: 42, credential: credential(s.as_ref().unwrap(), 42) };
+        let cred = credential(s.as_ref().unwrap(), 42, "team-a");
+        let id = Identity::Client { client: 42, tenant: "team-a".into(), credential: cred };
         let (peer, _) = run(s.clone(), auth(s.clone(), true), Some(&id));
-        assert_eq!(peer.unwrap().client, Some(42));
-        let forged = Identity { client: 43, credential: id.credential };
-        let (peer, client) = run(s.clone(), auth(s, true), Some(&forged));
-        assert!(matches!(peer, Err(HandshakeError::BadCredential)));
-        assert!(matches!(client, Err(HandshakeError::Refused(ErrorCode::AUTH_FAILED))));
+        assert_eq!(peer.unwrap(), Peer { authenticated: true, client: Some((42, "team-a".into())), admin: false });
+        // Another id, or another tenant, with the same credential: refused.
+        for forged in [
+            Identity::Client { client: 43, tenant: "team-a".into(), credential: cred },
+            Identity::Client { client: 42, tenant: "team-b".into(), credential: cred },
+            Identity::Admin { credential: cred },
+        ] {
+            let (peer, client) = run(s.clone(), auth(s.clone(), true), Some(&forged));
+            assert!(matches!(peer, Err(HandshakeError::BadCredential)), "{forged:?}");
+            assert!(matches!(client, Err(HandshakeError::Refused(ErrorCode::AUTH_FAILED))));
+        }
+        let admin = Identity::Admin { credential: admin_credential(s.as_ref().unwrap()) };
+        let (peer, _) = run(s.clone(), auth(s, true), Some(&admin));
+        assert!(peer.unwrap().admin);
     }
 
     #[test]
@@ -476,7 +538,7 @@ mod tests {
     fn garbage_greetings_are_errors_not_panics() {
         let s = secret("the-cluster-secret");
         let (srv, _) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
-        for len in [0, 1, 24, 103, 105, 256] {
+        for len in [0, 1, 24, 104, 106, 256] {
             let (_, v) = srv.finish(&vec![0xa5; len]);
             assert!(v.is_err(), "{len} bytes");
         }
