@@ -316,7 +316,7 @@ impl Master {
         let (seg, reserved, replaced) = self.segments.mount(client, desc, &reservations)?;
         for (alloc, &(_, _, until)) in reserved.into_iter().zip(&carried) {
             if let Some(alloc) = alloc {
-                self.defer(vec![Replica { seg: seg.clone(), alloc }], until, now);
+                self.defer(vec![Replica::new(seg.clone(), alloc)], until, now);
             }
         }
         if replaced {
@@ -565,8 +565,8 @@ impl Master {
         let shard = self.shards.shard(r.shard);
         {
             let map = shard.read();
-            let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
-            if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id, &grant) {
+            let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+            if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id, grant) {
                 return Ok(descs);
             }
             if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
@@ -641,8 +641,8 @@ impl Master {
                 let now = self.now();
                 run.iter()
                     .map(|(i, r)| {
-                        let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
-                        let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i], &grant);
+                        let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+                        let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i], grant);
                         (mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, now), retried)
                     })
                     .unzip()
@@ -734,7 +734,11 @@ impl Master {
         // once.
         let old_size = obj.size;
         obj.size = p.size;
-        let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, key);
+        let grant = if old.is_empty() {
+            Grant::default()
+        } else {
+            self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, key)
+        };
         let mut replaced: Vec<ReplicaDesc> =
             old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
         old.into_iter().for_each(Replica::release);
@@ -832,12 +836,18 @@ impl Master {
         if !obj.is_complete() {
             return Err(ErrorCode::REPLICA_IS_NOT_READY);
         }
-        let grant = self.grant(RIGHT_READ, self.cfg.default_kv_lease_ttl_ms, key);
+        // Read grants last two leases and are shared by readers while at least one is left, so
+        // that every reader's grant outlasts its lease and a hot object costs one MAC per lease.
+        let ttl = self.cfg.default_kv_lease_ttl_ms;
+        let (epoch, fresh_until) = match self.cfg.secret {
+            Some(_) => (self.epoch.load(Ordering::Relaxed), unix_ms().saturating_add(ttl)),
+            None => (0, 0),
+        };
         let replicas: Vec<ReplicaDesc> = obj
             .replicas
             .iter()
             .filter(|r| r.seg.is_alive())
-            .map(|r| r.seg.replica_desc(&r.alloc, obj.size, &grant))
+            .map(|r| r.read_desc(obj.size, epoch, fresh_until, || self.grant(RIGHT_READ, 2 * ttl, key)))
             .collect();
         if replicas.is_empty() {
             // Its only segments are being swept.
@@ -1483,10 +1493,11 @@ fn retried_start(
     key: &ObjectKey,
     client: ClientId,
     write_id: u64,
-    grant: &Grant,
+    grant: impl FnOnce() -> Grant,
 ) -> Option<Vec<ReplicaDesc>> {
     let p = map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id)?;
-    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size, grant)).collect())
+    let grant = grant();
+    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size, &grant)).collect())
 }
 
 /// Splits routed keys (already sorted by shard) into runs of one shard each.

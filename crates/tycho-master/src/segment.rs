@@ -148,6 +148,20 @@ impl MountedSegment {
         }
     }
 
+    /// The wire descriptor of a replica at `a` holding `len` bytes, carrying `cap`.
+    fn describe(&self, a: &SegAlloc, len: u64, cap: Capability) -> ReplicaDesc {
+        ReplicaDesc {
+            cap,
+            segment: self.desc.id,
+            offset: a.offset,
+            len,
+            endpoint: self.desc.endpoint.clone(),
+            host: self.desc.host.clone(),
+            incarnation: self.desc.incarnation,
+            gen: a.gen,
+        }
+    }
+
     /// The wire descriptor of a replica at `a` holding `len` bytes, carrying a capability for
     /// `grant`.
     pub fn replica_desc(&self, a: &SegAlloc, len: u64, grant: &Grant) -> ReplicaDesc {
@@ -186,9 +200,46 @@ pub struct Replica {
     pub seg: Arc<MountedSegment>,
     /// The range.
     pub alloc: SegAlloc,
+    /// The read capability last minted for it.
+    pub read_cap: CapCache,
+}
+
+/// The read capability last minted for a replica: readers of a hot object share it while it
+/// stays valid for long enough, instead of paying a MAC each.
+#[derive(Default)]
+pub struct CapCache(Mutex<Option<Capability>>);
+
+impl Clone for CapCache {
+    fn clone(&self) -> Self {
+        CapCache::default()
+    }
 }
 
 impl Replica {
+    /// A replica of `seg` at `alloc`.
+    pub fn new(seg: Arc<MountedSegment>, alloc: SegAlloc) -> Replica {
+        Replica { seg, alloc, read_cap: CapCache::default() }
+    }
+
+    /// The descriptor a reader gets: with the read capability cached from an earlier read if
+    /// it was granted under `epoch` and is valid at least until `fresh_until`, else with one
+    /// minted for `grant()` (the object's tenant and group never change, so they need no
+    /// check).
+    pub fn read_desc(&self, len: u64, epoch: u64, fresh_until: u64, grant: impl FnOnce() -> Grant) -> ReplicaDesc {
+        if self.seg.key.is_none() {
+            return self.seg.replica_desc(&self.alloc, len, &Grant::default());
+        }
+        let mut cached = self.read_cap.0.lock();
+        if let Some(c) = *cached {
+            if c.epoch == epoch && c.expires_ms >= fresh_until {
+                return self.seg.describe(&self.alloc, len, c);
+            }
+        }
+        let d = self.seg.replica_desc(&self.alloc, len, &grant());
+        *cached = Some(d.cap);
+        d
+    }
+
     /// Frees the replica's range.
     pub fn release(self) {
         self.seg.free(self.alloc);
@@ -332,7 +383,7 @@ impl SegmentTable {
         let try_seg = |seg: &Arc<MountedSegment>, out: &mut Vec<Replica>| {
             if out.len() < want && !out.iter().any(|r| Arc::ptr_eq(&r.seg, seg)) {
                 if let Some(alloc) = seg.allocate(size) {
-                    out.push(Replica { seg: seg.clone(), alloc });
+                    out.push(Replica::new(seg.clone(), alloc));
                 }
             }
         };

@@ -35,6 +35,14 @@ pub struct BenchArgs {
     /// Also measure memcpy and raw TCP ceilings and print the ratios.
     #[arg(long)]
     baseline: bool,
+    /// Run master, node and clients without authentication or capabilities.
+    #[arg(long)]
+    insecure: bool,
+    /// Run the whole benchmark this many times with authentication and capabilities and as
+    /// often with `--insecure`, alternating, and print each row's median ratio (secure over
+    /// insecure) with its spread.
+    #[arg(long = "compare-insecure", value_name = "ROUNDS")]
+    compare_insecure: Option<usize>,
     /// Worker mode (internal): role, master, protocol, prefix, size, count, seconds.
     #[arg(long, hide = true, num_args = 7)]
     worker: Option<Vec<String>>,
@@ -80,9 +88,10 @@ impl Measured {
 
 /// Entry point; returns the exit code.
 pub fn run(args: BenchArgs) -> i32 {
-    let result = match &args.worker {
-        Some(w) => worker(w).map(|m| println!("{}", m.line())),
-        None => orchestrate(&args),
+    let result = match (&args.worker, args.compare_insecure) {
+        (Some(w), _) => worker(w).map(|m| println!("{}", m.line())),
+        (None, Some(rounds)) => compare_insecure(&args, rounds.max(1)),
+        (None, None) => orchestrate(&args).map(drop),
     };
     match result {
         Ok(()) => 0,
@@ -192,14 +201,69 @@ fn progress(msg: &str) {
     let _ = std::io::stderr().flush();
 }
 
-fn orchestrate(args: &BenchArgs) -> Result<(), String> {
+/// One run's rows: name and ops/s (GB/s for the multi-reader rows).
+type Rows = Vec<(String, f64)>;
+
+/// Runs [`orchestrate`] `rounds` times with authentication and as often without, alternating,
+/// and prints the median ratio of every row (ops/s, secure over insecure) with its spread.
+fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
+    let mut pairs: Vec<(Rows, Rows)> = Vec::new();
+    for round in 0..rounds {
+        let one = |insecure: bool| -> Result<Rows, String> {
+            println!("== round {} of {rounds}, {}", round + 1, if insecure { "--insecure" } else { "secure" });
+            let a = BenchArgs { insecure, compare_insecure: None, worker: None, ..args.clone() };
+            orchestrate(&a)
+        };
+        // Alternate which mode goes first, so that drift over the run hits both alike.
+        let (secure, insecure) = if round % 2 == 0 {
+            let s = one(false)?;
+            (s, one(true)?)
+        } else {
+            let i = one(true)?;
+            (one(false)?, i)
+        };
+        pairs.push((secure, insecure));
+    }
+    println!("\nsecure vs --insecure, {rounds} alternating rounds (ratio of ops/s; median, then min..max):");
+    let names: Vec<String> = pairs[0].0.iter().map(|(n, _)| n.clone()).collect();
+    let mut worst = f64::INFINITY;
+    for name in names {
+        let mut ratios: Vec<f64> = pairs
+            .iter()
+            .filter_map(|(s, i)| {
+                let a = s.iter().find(|(n, _)| *n == name)?.1;
+                let b = i.iter().find(|(n, _)| *n == name)?.1;
+                (b > 0.0).then(|| a / b)
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let Some(&lo) = ratios.first() else { continue };
+        let hi = ratios[ratios.len() - 1];
+        let median = ratios[ratios.len() / 2];
+        worst = worst.min(median);
+        println!("  {name:<28} {median:>6.3}   {lo:.3}..{hi:.3}");
+    }
+    println!("lowest median ratio: {worst:.3}");
+    Ok(())
+}
+
+fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
     let port = free_port();
     let master = format!("127.0.0.1:{port}");
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // Workers and the admin client below read it: every process of the run is insecure.
+    if args.insecure {
+        std::env::set_var(tycho_proto::auth::INSECURE_ENV, "1");
+    } else {
+        std::env::remove_var(tycho_proto::auth::INSECURE_ENV);
+    }
+    let insecure: &[&str] = if args.insecure { &["--insecure"] } else { &[] };
     let _m = ChildGuard(
         Command::new(&exe)
             .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
+            .args(insecure)
             .stdout(Stdio::null())
+            .stderr(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?,
     );
@@ -215,6 +279,7 @@ fn orchestrate(args: &BenchArgs) -> Result<(), String> {
     let _n = ChildGuard(
         Command::new(&exe)
             .args(["node", "--master", &master, "--segment-size", &node_bytes])
+            .args(insecure)
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?,
@@ -311,7 +376,11 @@ fn orchestrate(args: &BenchArgs) -> Result<(), String> {
     }
     admin.remove_by_regex("bench/.*", true).map_err(|e| format!("cleanup: {e}"))?;
     let _ = admin.close();
-    Ok(())
+    let mut out: Vec<(String, f64)> =
+        rows.iter().map(|(p, size, op, m)| (format!("{p} {} {op}", human(*size)), m.ops_s())).collect();
+    out.push(("get 1 MiB, 1 reader".into(), one.gbps()));
+    out.push((format!("get 1 MiB, {} readers", args.clients), aggregate));
+    Ok(out)
 }
 
 /// GB/s of a single-thread copy of `size` bytes between two warm buffers.

@@ -57,9 +57,14 @@ pub struct BenchMasterArgs {
     /// Self-probe interval of the probing master in `--probe-compare`, seconds.
     #[arg(long, default_value_t = 5.0)]
     probe_interval: f64,
-    /// Rounds per master in `--probe-compare`.
+    /// Rounds per master in `--probe-compare` and `--compare-insecure`.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Compare two masters, one with authentication and capabilities (the benchmark then acts
+    /// as a registered client) and one started `--insecure`, in alternating rounds of each
+    /// workload; prints each workload's median ratio and its spread.
+    #[arg(long = "compare-insecure")]
+    compare_insecure: bool,
 }
 
 const VALUE_SIZE: u64 = 4096;
@@ -167,6 +172,9 @@ pub fn run(args: BenchMasterArgs) -> i32 {
 fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
     if args.probe_compare {
         return probe_compare(&args);
+    }
+    if args.compare_insecure {
+        return compare_insecure(&args);
     }
     let ttl = if args.expire_during { 2 } else { 10 };
     let (child, addr) = match &args.master {
@@ -570,6 +578,82 @@ fn redis_baseline(args: &BenchMasterArgs, results: &[Stats]) -> Result<(), Strin
 /// Runs each workload against a master with the self-probe on and one with it off, in
 /// alternating rounds, and prints the means next to the spread between rounds of the same
 /// master (the run-to-run noise).
+/// A master with authentication and capabilities against one started `--insecure`, round by
+/// round. On the secure one the workloads run as a registered client of the default tenant.
+fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
+    let (_secure, secure_addr) = start_master(10, &[])?;
+    let (_open, open_addr) = start_master(10, &["--insecure"])?;
+    println!(
+        "secure vs --insecure: {} connections x {} in flight, {}s rounds, {} rounds each",
+        args.connections, args.inflight, args.duration, args.rounds
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let keys: Rc<Vec<KeyRef>> = Rc::new((0..args.keys).map(|i| key_ref("", &format!("bench/key/{i:08}"))).collect());
+    let alive = Arc::new(AtomicBool::new(true));
+    let mut worst = f64::INFINITY;
+    rt.block_on(async {
+        let mut owners = Vec::new();
+        for addr in [&secure_addr, &open_addr] {
+            let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+            let owner = match c.call(&Request::Register { tenant: String::new() }).await {
+                Ok(Response::Registered { client, credential }) if credential != [0; 32] => {
+                    let identity = tycho_proto::auth::handshake::Identity::Client {
+                        client: client.0,
+                        tenant: String::new(),
+                        credential,
+                    };
+                    crate::master_client::act_as(addr, identity);
+                    client
+                }
+                _ => ClientId(rand::random()),
+            };
+            // Reconnect, as the registered client when there is one.
+            let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+            for s in 0..FAKE_SEGMENTS {
+                mount_fake(&c, owner, s).await?;
+            }
+            keep_alive(c.clone(), owner, alive.clone());
+            populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
+            owners.push(owner);
+        }
+        for w in &args.workloads {
+            let mut ratios = Vec::new();
+            let (mut on, mut off) = (Vec::new(), Vec::new());
+            for round in 0..args.rounds {
+                // Alternate which master goes first.
+                let (a, b) = if round % 2 == 0 {
+                    let a = run_workload(&secure_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec();
+                    (a, run_workload(&open_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec())
+                } else {
+                    let b = run_workload(&open_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec();
+                    (run_workload(&secure_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec(), b)
+                };
+                on.push(a);
+                off.push(b);
+                ratios.push(a / b);
+            }
+            ratios.sort_by(f64::total_cmp);
+            let median = ratios[ratios.len() / 2];
+            worst = worst.min(median);
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            println!(
+                "{w:<12} secure {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}",
+                med(&mut on),
+                med(&mut off),
+                ratios[0],
+                ratios[ratios.len() - 1]
+            );
+        }
+        Ok::<(), String>(())
+    })?;
+    println!("lowest median ratio: {worst:.3}");
+    alive.store(false, Ordering::Relaxed);
+    Ok(())
+}
+
 fn probe_compare(args: &BenchMasterArgs) -> Result<(), String> {
     let interval = args.probe_interval.to_string();
     let (_on, on_addr) = start_master(10, &["--enable-rpc-health-probe", "true", "--rpc-probe-interval", &interval])?;
