@@ -180,16 +180,7 @@ impl MountedSegment {
             ),
             None => Capability::default(),
         };
-        ReplicaDesc {
-            cap,
-            segment: self.desc.id,
-            offset: a.offset,
-            len,
-            endpoint: self.desc.endpoint.clone(),
-            host: self.desc.host.clone(),
-            incarnation: self.desc.incarnation,
-            gen: a.gen,
-        }
+        self.describe(a, len, cap)
     }
 }
 

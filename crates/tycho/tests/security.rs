@@ -46,6 +46,39 @@ fn secret_file(dir: &Path, text: &str) -> PathBuf {
     p
 }
 
+/// A master (with `flags`) and, with `node`, a node of that size, sharing a secret file made for
+/// the test; dropped, it stops both.
+struct Cluster {
+    secret: Arc<Secret>,
+    m: MasterProc,
+    node: Option<NodeProc>,
+    _home: TempDir,
+}
+
+impl Cluster {
+    fn start(name: &str, flags: &[&str], node: Option<&str>) -> Cluster {
+        let home = TempDir::new(&format!("tycho-sec-{name}")).unwrap();
+        let path = secret_file(home.path(), &format!("{name}-cluster-secret"));
+        let file = path.to_str().unwrap().to_string();
+        let mut all = vec!["--secret-file", file.as_str()];
+        all.extend_from_slice(flags);
+        let m = MasterProc::start(TYCHO, &all);
+        let node = node.map(|size| NodeProc::start_env(TYCHO, &m.rpc, size, &["--secret-file", &file], &[]));
+        let secret = Arc::new(tycho_proto::auth::files::load(&path).unwrap());
+        Cluster { secret, m, node, _home: home }
+    }
+
+    /// A client of `tenant` holding the secret, contributing `segment` bytes.
+    fn client(&self, tenant: &str, segment: u64, protocol: Protocol) -> Client {
+        let mut cfg = ClientConfig::new(&self.m.rpc);
+        cfg.auth = ClientAuth::Secret(self.secret.clone());
+        cfg.tenant = tenant.into();
+        cfg.segment_size = segment;
+        cfg.protocol = protocol;
+        Client::connect(cfg).unwrap()
+    }
+}
+
 #[test]
 fn a_master_creates_its_secret_and_only_processes_holding_it_get_in() {
     let home = TempDir::new("tycho-sec-home").unwrap();
@@ -93,16 +126,9 @@ fn a_master_creates_its_secret_and_only_processes_holding_it_get_in() {
 /// without the master's grant for that range and right is refused. The object is intact.
 #[test]
 fn transfers_without_a_grant_are_refused_and_change_nothing() {
-    let home = TempDir::new("tycho-sec-xfer").unwrap();
-    let file = secret_file(home.path(), "transfer-attack-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
-    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let mut cfg = ClientConfig::new(&m.rpc);
-    cfg.auth = ClientAuth::Secret(secret.clone());
-    cfg.protocol = Protocol::Tcp;
-    let victim = Client::connect(cfg).unwrap();
+    let cl = Cluster::start("xfer", &[], Some("16MB"));
+    let secret = cl.secret.clone();
+    let victim = cl.client("", 0, Protocol::Tcp);
     let value: Vec<u8> = (0..8192u32).map(|i| (i * 13) as u8).collect();
     victim.put("victim", &value, &Default::default()).unwrap();
     let q = KeyQuery {
@@ -145,15 +171,9 @@ fn transfers_without_a_grant_are_refused_and_change_nothing() {
 /// RemoveAll, spoofed pings never reach it, and nothing changes.
 #[test]
 fn master_calls_without_the_secret_never_run() {
-    let home = TempDir::new("tycho-sec-rpc").unwrap();
-    let file = secret_file(home.path(), "rpc-attack-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
-    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let mut cfg = ClientConfig::new(&m.rpc);
-    cfg.auth = ClientAuth::Secret(secret);
-    let owner = Client::connect(cfg).unwrap();
+    let cl = Cluster::start("rpc", &[], Some("16MB"));
+    let m = &cl.m;
+    let owner = cl.client("", 0, Protocol::Auto);
     owner.put("kept", b"value", &Default::default()).unwrap();
     let Response::Segments(segs) = owner.call(&Request::ListSegments).unwrap() else { panic!() };
     let before = segs.len();
@@ -180,19 +200,12 @@ fn master_calls_without_the_secret_never_run() {
 }
 
 /// A client on the node's host maps the node's segment through the node's local socket (the
-/// memfd passed over it, no path from the master), reads and writes with one copy, and a
-/// client that cannot reach the socket still gets the same bytes over TCP.
+/// memfd passed over it, no path from the master) and reads and writes with one copy
+/// (transfer.rs shows the TCP fallback without a reachable socket).
 #[test]
 fn same_host_clients_map_the_segment_through_the_local_socket() {
-    let home = TempDir::new("tycho-sec-local").unwrap();
-    let file = secret_file(home.path(), "local-mapping-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
-    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let mut cfg = ClientConfig::new(&m.rpc);
-    cfg.auth = ClientAuth::Secret(secret);
-    let c = Client::connect(cfg).unwrap();
+    let cl = Cluster::start("local", &[], Some("16MB"));
+    let c = cl.client("", 0, Protocol::Auto);
     let value: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
     c.put("local", &value, &Default::default()).unwrap();
     assert_eq!(c.peer_mappings(), 1, "the write mapped the node's segment");
@@ -206,16 +219,11 @@ fn same_host_clients_map_the_segment_through_the_local_socket() {
 /// client is expired meanwhile.
 #[test]
 fn oversized_batches_are_refused_split_by_clients_and_do_not_starve_heartbeats() {
-    let home = TempDir::new("tycho-sec-batch").unwrap();
-    let file = secret_file(home.path(), "batch-limit-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f, "--client-ttl", "2"]);
-    let _node = NodeProc::start_env(TYCHO, &m.rpc, "32MB", &["--secret-file", f], &[]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let mut cfg = ClientConfig::new(&m.rpc);
-    cfg.auth = ClientAuth::Secret(secret.clone());
-    let c = Client::connect(cfg).unwrap();
-    let rpc = Arc::new(admin_rpc(&m.rpc, &secret));
+    let cl = Cluster::start("batch", &["--client-ttl", "2"], Some("32MB"));
+    let c = cl.client("", 0, Protocol::Auto);
+    // An ordinary registered client of the default tenant sends the batches.
+    let (_, rpc) = registered(&cl.m.rpc, &cl.secret, "");
+    let rpc = Arc::new(rpc);
     let keys = |n: usize| -> Vec<KeyRef> {
         (0..n)
             .map(|i| {
@@ -274,20 +282,14 @@ fn threads(pid: u32) -> usize {
 /// closed after the greeting deadline) and the store keeps serving.
 #[test]
 fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
-    let home = TempDir::new("tycho-sec-caps").unwrap();
-    let file = secret_file(home.path(), "resource-caps-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f, "--max-segments-per-client", "2"]);
-    let node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let mut cfg = ClientConfig::new(&m.rpc);
-    cfg.auth = ClientAuth::Secret(secret.clone());
-    let c = Client::connect(cfg).unwrap();
+    let cl = Cluster::start("caps", &["--max-segments-per-client", "2"], Some("16MB"));
+    let (m, node, secret) = (&cl.m, cl.node.as_ref().unwrap(), cl.secret.clone());
+    let c = cl.client("", 0, Protocol::Auto);
     c.put("kept", b"value", &Default::default()).unwrap();
     let Response::Stats(before) = c.call(&Request::Stats).unwrap() else { panic!() };
-    let rpc = admin_rpc(&m.rpc, &secret);
+    // An ordinary registered client mounts its own segments.
+    let (me, rpc) = registered(&m.rpc, &secret, "");
     let t = std::time::Duration::from_secs(10);
-    let me = ClientId(0xfeed);
     let seg = |id: u128, size: u64| SegmentDesc {
         id: SegmentId(id),
         name: format!("s{id}"),
@@ -452,18 +454,9 @@ fn registered(addr: &str, secret: &Arc<Secret>, tenant: &str) -> (ClientId, tych
 /// and its owner remounts. Nothing else changes.
 #[test]
 fn clients_act_only_for_themselves_and_their_tenant() {
-    let home = TempDir::new("tycho-sec-tenant").unwrap();
-    let file = secret_file(home.path(), "tenant-scope-cluster-secret");
-    let f = file.to_str().unwrap();
-    let m = MasterProc::start(TYCHO, &["--secret-file", f]);
-    let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());
-    let client_of = |tenant: &str, segment: u64| {
-        let mut cfg = ClientConfig::new(&m.rpc);
-        cfg.auth = ClientAuth::Secret(secret.clone());
-        cfg.tenant = tenant.into();
-        cfg.segment_size = segment;
-        Client::connect(cfg).unwrap()
-    };
+    let cl = Cluster::start("tenant", &[], None);
+    let (m, secret) = (&cl.m, cl.secret.clone());
+    let client_of = |tenant: &str, segment: u64| cl.client(tenant, segment, Protocol::Auto);
     let victim = client_of("team-a", 16 << 20);
     for i in 0..5 {
         victim.put(&format!("a-{i}"), b"tenant a's value", &Default::default()).unwrap();
