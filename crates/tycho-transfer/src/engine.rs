@@ -160,30 +160,26 @@ impl TransferEngine {
     /// fail their generation check from now on.
     pub fn retire(&self, replica: &ReplicaDesc) -> Result<(), TransferError> {
         let len = usize::try_from(replica.len).map_err(|_| TransferError::InvalidRange("replica too large".into()))?;
-        match self.transport_for(replica) {
-            Transport::Local => {
-                let m = self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?;
-                m.retire(replica.offset, len, replica.incarnation, replica.gen)
-            }
-            Transport::SharedMemory if self.map_peer(replica, true)?.is_some() => {
-                let m = self.map_peer(replica, true)?.expect("mapped just above");
-                m.retire(replica.offset, len, replica.incarnation, replica.gen)
-            }
-            Transport::SharedMemory | Transport::Tcp => {
-                let mut s = self.connection(&replica.endpoint)?;
-                let head = request(XferOp::Retire, replica, replica.offset, replica.len);
-                // A holder that does not answer (paused, partitioned) must not hold up the write
-                // that retires: give up after a while; the connection is then dropped.
-                s.set_read_timeout(Some(RETIRE_TIMEOUT))?;
-                s.write_all(&head.encode())?;
-                let mut answer = [0u8; ANSWER_LEN];
-                s.read_exact(&mut answer)?;
-                s.set_read_timeout(None)?;
-                let r = decode_answer(&answer).map(drop);
-                self.release(&replica.endpoint, s);
-                r
-            }
+        let mapped = match self.transport_for(replica) {
+            Transport::Local => Some(self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?),
+            Transport::SharedMemory => self.map_peer(replica, true)?,
+            Transport::Tcp => None,
+        };
+        if let Some(m) = mapped {
+            return m.retire(replica.offset, len, replica.incarnation, replica.gen);
         }
+        let mut s = self.connection(&replica.endpoint)?;
+        let head = request(XferOp::Retire, replica, replica.offset, replica.len);
+        // A holder that does not answer (paused, partitioned) must not hold up the write that
+        // retires: give up after a while; the connection is then dropped.
+        s.set_read_timeout(Some(RETIRE_TIMEOUT))?;
+        s.write_all(&head.encode())?;
+        let mut answer = [0u8; ANSWER_LEN];
+        s.read_exact(&mut answer)?;
+        s.set_read_timeout(None)?;
+        let r = decode_answer(&answer).map(drop);
+        self.release(&replica.endpoint, s);
+        r
     }
 
     fn run_part(&self, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {

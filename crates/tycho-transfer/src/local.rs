@@ -64,18 +64,28 @@ fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, i32)> {
     Ok((cred.uid, cred.pid))
 }
 
+/// A control buffer with room for one descriptor.
+fn fd_control() -> Vec<u8> {
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    vec![0u8; unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize]
+}
+
+/// A message header over one buffer (`iov`) and a control buffer; both must outlive its use.
+fn msg_header(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    msg
+}
+
 /// Sends `bytes` with `fd` attached.
 fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: &OwnedFd) -> std::io::Result<()> {
     let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut control = fd_control();
+    let msg = msg_header(&mut iov, &mut control);
     // SAFETY: the control buffer has room for one cmsg carrying one int (CMSG_SPACE above).
     unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
@@ -98,15 +108,8 @@ fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: &OwnedFd) -> std::io::Result<(
 /// Receives exactly `buf.len()` bytes and the descriptor attached to them, if any.
 fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd>> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: as in send_with_fd.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut control = fd_control();
+    let mut msg = msg_header(&mut iov, &mut control);
     // SAFETY: msg points at live buffers; MSG_CMSG_CLOEXEC keeps a received fd from leaking
     // into children.
     let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_WAITALL) };
