@@ -65,6 +65,10 @@ pub struct BenchMasterArgs {
     /// workload; prints each workload's median ratio and its spread.
     #[arg(long = "compare-insecure")]
     compare_insecure: bool,
+    /// With `--compare-insecure`: start the first master `--insecure` too, to measure the
+    /// comparison's own noise (its ratios should straddle 1).
+    #[arg(long, requires = "compare_insecure")]
+    control: bool,
 }
 
 const VALUE_SIZE: u64 = 4096;
@@ -357,9 +361,14 @@ async fn drive(
     until: Rc<dyn Fn() -> bool>,
 ) -> Result<(u64, u64, Samples, u64), String> {
     let run_id: u32 = rand::random();
+    // Every connection is open (and greeted) before the first call: the measurement covers
+    // calls only.
+    let mut conns = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        conns.push(MasterClient::connect(addr).await.map_err(|e| format!("connect: {e}"))?);
+    }
     let mut tasks = Vec::new();
-    for conn in 0..args.connections {
-        let c = MasterClient::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
+    for (conn, c) in conns.into_iter().enumerate() {
         for slot in 0..args.inflight {
             let (c, keys, until, w) = (c.clone(), keys.clone(), until.clone(), w.to_string());
             let batch = args.batch;
@@ -405,11 +414,19 @@ async fn run_workload(
     let local = tokio::task::LocalSet::new();
     let cpu0 = cpu_self();
     let srv0 = server_pid.and_then(cpu_of);
-    let t0 = Instant::now();
-    let end = t0 + Duration::from_secs_f64(args.duration);
-    let until: Rc<dyn Fn() -> bool> = Rc::new(move || Instant::now() >= end);
+    // The clock starts at the first call, once every connection is open.
+    let started: Rc<std::cell::Cell<Option<Instant>>> = Rc::default();
+    let duration = Duration::from_secs_f64(args.duration);
+    let first = started.clone();
+    let until: Rc<dyn Fn() -> bool> = Rc::new(move || {
+        let t0 = first.get().unwrap_or_else(|| {
+            first.set(Some(Instant::now()));
+            first.get().expect("just set")
+        });
+        t0.elapsed() >= duration
+    });
     let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until)).await?;
-    let secs = t0.elapsed().as_secs_f64();
+    let secs = started.get().map_or(0.0, |t0| t0.elapsed().as_secs_f64());
     if errs > 0 {
         return Err(format!("workload {w}: {errs} calls failed"));
     }
@@ -575,17 +592,48 @@ fn redis_baseline(args: &BenchMasterArgs, results: &[Stats]) -> Result<(), Strin
     Ok(())
 }
 
+/// One round of `w` for a comparison: [`run_workload`], then (untimed) the removal of what a
+/// write workload wrote, so that every round starts from the same key count rather than
+/// measuring the growth of the metadata maps round after round.
+async fn measure(
+    addr: &str,
+    w: &str,
+    args: &BenchMasterArgs,
+    owner: ClientId,
+    keys: Rc<Vec<KeyRef>>,
+    server_pid: Option<u32>,
+) -> Result<Stats, String> {
+    let stats = run_workload(addr, w, args, owner, keys, server_pid).await?;
+    if matches!(w, "put" | "batch-put") {
+        let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+        let regex = format!("^bench/{w}/");
+        c.call(&Request::RemoveByRegex { tenant: String::new(), regex, force: true })
+            .await
+            .map_err(|e| format!("removing what {w} wrote: {e}"))?;
+    }
+    Ok(stats)
+}
+
 /// Runs each workload against a master with the self-probe on and one with it off, in
 /// alternating rounds, and prints the means next to the spread between rounds of the same
 /// master (the run-to-run noise).
 /// A master with authentication and capabilities against one started `--insecure`, round by
 /// round. On the secure one the workloads run as a registered client of the default tenant.
 fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
-    let (_secure, secure_addr) = start_master(10, &[])?;
-    let (_open, open_addr) = start_master(10, &["--insecure"])?;
+    // The control run compares two insecure masters: the ratio the same comparison shows
+    // when nothing differs (its spread is the noise floor).
+    let first: &[&str] = if args.control { &["--insecure"] } else { &[] };
+    let (secure_guard, secure_addr) = start_master(10, first)?;
+    let (open_guard, open_addr) = start_master(10, &["--insecure"])?;
+    let (secure_pid, open_pid) = (Some(secure_guard.0.id()), Some(open_guard.0.id()));
+    let label = if args.control { "control" } else { "secure" };
     println!(
-        "secure vs --insecure: {} connections x {} in flight, {}s rounds, {} rounds each",
-        args.connections, args.inflight, args.duration, args.rounds
+        "{} vs --insecure: {} connections x {} in flight, {}s rounds, {} rounds each",
+        if args.control { "control: --insecure" } else { "secure" },
+        args.connections,
+        args.inflight,
+        args.duration,
+        args.rounds
     );
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let keys: Rc<Vec<KeyRef>> = Rc::new((0..args.keys).map(|i| key_ref("", &format!("bench/key/{i:08}"))).collect());
@@ -619,18 +667,25 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
         for w in &args.workloads {
             let mut ratios = Vec::new();
             let (mut on, mut off) = (Vec::new(), Vec::new());
+            // Master CPU per call, microseconds.
+            let (mut on_cpu, mut off_cpu) = (Vec::new(), Vec::new());
             for round in 0..args.rounds {
                 // Alternate which master goes first.
+                let secure = |keys| measure(&secure_addr, w, args, owners[0], keys, secure_pid);
+                let open = |keys| measure(&open_addr, w, args, owners[1], keys, open_pid);
                 let (a, b) = if round % 2 == 0 {
-                    let a = run_workload(&secure_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec();
-                    (a, run_workload(&open_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec())
+                    let a = secure(keys.clone()).await?;
+                    (a, open(keys.clone()).await?)
                 } else {
-                    let b = run_workload(&open_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec();
-                    (run_workload(&secure_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec(), b)
+                    let b = open(keys.clone()).await?;
+                    (secure(keys.clone()).await?, b)
                 };
-                on.push(a);
-                off.push(b);
-                ratios.push(a / b);
+                let per_call = |s: &Stats| s.server_cpu.unwrap_or(0.0) * 1e6 / s.ops.max(1) as f64;
+                on_cpu.push(per_call(&a));
+                off_cpu.push(per_call(&b));
+                on.push(a.ops_per_sec());
+                off.push(b.ops_per_sec());
+                ratios.push(a.ops_per_sec() / b.ops_per_sec());
             }
             ratios.sort_by(f64::total_cmp);
             let median = ratios[ratios.len() / 2];
@@ -640,11 +695,14 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 v[v.len() / 2]
             };
             println!(
-                "{w:<12} secure {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}",
+                "{w:<12} {label} {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}   \
+                 master cpu/call {:.2} / {:.2} us",
                 med(&mut on),
                 med(&mut off),
                 ratios[0],
-                ratios[ratios.len() - 1]
+                ratios[ratios.len() - 1],
+                med(&mut on_cpu),
+                med(&mut off_cpu),
             );
         }
         Ok::<(), String>(())
