@@ -831,18 +831,29 @@ impl Master {
 
     // ---- reads ---------------------------------------------------------------------------
 
-    fn replica_list(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> WireResult<ReplicaList> {
+    /// What a cached read grant must satisfy to be handed out now: the group epoch it was
+    /// granted under, and the wall-clock time (Unix ms) it must last until. Read grants last two
+    /// leases and are shared by readers while at least one is left, so that every reader's grant
+    /// outlasts its lease and a hot object costs one MAC per lease. One per call, batch or not.
+    fn read_grant_floor(&self) -> (u64, u64) {
+        match self.cfg.secret {
+            Some(_) => (self.epoch.load(Ordering::Relaxed), unix_ms().saturating_add(self.cfg.default_kv_lease_ttl_ms)),
+            None => (0, 0),
+        }
+    }
+
+    fn replica_list(
+        &self,
+        map: &ShardMap,
+        key: &ObjectKey,
+        now: u64,
+        (epoch, fresh_until): (u64, u64),
+    ) -> WireResult<ReplicaList> {
         let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
         if !obj.is_complete() {
             return Err(ErrorCode::REPLICA_IS_NOT_READY);
         }
-        // Read grants last two leases and are shared by readers while at least one is left, so
-        // that every reader's grant outlasts its lease and a hot object costs one MAC per lease.
         let ttl = self.cfg.default_kv_lease_ttl_ms;
-        let (epoch, fresh_until) = match self.cfg.secret {
-            Some(_) => (self.epoch.load(Ordering::Relaxed), unix_ms().saturating_add(ttl)),
-            None => (0, 0),
-        };
         let replicas: Vec<ReplicaDesc> = obj
             .replicas
             .iter()
@@ -853,7 +864,6 @@ impl Master {
             // Its only segments are being swept.
             return Err(ErrorCode::OBJECT_NOT_FOUND);
         }
-        let ttl = self.cfg.default_kv_lease_ttl_ms;
         obj.extend_lease(now + ttl);
         Ok(ReplicaList { size: obj.size, replicas, lease_ttl_ms: ttl })
     }
@@ -862,13 +872,14 @@ impl Master {
     pub fn get_replica_list(&self, q: &KeyQuery) -> WireResult<ReplicaList> {
         let r = self.route(&q.tenant, &q.key)?;
         let now = self.now();
-        self.replica_list(&self.shards.shard(r.shard).read(), &r.key, now)
+        self.replica_list(&self.shards.shard(r.shard).read(), &r.key, now, self.read_grant_floor())
     }
 
     /// BatchGetReplicaList.
     pub fn batch_get_replica_list(&self, q: &BatchKeyQuery) -> Vec<WireResult<ReplicaList>> {
         let now = self.now();
-        self.batch_read(&q.tenant, &q.keys, |map, key| self.replica_list(map, key, now))
+        let floor = self.read_grant_floor();
+        self.batch_read(&q.tenant, &q.keys, |map, key| self.replica_list(map, key, now, floor))
     }
 
     fn exists(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> bool {
