@@ -288,7 +288,9 @@ mod tests {
     #[test]
     fn tenant_names_compare_by_content() {
         assert!(same_tenant("", ""));
-        assert!(same_tenant("", &String::new()));
+        // The default tenant as it arrives: an empty, never-allocated String.
+        let decoded = String::new();
+        assert!(same_tenant("", decoded.as_str()));
         assert!(same_tenant("tenant-a", "tenant-a"));
         assert!(!same_tenant("", "tenant-a"));
         assert!(!same_tenant("tenant-a", ""));
