@@ -43,6 +43,10 @@ pub struct BenchArgs {
     /// insecure) with its spread.
     #[arg(long = "compare-insecure", value_name = "ROUNDS")]
     compare_insecure: Option<usize>,
+    /// With `--compare-insecure`: run the "secure" rounds `--insecure` too, to measure the
+    /// comparison's own noise (its ratios should straddle 1).
+    #[arg(long, requires = "compare_insecure")]
+    control: bool,
     /// Worker mode (internal): role, master, protocol, prefix, size, count, seconds.
     #[arg(long, hide = true, num_args = 7)]
     worker: Option<Vec<String>>,
@@ -125,14 +129,33 @@ fn worker(w: &[String]) -> Result<Measured, String> {
     let end = start + Duration::from_secs_f64(secs);
     match role.as_str() {
         "put" => {
-            for i in 0..count {
-                let t = Instant::now();
-                client
-                    .put(&format!("{prefix}/{i}"), &buf, &ReplicateConfig::default())
-                    .map_err(|e| format!("put: {e}"))?;
-                lat.push(t.elapsed().as_micros() as u64);
-                bytes += size as u64;
+            // Passes over the same `count` keys until `secs` have gone by (at least one): a
+            // pass of small or few values lasts milliseconds, too short to measure alone. The
+            // keys of a finished pass are removed, untimed, before the next one writes them
+            // again; the last pass's stay for the read phases.
+            let mut timed = Duration::ZERO;
+            for pass in 0.. {
+                if pass > 0 {
+                    if timed.as_secs_f64() >= secs {
+                        break;
+                    }
+                    for i in 0..count {
+                        client.remove(&format!("{prefix}/{i}"), true).map_err(|e| format!("remove: {e}"))?;
+                    }
+                }
+                let started = Instant::now();
+                for i in 0..count {
+                    let t = Instant::now();
+                    client
+                        .put(&format!("{prefix}/{i}"), &buf, &ReplicateConfig::default())
+                        .map_err(|e| format!("put: {e}"))?;
+                    lat.push(t.elapsed().as_micros() as u64);
+                    bytes += size as u64;
+                }
+                timed += started.elapsed();
             }
+            let _ = client.close();
+            return Ok(Measured::from_latencies(lat, bytes, timed.as_secs_f64()));
         }
         "get" | "exist" => {
             let mut i = 0;
@@ -210,8 +233,19 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
     let mut pairs: Vec<(Rows, Rows)> = Vec::new();
     for round in 0..rounds {
         let one = |insecure: bool| -> Result<Rows, String> {
-            println!("== round {} of {rounds}, {}", round + 1, if insecure { "--insecure" } else { "secure" });
-            let a = BenchArgs { insecure, compare_insecure: None, worker: None, ..args.clone() };
+            let label = match (insecure, args.control) {
+                (true, _) => "--insecure",
+                (false, false) => "secure",
+                (false, true) => "control (--insecure)",
+            };
+            println!("== round {} of {rounds}, {label}", round + 1);
+            let a = BenchArgs {
+                insecure: insecure || args.control,
+                compare_insecure: None,
+                control: false,
+                worker: None,
+                ..args.clone()
+            };
             orchestrate(&a)
         };
         // Alternate which mode goes first, so that drift over the run hits both alike.
@@ -224,7 +258,8 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
         };
         pairs.push((secure, insecure));
     }
-    println!("\nsecure vs --insecure, {rounds} alternating rounds (ratio of ops/s; median, then min..max):");
+    let first = if args.control { "control (--insecure)" } else { "secure" };
+    println!("\n{first} vs --insecure, {rounds} alternating rounds (ratio of ops/s; median, then min..max):");
     let names: Vec<String> = pairs[0].0.iter().map(|(n, _)| n.clone()).collect();
     let mut worst = f64::INFINITY;
     for name in names {
@@ -304,8 +339,8 @@ fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
         for &size in &args.sizes {
             let count = (BYTES_PER_SIZE / size).clamp(4, 2000);
             let prefix = format!("bench/{proto}/{size}");
-            progress(&format!("{proto} {}: put {count} objects", human(size)));
-            let put = run_phase("put", &master, proto, &prefix, size, count, 0.0)?;
+            progress(&format!("{proto} {}: put {count} objects for {}s", human(size), args.duration));
+            let put = run_phase("put", &master, proto, &prefix, size, count, args.duration)?;
             progress(&format!("{proto} {}: get for {}s", human(size), args.duration));
             let get = run_phase("get", &master, proto, &prefix, size, count, args.duration)?;
             progress(&format!("{proto} {}: exist for {}s", human(size), args.duration / 2.0));

@@ -683,6 +683,14 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 let per_call = |s: &Stats| s.server_cpu.unwrap_or(0.0) * 1e6 / s.ops.max(1) as f64;
                 on_cpu.push(per_call(&a));
                 off_cpu.push(per_call(&b));
+                eprintln!(
+                    "  {w} round {}: {label} {:.0} ops/s (p99 {} us), insecure {:.0} ops/s (p99 {} us)",
+                    round + 1,
+                    a.ops_per_sec(),
+                    a.pct(0.99),
+                    b.ops_per_sec(),
+                    b.pct(0.99)
+                );
                 on.push(a.ops_per_sec());
                 off.push(b.ops_per_sec());
                 ratios.push(a.ops_per_sec() / b.ops_per_sec());
