@@ -4,10 +4,12 @@
 //!   [`RetryClass`] a client applies to each.
 //! - [`Request`] / [`Response`]: every master RPC.
 //! - [`auth`]: the cluster secret, the connection greeting and data-path capabilities.
+//! - [`envelope`]: the versioned, checksummed envelope of persisted and replicated records.
 //! - [`frame`]: the length-prefixed frame that carries them, with a decoder that rejects
 //!   oversized, truncated and malformed input with an error.
 
 pub mod auth;
+pub mod envelope;
 mod error;
 pub mod frame;
 mod message;

@@ -1,0 +1,300 @@
+//! The durable mutations of a KVPT group, as records.
+//!
+//! Every change to a group's metadata that must survive its master — a write's reservation, its
+//! commit or revocation, a removal, an eviction, a segment's mount or unmount — is one
+//! [`Record`]. A record says what happened, never what to decide: the primary decides (checks
+//! ownership, conflicts, leases, liveness) and then applies the record, a standby replays the
+//! same records in the same order, and a snapshot import replays them too. So a record carries
+//! everything its effect depends on (exact ranges with their generations, times), and applying
+//! it reads no clock and no segment liveness.
+//!
+//! Records travel in [`RecordBatch`]es: consecutive sequence numbers of one group under one
+//! epoch, sealed in a versioned, checksummed envelope (`tycho_proto::envelope`). A reader
+//! refuses a batch of a newer layout, a damaged one, or one whose numbering does not continue
+//! its log.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use tycho_proto::envelope::{self, EnvelopeError, RecordKind};
+use tycho_proto::{ClientId, SegmentDesc, SegmentId};
+
+use crate::object::Pins;
+
+/// Layout version of [`RecordBatch`] this build writes and the newest it reads.
+pub const RECORD_VERSION: u16 = 1;
+
+/// A replica's range as the log names it: enough to reserve exactly the same bytes under the
+/// same generation on replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RangeRec {
+    /// The segment.
+    pub segment: SegmentId,
+    /// Its mount incarnation.
+    pub incarnation: u64,
+    /// Byte offset inside the segment.
+    pub offset: u64,
+    /// Bytes reserved (rounded up to the segment's block size).
+    pub reserved: u64,
+    /// Bytes of the value.
+    pub len: u64,
+    /// Generation the writer stamps on the range.
+    pub gen: u32,
+}
+
+/// Pin state a write gives its object on commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinsRec {
+    /// Soft-pin TTL applied on commit, ms.
+    pub soft_pin_ttl_ms: Option<u64>,
+    /// Keep the object's current soft pin.
+    pub preserve_soft_pin: bool,
+    /// Never evict.
+    pub hard_pin: bool,
+}
+
+impl From<Pins> for PinsRec {
+    fn from(p: Pins) -> PinsRec {
+        PinsRec { soft_pin_ttl_ms: p.soft_pin_ttl_ms, preserve_soft_pin: p.preserve_soft_pin, hard_pin: p.hard_pin }
+    }
+}
+
+impl From<PinsRec> for Pins {
+    fn from(p: PinsRec) -> Pins {
+        Pins { soft_pin_ttl_ms: p.soft_pin_ttl_ms, preserve_soft_pin: p.preserve_soft_pin, hard_pin: p.hard_pin }
+    }
+}
+
+/// One durable mutation of a group. Keys are storage keys (tenant and key,
+/// `tycho_routing::encode_object_key`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Record {
+    /// A write started (PutStart / UpsertStart): its ranges are reserved for its writer, so
+    /// that whoever applies the log knows which bytes a writer may still be copying into.
+    WriteStart {
+        /// Storage key.
+        key: Vec<u8>,
+        /// Upsert (replace) rather than put-if-absent.
+        upsert: bool,
+        /// The writing client.
+        writer: ClientId,
+        /// The writer's id for this write.
+        write_id: u64,
+        /// When it started (master clock, ms).
+        started_ms: u64,
+        /// Size of the value.
+        size: u64,
+        /// Pins the object takes on commit.
+        pins: PinsRec,
+        /// The reserved ranges, one per replica.
+        replicas: Vec<RangeRec>,
+    },
+    /// The write committed (PutEnd / UpsertEnd); the value it replaced is gone.
+    WriteEnd {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The writing client.
+        writer: ClientId,
+        /// The writer's id for this write.
+        write_id: u64,
+        /// When it committed (master clock, ms): soft pins count from here.
+        at_ms: u64,
+    },
+    /// The writer revoked its write: its ranges are free.
+    WriteRevoke {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The writing client.
+        writer: ClientId,
+        /// The writer's id for this write.
+        write_id: u64,
+    },
+    /// A write dropped without its writer's word (pre-empted, abandoned, or every segment it
+    /// wrote to died): its ranges stay reserved until `release_at_ms`, as its writer may still
+    /// be copying into them.
+    WriteDrop {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The writing client.
+        writer: ClientId,
+        /// The writer's id for this write.
+        write_id: u64,
+        /// When its ranges may be reused (master clock, ms).
+        release_at_ms: u64,
+    },
+    /// An object removed (Remove and its batch, regex and all forms, a replica clear of its
+    /// last replicas) or evicted.
+    Remove {
+        /// Storage key.
+        key: Vec<u8>,
+        /// When (master clock, ms).
+        at_ms: u64,
+        /// By eviction rather than by a client.
+        evicted: bool,
+    },
+    /// The replicas of an object on one segment dropped (a replica clear naming the segment,
+    /// the sweep of a segment that went away); the object goes when none is left.
+    DropReplicas {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The segment.
+        segment: SegmentId,
+    },
+    /// A segment mounted for `client`, with ranges reserved from the start (ranges an earlier
+    /// incarnation's writers may still write: offset, bytes, release time).
+    Mount {
+        /// The owner.
+        client: ClientId,
+        /// As the owner described it.
+        desc: SegmentDesc,
+        /// Reserved ranges: offset, bytes, until (master clock, ms).
+        reserved: Vec<(u64, u64, u64)>,
+    },
+    /// A segment unmounted (by its owner, an admin, or its owner's expiry): its replicas die.
+    Unmount {
+        /// The segment.
+        segment: SegmentId,
+    },
+}
+
+/// Consecutive records of one group's log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordBatch {
+    /// The group's rank.
+    pub group: u32,
+    /// The ownership epoch the records were committed under.
+    pub epoch: u64,
+    /// Sequence number of the first record (the first record of a log is 1).
+    pub first_seq: u64,
+    /// The records, numbered `first_seq` on.
+    pub records: Vec<Record>,
+}
+
+/// Why bytes are not a batch this reader can apply.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RecordError {
+    /// The envelope is damaged or of another kind or version.
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    /// The envelope is sound but its payload is not a batch of this version.
+    #[error("malformed record batch: {0}")]
+    Malformed(String),
+    /// An empty batch, or a first sequence number of 0.
+    #[error("record batch numbering is invalid (first {first_seq}, {count} records)")]
+    Numbering {
+        /// First sequence number stated.
+        first_seq: u64,
+        /// Records in the batch.
+        count: usize,
+    },
+}
+
+impl RecordBatch {
+    /// Sequence number of the last record.
+    pub fn last_seq(&self) -> u64 {
+        self.first_seq + self.records.len() as u64 - 1
+    }
+
+    /// The batch sealed for storage.
+    pub fn encode(&self) -> Vec<u8> {
+        let payload = postcard::to_stdvec(self).expect("records always serialize");
+        envelope::seal(RecordKind::OpLogBatch, RECORD_VERSION, &payload)
+    }
+
+    /// Opens a stored batch; refuses newer layouts, damage, and invalid numbering.
+    pub fn decode(bytes: &[u8]) -> Result<RecordBatch, RecordError> {
+        let (_version, payload) = envelope::open(RecordKind::OpLogBatch, RECORD_VERSION, bytes)?;
+        let batch: RecordBatch = postcard::from_bytes(payload).map_err(|e| RecordError::Malformed(e.to_string()))?;
+        let count = batch.records.len();
+        if count == 0 || batch.first_seq == 0 || batch.first_seq.checked_add(count as u64).is_none() {
+            return Err(RecordError::Numbering { first_seq: batch.first_seq, count });
+        }
+        Ok(batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> RecordBatch {
+        let range = RangeRec { segment: SegmentId(7), incarnation: 2, offset: 4096, reserved: 8192, len: 5000, gen: 9 };
+        RecordBatch {
+            group: 3,
+            epoch: 12,
+            first_seq: 41,
+            records: vec![
+                Record::Mount {
+                    client: ClientId(5),
+                    desc: SegmentDesc {
+                        id: SegmentId(7),
+                        name: "seg".into(),
+                        base: 0,
+                        size: 1 << 30,
+                        endpoint: "127.0.0.1:9".into(),
+                        host: "h".into(),
+                        incarnation: 2,
+                    },
+                    reserved: vec![(0, 4096, 77)],
+                },
+                Record::WriteStart {
+                    key: b"\x01tkey".to_vec(),
+                    upsert: false,
+                    writer: ClientId(5),
+                    write_id: 99,
+                    started_ms: 1000,
+                    size: 5000,
+                    pins: PinsRec { soft_pin_ttl_ms: Some(60_000), preserve_soft_pin: false, hard_pin: true },
+                    replicas: vec![range],
+                },
+                Record::WriteEnd { key: b"\x01tkey".to_vec(), writer: ClientId(5), write_id: 99, at_ms: 1005 },
+                Record::WriteRevoke { key: b"k".to_vec(), writer: ClientId(5), write_id: 3 },
+                Record::WriteDrop { key: b"k".to_vec(), writer: ClientId(6), write_id: 4, release_at_ms: 9 },
+                Record::Remove { key: b"\x01tkey".to_vec(), at_ms: 2000, evicted: true },
+                Record::DropReplicas { key: b"k".to_vec(), segment: SegmentId(7) },
+                Record::Unmount { segment: SegmentId(7) },
+            ],
+        }
+    }
+
+    #[test]
+    fn a_batch_survives_encoding() {
+        let b = sample();
+        assert_eq!(b.last_seq(), 48);
+        assert_eq!(RecordBatch::decode(&b.encode()), Ok(b));
+    }
+
+    #[test]
+    fn newer_layouts_and_damage_are_refused() {
+        let b = sample();
+        let payload = postcard::to_stdvec(&b).unwrap();
+        let newer = envelope::seal(RecordKind::OpLogBatch, RECORD_VERSION + 1, &payload);
+        assert!(matches!(
+            RecordBatch::decode(&newer),
+            Err(RecordError::Envelope(EnvelopeError::UnknownVersion { .. }))
+        ));
+        let mut damaged = b.encode();
+        let last = damaged.len() - 1;
+        damaged[last] ^= 0x40;
+        assert!(matches!(RecordBatch::decode(&damaged), Err(RecordError::Envelope(EnvelopeError::Checksum { .. }))));
+        let snapshot = envelope::seal(RecordKind::SnapshotChunk, RECORD_VERSION, &payload);
+        assert!(matches!(RecordBatch::decode(&snapshot), Err(RecordError::Envelope(EnvelopeError::WrongKind { .. }))));
+    }
+
+    #[test]
+    fn sound_envelopes_around_bad_payloads_are_refused() {
+        let garbage = envelope::seal(RecordKind::OpLogBatch, RECORD_VERSION, &[0xff; 40]);
+        assert!(matches!(RecordBatch::decode(&garbage), Err(RecordError::Malformed(_))));
+        for bad in [RecordBatch { records: Vec::new(), ..sample() }, RecordBatch { first_seq: 0, ..sample() }] {
+            assert!(matches!(RecordBatch::decode(&bad.encode()), Err(RecordError::Numbering { .. })));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_arbitrary_payloads_never_panics(payload in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let sealed = envelope::seal(RecordKind::OpLogBatch, RECORD_VERSION, &payload);
+            let _ = RecordBatch::decode(&sealed);
+            let _ = RecordBatch::decode(&payload);
+        }
+    }
+}
