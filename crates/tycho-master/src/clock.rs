@@ -8,7 +8,16 @@ use std::time::Instant;
 pub trait Clock: Send + Sync + 'static {
     /// Current time in milliseconds.
     fn now_ms(&self) -> u64;
+
+    /// Where this timeline sits on the Unix one: Unix milliseconds at `now_ms() == 0`. Times
+    /// that leave the master (log records, which another master replays) are Unix times; each
+    /// master converts them with its own offset, read once.
+    fn unix_offset_ms(&self) -> u64;
 }
+
+/// The Unix time a [`ManualClock`]'s zero stands for, the same for every manual clock, so that
+/// masters of one test agree on record times exactly.
+pub const MANUAL_UNIX_OFFSET_MS: u64 = 1_700_000_000_000;
 
 /// Monotonic wall time, counted from the clock's creation.
 pub struct SystemClock {
@@ -32,6 +41,12 @@ impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64 + 1
     }
+
+    fn unix_offset_ms(&self) -> u64 {
+        let age = self.start.elapsed();
+        let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        (unix.saturating_sub(age).as_millis() as u64).saturating_sub(1)
+    }
 }
 
 /// A clock that moves only when told to.
@@ -54,5 +69,9 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
         self.now.load(Ordering::SeqCst)
+    }
+
+    fn unix_offset_ms(&self) -> u64 {
+        MANUAL_UNIX_OFFSET_MS
     }
 }

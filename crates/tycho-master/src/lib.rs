@@ -24,13 +24,13 @@ pub use admin::{
     probe_target, start_admin, AdminConfig, AdminHandle, ProbeConfig, ProbeState, DEFAULT_PROBE_INTERVAL,
     DEFAULT_PROBE_TIMEOUT,
 };
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, MANUAL_UNIX_OFFSET_MS};
 pub use config::*;
 pub use evict::{RoundRequest, EVICTION_WAIT};
 pub use health::HEALTH_CHECK_BUDGET;
 pub use master::{
-    Counters, Master, ObjectGauges, WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS,
-    STALL_MS,
+    Counters, Master, ObjectGauges, ReplayError, WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN,
+    RESPONSIVE_INTERVAL_MS, STALL_MS,
 };
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;

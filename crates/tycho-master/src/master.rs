@@ -15,9 +15,13 @@ use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partitio
 use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
-use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap, Shards};
+use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
+use crate::record::{Record, RecordSink};
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
 use tycho_proto::auth::capability::{tenant_tag, unix_ms, RIGHT_READ, RIGHT_WRITE};
+
+mod apply;
+pub use apply::ReplayError;
 
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +101,8 @@ struct Routed {
 pub struct Master {
     cfg: MasterConfig,
     clock: Arc<dyn Clock>,
+    /// Unix milliseconds at master clock 0 (record times are Unix times).
+    unix_offset: u64,
     instance: u64,
     epoch: AtomicU64,
     owned_ranks: Vec<bool>,
@@ -124,6 +130,8 @@ pub struct Master {
     /// When housekeeping last found the master stalled: clients get a full TTL from then on to
     /// ping again, since their pings may have waited behind the stall.
     stalled_at: AtomicU64,
+    /// Where the records of this master's mutations go (an OpLog writer), if anywhere.
+    sink: std::sync::OnceLock<Arc<dyn RecordSink>>,
     /// Background-work counters.
     pub counters: Counters,
 }
@@ -137,6 +145,7 @@ impl Master {
             epoch: AtomicU64::new(cfg.group_epoch),
             owned_ranks: vec![true; groups],
             cfg,
+            unix_offset: clock.unix_offset_ms(),
             clock,
             instance: rand::random(),
             shards: Shards::default(),
@@ -149,6 +158,7 @@ impl Master {
             tombstones: (0..crate::object::SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
+            sink: std::sync::OnceLock::new(),
             counters: Counters::default(),
         }
     }
@@ -293,7 +303,8 @@ impl Master {
         // anything is allocated in the new incarnation.
         if let Some(old) = self.segments.get(id) {
             if old.client == client && old.desc.incarnation < desc.incarnation {
-                self.segments.unmount(id);
+                self.log(|| Record::Unmount { segment: id });
+                self.apply_unmount(id);
             }
         }
         if self.segments.was_unmounted(id) {
@@ -312,22 +323,15 @@ impl Master {
             list.retain(|&(_, _, until)| until > now);
             list
         };
-        let reservations: Vec<(u64, u64)> = carried.iter().map(|&(o, l, _)| (o, l)).collect();
-        let (seg, reserved, replaced) = self.segments.mount(client, desc, &reservations)?;
-        for (alloc, &(_, _, until)) in reserved.into_iter().zip(&carried) {
-            if let Some(alloc) = alloc {
-                self.defer(vec![Replica::new(seg.clone(), alloc)], until, now);
-            }
-        }
-        if replaced {
+        let logged = desc.clone();
+        let accepted = || {
+            let reserved = carried.iter().map(|&(o, l, until)| (o, l, self.unix_time(until))).collect();
+            self.log(|| Record::Mount { client, desc: logged, reserved })
+        };
+        if self.apply_mount(client, desc, &carried, now, accepted)? {
             self.sweep_dead_segments();
         }
-        let entry = self.register_client(client);
-        entry.host.lock().get_or_insert(host);
-        let mut segs = entry.segments.lock();
-        if !segs.contains(&id) {
-            segs.push(id);
-        }
+        self.register_client(client).host.lock().get_or_insert(host);
         Ok(())
     }
 
@@ -381,10 +385,8 @@ impl Master {
             Some(seg) if seg.client != client => return Err(ErrorCode::ILLEGAL_CLIENT),
             Some(_) => {}
         }
-        self.segments.unmount(id);
-        if let Some(c) = self.clients.read().get(&client) {
-            c.segments.lock().retain(|s| *s != id);
-        }
+        self.log(|| Record::Unmount { segment: id });
+        self.apply_unmount(id);
         self.sweep_dead_segments();
         Ok(())
     }
@@ -490,62 +492,51 @@ impl Master {
         if replicas.iter().any(|r| !r.seg.is_alive()) {
             return Err((ErrorCode::NO_AVAILABLE_HANDLE, replicas));
         }
-        let pending = PendingWrite {
-            writer,
-            write_id,
-            started_ms: now,
-            size,
-            replicas,
-            pins,
-            slot: PendingSlot::take(pending_count),
-        };
-        match map.get_mut(&key) {
-            None => {
-                map.insert(
-                    key,
-                    ObjectMeta {
-                        size,
-                        replicas: Vec::new(),
-                        pending: Some(pending),
-                        lease_until: AtomicU64::new(0),
-                        soft_pin_until: 0,
-                        hard_pin: false,
-                        writer,
-                        version: 0,
-                        replaced: Vec::new(),
-                    },
-                );
-                Ok(())
+        if let Some(obj) = map.get(&key) {
+            if mode == WriteMode::Put && obj.is_complete() {
+                return Err((ErrorCode::OBJECT_ALREADY_EXISTS, replicas));
             }
-            Some(obj) => {
-                if mode == WriteMode::Put && obj.is_complete() {
-                    return Err((ErrorCode::OBJECT_ALREADY_EXISTS, pending.replicas));
+            if let Some(old) = &obj.pending {
+                if old.writer == writer && old.write_id == write_id {
+                    // A retried start that raced its first attempt: that one stands.
+                    return Err((ErrorCode::INVALID_WRITE, replicas));
                 }
-                if let Some(old) = &obj.pending {
-                    if old.writer == writer && old.write_id == write_id {
-                        // A retried start that raced its first attempt: that one stands.
-                        return Err((ErrorCode::INVALID_WRITE, pending.replicas));
-                    }
-                    if !self.is_stale(old, now) {
-                        // A put loses to the write in progress as Mooncake's does; an upsert is
-                        // told to come back once it has finished.
-                        let code = if mode == WriteMode::Put {
-                            ErrorCode::OBJECT_ALREADY_EXISTS
-                        } else {
-                            ErrorCode::REPLICA_IS_NOT_READY
-                        };
-                        return Err((code, pending.replicas));
-                    }
-                    // Pre-empt the stale write. Its writer may still be copying into its
-                    // ranges, so they stay reserved until the release timeout.
-                    let old = obj.pending.take().expect("checked above");
-                    self.counters.writes_discarded.fetch_add(1, Ordering::Relaxed);
-                    self.defer(old.replicas, old.started_ms + self.cfg.put_start_release_timeout_ms, now);
+                if !self.is_stale(old, now) {
+                    // A put loses to the write in progress as Mooncake's does; an upsert is
+                    // told to come back once it has finished.
+                    let code = if mode == WriteMode::Put {
+                        ErrorCode::OBJECT_ALREADY_EXISTS
+                    } else {
+                        ErrorCode::REPLICA_IS_NOT_READY
+                    };
+                    return Err((code, replicas));
                 }
-                obj.pending = Some(pending);
-                Ok(())
+                // Pre-empt the stale write. Its writer may still be copying into its ranges,
+                // so they stay reserved until the release timeout.
+                let (old_writer, old_id) = (old.writer, old.write_id);
+                let release_at = old.started_ms + self.cfg.put_start_release_timeout_ms;
+                self.log(|| Record::WriteDrop {
+                    key: key.to_vec(),
+                    writer: old_writer,
+                    write_id: old_id,
+                    release_at_ms: self.unix_time(release_at),
+                });
+                self.apply_write_cancel(map, &key, Some(release_at), now);
+                self.counters.writes_discarded.fetch_add(1, Ordering::Relaxed);
             }
         }
+        self.log(|| Record::WriteStart {
+            key: key.to_vec(),
+            upsert: mode == WriteMode::Upsert,
+            writer,
+            write_id,
+            started_ms: self.unix_time(now),
+            size,
+            pins: pins.into(),
+            replicas: replicas.iter().map(apply::range_rec).collect(),
+        });
+        self.apply_write_start(map, key, writer, write_id, now, size, pins, replicas, pending_count);
+        Ok(())
     }
 
     /// PutStart / UpsertStart; a start that finds no room waits for one eviction round.
@@ -704,7 +695,7 @@ impl Master {
         write_id: u64,
         now: u64,
     ) -> WireResult<Vec<ReplicaDesc>> {
-        let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
+        let obj = map.get(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let ours = obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id);
         if !ours {
             // A retried end of a write that already committed is harmless.
@@ -712,28 +703,11 @@ impl Master {
             let done = obj.is_complete() && obj.writer == client && obj.version == write_id;
             return if done { Ok(obj.replaced.clone()) } else { Err(ErrorCode::WRITE_DROPPED) };
         }
-        let p = obj.pending.take().expect("checked above");
-        let mut replicas = p.replicas;
-        replicas.retain(|r| r.seg.is_alive());
-        if replicas.is_empty() {
-            // Every segment written to died meanwhile: nothing to commit.
-            if !obj.is_complete() {
-                map.remove(key);
-            }
-            return Err(ErrorCode::REPLICA_IS_GONE);
-        }
-        let old = std::mem::replace(&mut obj.replicas, replicas);
-        obj.writer = client;
-        obj.version = write_id;
-        obj.hard_pin = p.pins.hard_pin;
-        if !p.pins.preserve_soft_pin {
-            obj.soft_pin_until = p.pins.soft_pin_ttl_ms.map_or(0, |ttl| now + ttl);
-        }
+        self.log(|| Record::WriteEnd { key: key.to_vec(), writer: client, write_id, at_ms: self.unix_time(now) });
+        let (old, old_size) = self.apply_write_end(map, key, now)?;
         // Readers still copying the old value find its generations changed once the space is
         // reused (or retired by the writer), and read again: the old value's space is free at
         // once.
-        let old_size = obj.size;
-        obj.size = p.size;
         let grant = if old.is_empty() {
             Grant::default()
         } else {
@@ -748,25 +722,24 @@ impl Master {
                 replaced.extend(t.ranges);
             }
         }
-        obj.replaced.clone_from(&replaced);
+        if let Some(obj) = map.get_mut(key) {
+            obj.replaced.clone_from(&replaced);
+        }
         Ok(replaced)
     }
 
     /// Revokes the write `(client, write_id)` of `key`; a write that is not pending (never
     /// started, or dropped already) answers WRITE_DROPPED and changes nothing.
     fn revoke(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, write_id: u64) -> WireResult<()> {
-        let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+        let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
         match &obj.pending {
             Some(p) if p.writer == client && p.write_id == write_id => {}
             _ if obj.writer == client && obj.version == write_id => return Err(ErrorCode::INVALID_WRITE),
             _ => return Err(ErrorCode::WRITE_DROPPED),
         }
-        let p = obj.pending.take().expect("checked above");
         // The writer says it stopped writing: its ranges are free at once.
-        p.replicas.into_iter().for_each(Replica::release);
-        if !obj.is_complete() {
-            map.remove(key);
-        }
+        self.log(|| Record::WriteRevoke { key: key.to_vec(), writer: client, write_id });
+        self.apply_write_cancel(map, key, None, self.now());
         Ok(())
     }
 
@@ -939,9 +912,9 @@ impl Master {
                 return Err(ErrorCode::OBJECT_HAS_LEASE);
             }
         }
-        let obj = map.remove(key).expect("present");
         if obj.is_leased(now) {
-            // Retired by the key's next writer, at the latest when the lease ends.
+            // Retired by the key's next writer, at the latest when the lease ends. (Leases are
+            // not logged: a new primary grants fresh ones, and so keeps no tombstones.)
             let ttl = obj.lease().saturating_sub(now) + self.cfg.put_start_discard_timeout_ms;
             let grant = self.grant(RIGHT_WRITE, ttl, key);
             let ranges: Vec<ReplicaDesc> = obj
@@ -958,7 +931,8 @@ impl Master {
                 entry.ranges.extend(ranges);
             }
         }
-        self.dispose(obj, now);
+        self.log(|| Record::Remove { key: key.to_vec(), at_ms: self.unix_time(now), evicted: false });
+        self.apply_remove(map, key, now);
         self.counters.objects_removed.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -1003,19 +977,22 @@ impl Master {
                 return Err(ErrorCode::OBJECT_HAS_LEASE);
             }
             if !req.segment.is_empty() {
-                let (gone, kept): (Vec<Replica>, Vec<Replica>) =
-                    std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.name == req.segment);
-                obj.replicas = kept;
+                let mut gone: Vec<SegmentId> =
+                    obj.replicas.iter().filter(|r| r.seg.desc.name == req.segment).map(|r| r.seg.desc.id).collect();
                 if gone.is_empty() {
                     return Err(ErrorCode::REPLICA_NOT_FOUND);
                 }
-                gone.into_iter().for_each(Replica::release);
-                if obj.is_complete() {
+                if gone.len() < obj.replicas.len() {
+                    gone.dedup();
+                    for segment in gone {
+                        self.log(|| Record::DropReplicas { key: key.to_vec(), segment });
+                        self.apply_drop_replicas(map, key, segment, now);
+                    }
                     return Ok(());
                 }
             }
-            let obj = map.remove(key).expect("present");
-            self.dispose(obj, now);
+            self.log(|| Record::Remove { key: key.to_vec(), at_ms: self.unix_time(now), evicted: false });
+            self.apply_remove(map, key, now);
             self.counters.objects_removed.fetch_add(1, Ordering::Relaxed);
             Ok(())
         })
@@ -1243,8 +1220,10 @@ impl Master {
             if let Some(entry) = entry {
                 self.counters.clients_expired.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(client = %id, "client expired; unmounting its segments");
-                for seg in entry.segments.lock().drain(..) {
-                    self.segments.unmount(seg);
+                let segments: Vec<SegmentId> = entry.segments.lock().drain(..).collect();
+                for segment in segments {
+                    self.log(|| Record::Unmount { segment });
+                    self.apply_unmount(segment);
                 }
             }
         }
@@ -1260,30 +1239,25 @@ impl Master {
                 shard.read().iter().filter(|(_, o)| o.touches_dead_segment()).map(|(k, _)| k.clone()).collect();
             for chunk in keys.chunks(SWEEP_BATCH) {
                 let mut map = shard.write();
+                let now = self.now();
                 for k in chunk {
-                    let Some(obj) = map.get_mut(k) else { continue };
-                    let before = obj.replicas.len();
-                    obj.replicas.retain(|r| r.seg.is_alive());
-                    let mut dropped = before - obj.replicas.len();
-                    if let Some(p) = &mut obj.pending {
-                        let n = p.replicas.len();
-                        let until = p.started_ms + self.cfg.put_start_release_timeout_ms;
-                        for r in p.replicas.iter().filter(|r| !r.seg.is_alive()) {
-                            self.orphaned.lock().entry(r.seg.desc.id).or_default().push((
-                                r.alloc.offset,
-                                r.alloc.reserved,
-                                until,
-                            ));
-                        }
-                        p.replicas.retain(|r| r.seg.is_alive());
-                        dropped += n - p.replicas.len();
-                        if p.replicas.is_empty() {
-                            obj.pending = None;
-                        }
+                    let Some(obj) = map.get(k) else { continue };
+                    let mut dead: Vec<SegmentId> = obj
+                        .replicas
+                        .iter()
+                        .chain(obj.pending.iter().flat_map(|p| p.replicas.iter()))
+                        .filter(|r| !r.seg.is_alive())
+                        .map(|r| r.seg.desc.id)
+                        .collect();
+                    dead.sort_unstable();
+                    dead.dedup();
+                    let mut dropped = 0;
+                    for segment in dead {
+                        self.log(|| Record::DropReplicas { key: k.to_vec(), segment });
+                        dropped += self.apply_drop_replicas(&mut map, k, segment, now);
                     }
                     self.counters.sweep_replicas_dropped.fetch_add(dropped as u64, Ordering::Relaxed);
-                    if obj.replicas.is_empty() && obj.pending.is_none() {
-                        map.remove(k);
+                    if !map.contains_key(k) {
                         self.counters.sweep_objects_removed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -1333,12 +1307,12 @@ impl Master {
                     if !stale(obj) {
                         continue;
                     }
-                    let p = obj.pending.take().expect("stale implies pending");
-                    p.replicas.into_iter().for_each(Replica::release);
+                    let p = obj.pending.as_ref().expect("stale implies pending");
+                    let (writer, write_id, release_at) = (p.writer, p.write_id, p.started_ms + release);
+                    let release_at_ms = self.unix_time(release_at);
+                    self.log(|| Record::WriteDrop { key: k.to_vec(), writer, write_id, release_at_ms });
+                    self.apply_write_cancel(&mut map, k, Some(release_at), now);
                     self.counters.writes_released.fetch_add(1, Ordering::Relaxed);
-                    if !obj.is_complete() {
-                        map.remove(k);
-                    }
                 }
             }
         }
@@ -1402,10 +1376,11 @@ impl Master {
                         .get(k)
                         .is_some_and(|o| o.is_complete() && o.pending.is_none() && !o.hard_pin && !o.is_leased(now));
                     if ok {
-                        let obj = map.remove(k).expect("present");
-                        bytes += obj.size * obj.replicas.len() as u64;
-                        objects += 1;
-                        self.dispose(obj, now);
+                        self.log(|| Record::Remove { key: k.to_vec(), at_ms: self.unix_time(now), evicted: true });
+                        if let Some((size, replicas)) = self.apply_remove(&mut map, k, now) {
+                            bytes += size * replicas as u64;
+                            objects += 1;
+                        }
                     }
                 }
             }

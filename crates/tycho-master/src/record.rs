@@ -30,7 +30,7 @@ pub struct RangeRec {
     /// The segment.
     pub segment: SegmentId,
     /// Its mount incarnation.
-    pub incarnation: u64,
+    pub incarnation: u32,
     /// Byte offset inside the segment.
     pub offset: u64,
     /// Bytes reserved (rounded up to the segment's block size).
@@ -65,7 +65,8 @@ impl From<PinsRec> for Pins {
 }
 
 /// One durable mutation of a group. Keys are storage keys (tenant and key,
-/// `tycho_routing::encode_object_key`).
+/// `tycho_routing::encode_object_key`); times are Unix milliseconds (each master converts them
+/// to and from its own monotonic clock).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Record {
     /// A write started (PutStart / UpsertStart): its ranges are reserved for its writer, so
@@ -79,7 +80,7 @@ pub enum Record {
         writer: ClientId,
         /// The writer's id for this write.
         write_id: u64,
-        /// When it started (master clock, ms).
+        /// When it started (Unix ms).
         started_ms: u64,
         /// Size of the value.
         size: u64,
@@ -96,7 +97,7 @@ pub enum Record {
         writer: ClientId,
         /// The writer's id for this write.
         write_id: u64,
-        /// When it committed (master clock, ms): soft pins count from here.
+        /// When it committed (Unix ms): soft pins count from here.
         at_ms: u64,
     },
     /// The writer revoked its write: its ranges are free.
@@ -118,7 +119,7 @@ pub enum Record {
         writer: ClientId,
         /// The writer's id for this write.
         write_id: u64,
-        /// When its ranges may be reused (master clock, ms).
+        /// When its ranges may be reused (Unix ms).
         release_at_ms: u64,
     },
     /// An object removed (Remove and its batch, regex and all forms, a replica clear of its
@@ -126,7 +127,7 @@ pub enum Record {
     Remove {
         /// Storage key.
         key: Vec<u8>,
-        /// When (master clock, ms).
+        /// When (Unix ms).
         at_ms: u64,
         /// By eviction rather than by a client.
         evicted: bool,
@@ -146,7 +147,7 @@ pub enum Record {
         client: ClientId,
         /// As the owner described it.
         desc: SegmentDesc,
-        /// Reserved ranges: offset, bytes, until (master clock, ms).
+        /// Reserved ranges: offset, bytes, until (Unix ms).
         reserved: Vec<(u64, u64, u64)>,
     },
     /// A segment unmounted (by its owner, an admin, or its owner's expiry): its replicas die.
@@ -154,6 +155,14 @@ pub enum Record {
         /// The segment.
         segment: SegmentId,
     },
+}
+
+/// Where a primary's records go, in the order it applies them: the group's OpLog writer, or a
+/// test's recorder. `append` is called under the lock of the key's shard, so it must not block
+/// on anything that takes a shard lock.
+pub trait RecordSink: Send + Sync {
+    /// Takes the next record.
+    fn append(&self, rec: Record);
 }
 
 /// Consecutive records of one group's log.

@@ -135,6 +135,26 @@ impl MountedSegment {
         Some(SegAlloc { offset, reserved, len, gen: self.gen() })
     }
 
+    /// Reserves exactly the range a log record names, under the generation it names (a
+    /// standby or an import replaying the primary's allocation). `None` if any of it is taken,
+    /// the rounding differs, or the segment is dead.
+    pub fn reserve_as(&self, offset: u64, reserved: u64, len: u64, gen: u32) -> Option<SegAlloc> {
+        if !self.is_alive() || gen == 0 {
+            return None;
+        }
+        let mut alloc = self.alloc.lock();
+        if alloc.rounded(len) != Some(reserved) {
+            return None;
+        }
+        alloc.reserve(offset, len)?;
+        drop(alloc);
+        self.used.fetch_add(reserved, Ordering::Relaxed);
+        self.stored.fetch_add(len, Ordering::Relaxed);
+        // Later allocations on this master get generations after it.
+        self.next_gen.fetch_max(gen.wrapping_add(1).max(1), Ordering::Relaxed);
+        Some(SegAlloc { offset, reserved, len, gen })
+    }
+
     /// Returns a range to the allocator. A dead segment's allocator is gone with it.
     pub fn free(&self, a: SegAlloc) {
         if !self.is_alive() {
@@ -279,6 +299,20 @@ impl SegmentTable {
         desc: SegmentDesc,
         reserve: &[(u64, u64)],
     ) -> WireResult<(Arc<MountedSegment>, Vec<Option<SegAlloc>>, bool)> {
+        self.mount_then(client, desc, reserve, || {})
+    }
+
+    /// [`SegmentTable::mount`], calling `accepted` once the mount is certain to happen and before
+    /// anyone can allocate in it (the primary logs its record there, so that no write on the
+    /// segment is logged before its mount). A mount that changes nothing does not call it.
+    #[allow(clippy::type_complexity)]
+    pub fn mount_then(
+        &self,
+        client: ClientId,
+        desc: SegmentDesc,
+        reserve: &[(u64, u64)],
+        accepted: impl FnOnce(),
+    ) -> WireResult<(Arc<MountedSegment>, Vec<Option<SegAlloc>>, bool)> {
         if desc.size == 0 || desc.base.checked_add(desc.size).is_none() || desc.endpoint.is_empty() {
             return Err(ErrorCode::INVALID_PARAMS);
         }
@@ -295,24 +329,27 @@ impl SegmentTable {
             {
                 return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
             }
+            replaced = true;
+        }
+        // Two segments served by one transfer server must not share bytes (the incarnation
+        // this one replaces shares them by definition).
+        let end = desc.base + desc.size;
+        if by_id.values().any(|s| {
+            s.desc.id != desc.id
+                && s.desc.endpoint == desc.endpoint
+                && s.desc.base < end
+                && desc.base < s.desc.base + s.desc.size
+        }) {
+            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+        }
+        if replaced {
             // Its owner remounts it (it was expired while this master still held the old
             // mount): the old incarnation dies with its replicas.
             let old = by_id.remove(&desc.id).expect("present");
             old.alive.store(false, Ordering::Release);
             self.retired.lock().insert(desc.id);
-            replaced = true;
         }
-        // Two segments served by one transfer server must not share bytes.
-        let end = desc.base + desc.size;
-        if by_id
-            .values()
-            .any(|s| s.desc.endpoint == desc.endpoint && s.desc.base < end && desc.base < s.desc.base + s.desc.size)
-        {
-            if replaced {
-                self.publish(&by_id);
-            }
-            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
-        }
+        accepted();
         let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref()));
         let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
         by_id.insert(seg.desc.id, seg.clone());

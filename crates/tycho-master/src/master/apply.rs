@@ -1,0 +1,348 @@
+//! The one path by which a group's metadata changes: each durable mutation is a [`Record`],
+//! and each kind of record has one function here that applies it. The primary calls them after
+//! its decision (with the record sent to the [`RecordSink`] first, when one is set); a standby
+//! replays the same records through [`Master::replay`], which calls the same functions.
+//!
+//! Applying decides nothing: a record that does not fit the state it is applied to (a commit of
+//! a write that is not pending, a range already taken) is a divergence, reported as a
+//! [`ReplayError`] so that a standby stops and rebootstraps instead of serving a guess.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use thiserror::Error;
+use tycho_proto::{ClientId, ErrorCode, SegmentId};
+use tycho_routing::partition_of_encoded;
+
+use super::Master;
+use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap, Shards};
+use crate::record::{RangeRec, Record, RecordSink};
+use crate::segment::Replica;
+
+/// Why a record could not be replayed: the replaying state has diverged from the primary's.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ReplayError {
+    /// The record names a write that is not the one pending on its key.
+    #[error("record {0} names a write that is not pending")]
+    NoSuchWrite(&'static str),
+    /// The record names an object that does not exist.
+    #[error("record {0} names an object that does not exist")]
+    NoSuchObject(&'static str),
+    /// A range the record reserves is not free, or its segment is not mounted.
+    #[error("cannot reserve {segment} at {offset}: {why}")]
+    Range {
+        /// The segment.
+        segment: SegmentId,
+        /// Offset of the range.
+        offset: u64,
+        /// What is wrong.
+        why: &'static str,
+    },
+    /// A mount the primary made is refused here.
+    #[error("mount of {0} refused: {1:?}")]
+    Mount(SegmentId, ErrorCode),
+}
+
+/// The record of a replica's range.
+pub(super) fn range_rec(r: &Replica) -> RangeRec {
+    RangeRec {
+        segment: r.seg.desc.id,
+        incarnation: r.seg.desc.incarnation,
+        offset: r.alloc.offset,
+        reserved: r.alloc.reserved,
+        len: r.alloc.len,
+        gen: r.alloc.gen,
+    }
+}
+
+impl Master {
+    /// Sends every record this master applies as a primary to `sink`, in the order applied
+    /// (records of one key in the order of its shard lock). Set once, before serving; false if
+    /// one was set already.
+    pub fn set_record_sink(&self, sink: Arc<dyn RecordSink>) -> bool {
+        self.sink.set(sink).is_ok()
+    }
+
+    /// A master clock time as the Unix time records carry.
+    pub(super) fn unix_time(&self, t: u64) -> u64 {
+        t.saturating_add(self.unix_offset)
+    }
+
+    /// A record's Unix time on this master's clock (0 if before its zero).
+    fn local_time(&self, unix: u64) -> u64 {
+        unix.saturating_sub(self.unix_offset)
+    }
+
+    /// Hands the record `make` builds to the sink, if there is one (it is built only then).
+    pub(super) fn log(&self, make: impl FnOnce() -> Record) {
+        if let Some(s) = self.sink.get() {
+            s.append(make());
+        }
+    }
+
+    /// A write starts: `replicas` (reserved already) are its ranges.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn apply_write_start(
+        &self,
+        map: &mut ShardMap,
+        key: ObjectKey,
+        writer: ClientId,
+        write_id: u64,
+        started_ms: u64,
+        size: u64,
+        pins: Pins,
+        replicas: Vec<Replica>,
+        pending_count: &Arc<AtomicU64>,
+    ) {
+        let slot = PendingSlot::take(pending_count);
+        let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot };
+        match map.get_mut(&key) {
+            Some(obj) => obj.pending = Some(pending),
+            None => {
+                map.insert(
+                    key,
+                    ObjectMeta {
+                        size,
+                        replicas: Vec::new(),
+                        pending: Some(pending),
+                        lease_until: Default::default(),
+                        soft_pin_until: 0,
+                        hard_pin: false,
+                        writer,
+                        version: 0,
+                        replaced: Vec::new(),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The pending write of `key` commits at `at_ms`. Its replicas on segments that died meanwhile
+    /// are left out; with none left the write is gone (and so is the object, if it had no
+    /// value), answered as REPLICA_IS_GONE. Returns the replaced value's replicas and size, for
+    /// the caller to describe and release.
+    pub(super) fn apply_write_end(
+        &self,
+        map: &mut ShardMap,
+        key: &[u8],
+        at_ms: u64,
+    ) -> Result<(Vec<Replica>, u64), ErrorCode> {
+        let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
+        let p = obj.pending.take().ok_or(ErrorCode::WRITE_DROPPED)?;
+        let mut replicas = p.replicas;
+        replicas.retain(|r| r.seg.is_alive());
+        if replicas.is_empty() {
+            if !obj.is_complete() {
+                map.remove(key);
+            }
+            return Err(ErrorCode::REPLICA_IS_GONE);
+        }
+        let old = std::mem::replace(&mut obj.replicas, replicas);
+        obj.writer = p.writer;
+        obj.version = p.write_id;
+        obj.hard_pin = p.pins.hard_pin;
+        if !p.pins.preserve_soft_pin {
+            obj.soft_pin_until = p.pins.soft_pin_ttl_ms.map_or(0, |ttl| at_ms + ttl);
+        }
+        let old_size = std::mem::replace(&mut obj.size, p.size);
+        Ok((old, old_size))
+    }
+
+    /// The pending write of `key` ends without a value: revoked by its writer (`release_at`
+    /// `None`: its ranges are free at once) or dropped without its word (its ranges stay
+    /// reserved until `release_at`). An object that had no value goes with it.
+    pub(super) fn apply_write_cancel(&self, map: &mut ShardMap, key: &[u8], release_at: Option<u64>, now: u64) -> bool {
+        let Some(obj) = map.get_mut(key) else { return false };
+        let Some(p) = obj.pending.take() else { return false };
+        match release_at {
+            None => p.replicas.into_iter().for_each(Replica::release),
+            Some(at) => self.defer(p.replicas, at, now),
+        }
+        if !obj.is_complete() {
+            map.remove(key);
+        }
+        true
+    }
+
+    /// `key` is removed (by a client or by eviction): its value's ranges are free at once
+    /// (readers check generations); an unfinished write's stay reserved until its release
+    /// timeout. Returns the object, already disposed of, for the caller's accounting.
+    pub(super) fn apply_remove(&self, map: &mut ShardMap, key: &[u8], now: u64) -> Option<(u64, usize)> {
+        let obj = map.remove(key)?;
+        let figures = (obj.size, obj.replicas.len());
+        self.dispose(obj, now);
+        Some(figures)
+    }
+
+    /// The replicas of `key` on `segment` are dropped: a committed one's range is freed (a no-op
+    /// on a dead segment), an unfinished write's is kept reserved until its release timeout
+    /// (as an orphaned range if its segment died). The object goes when nothing is left.
+    /// Returns how many replicas were dropped.
+    pub(super) fn apply_drop_replicas(&self, map: &mut ShardMap, key: &[u8], segment: SegmentId, now: u64) -> usize {
+        let Some(obj) = map.get_mut(key) else { return 0 };
+        let (gone, kept): (Vec<Replica>, Vec<Replica>) =
+            std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.id == segment);
+        obj.replicas = kept;
+        let mut dropped = gone.len();
+        gone.into_iter().for_each(Replica::release);
+        if let Some(p) = &mut obj.pending {
+            let until = p.started_ms + self.cfg.put_start_release_timeout_ms;
+            let (gone, kept): (Vec<Replica>, Vec<Replica>) =
+                std::mem::take(&mut p.replicas).into_iter().partition(|r| r.seg.desc.id == segment);
+            p.replicas = kept;
+            dropped += gone.len();
+            for r in gone {
+                if r.seg.is_alive() {
+                    self.defer(vec![r], until, now);
+                } else {
+                    self.orphaned.lock().entry(r.seg.desc.id).or_default().push((
+                        r.alloc.offset,
+                        r.alloc.reserved,
+                        until,
+                    ));
+                }
+            }
+            if p.replicas.is_empty() {
+                obj.pending = None;
+            }
+        }
+        if obj.replicas.is_empty() && obj.pending.is_none() {
+            map.remove(key);
+        }
+        dropped
+    }
+
+    /// Replays one record of the primary's log on this master (a standby, or an import).
+    pub fn replay(&self, rec: &Record) -> Result<(), ReplayError> {
+        let now = self.now();
+        let shard_of = |key: &[u8]| self.shards.shard(Shards::index_of(partition_of_encoded(key)));
+        match rec {
+            Record::WriteStart { key, upsert: _, writer, write_id, started_ms, size, pins, replicas } => {
+                let mut reserved: Vec<Replica> = Vec::with_capacity(replicas.len());
+                for r in replicas {
+                    let fail = |why| ReplayError::Range { segment: r.segment, offset: r.offset, why };
+                    let got = match self.segments.get(r.segment) {
+                        None => Err(fail("segment not mounted")),
+                        Some(seg) if seg.desc.incarnation != r.incarnation => Err(fail("another incarnation")),
+                        Some(seg) => match seg.reserve_as(r.offset, r.reserved, r.len, r.gen) {
+                            Some(a) => Ok(Replica::new(seg, a)),
+                            None => Err(fail("range taken")),
+                        },
+                    };
+                    match got {
+                        Ok(rep) => reserved.push(rep),
+                        Err(e) => {
+                            reserved.into_iter().for_each(Replica::release);
+                            return Err(e);
+                        }
+                    }
+                }
+                let mut map = shard_of(key).write();
+                if map.get(key.as_slice()).is_some_and(|o| o.pending.is_some()) {
+                    drop(map);
+                    reserved.into_iter().for_each(Replica::release);
+                    return Err(ReplayError::NoSuchWrite("WriteStart over a pending write"));
+                }
+                let key: ObjectKey = key.clone().into_boxed_slice();
+                let count = self.register_client(*writer).pending.clone();
+                let pins = (*pins).into();
+                let started = self.local_time(*started_ms);
+                self.apply_write_start(&mut map, key, *writer, *write_id, started, *size, pins, reserved, &count);
+                Ok(())
+            }
+            Record::WriteEnd { key, writer, write_id, at_ms } => {
+                let mut map = shard_of(key).write();
+                check_pending(&map, key, *writer, *write_id, "WriteEnd")?;
+                // An error: every segment it wrote to died here too, and the write is gone.
+                if let Ok((old, _)) = self.apply_write_end(&mut map, key, self.local_time(*at_ms)) {
+                    old.into_iter().for_each(Replica::release);
+                }
+                Ok(())
+            }
+            Record::WriteRevoke { key, writer, write_id } => {
+                let mut map = shard_of(key).write();
+                check_pending(&map, key, *writer, *write_id, "WriteRevoke")?;
+                self.apply_write_cancel(&mut map, key, None, now);
+                Ok(())
+            }
+            Record::WriteDrop { key, writer, write_id, release_at_ms } => {
+                let mut map = shard_of(key).write();
+                check_pending(&map, key, *writer, *write_id, "WriteDrop")?;
+                self.apply_write_cancel(&mut map, key, Some(self.local_time(*release_at_ms)), now);
+                Ok(())
+            }
+            Record::Remove { key, at_ms: _, evicted: _ } => {
+                self.apply_remove(&mut shard_of(key).write(), key, now).ok_or(ReplayError::NoSuchObject("Remove"))?;
+                Ok(())
+            }
+            Record::DropReplicas { key, segment } => {
+                self.apply_drop_replicas(&mut shard_of(key).write(), key, *segment, now);
+                Ok(())
+            }
+            Record::Mount { client, desc, reserved } => {
+                let reserved: Vec<(u64, u64, u64)> =
+                    reserved.iter().map(|&(o, l, until)| (o, l, self.local_time(until))).collect();
+                self.apply_mount(*client, desc.clone(), &reserved, now, || {})
+                    .map_err(|e| ReplayError::Mount(desc.id, e))?;
+                Ok(())
+            }
+            Record::Unmount { segment } => {
+                self.apply_unmount(*segment);
+                Ok(())
+            }
+        }
+    }
+
+    /// A segment is mounted for `client` with `reserved` ranges (offset, bytes, until) taken
+    /// before anyone allocates; `accepted` runs once the mount is certain, before anyone can
+    /// allocate in it. Returns whether it replaced an earlier incarnation.
+    pub(super) fn apply_mount(
+        &self,
+        client: ClientId,
+        desc: tycho_proto::SegmentDesc,
+        reserved: &[(u64, u64, u64)],
+        now: u64,
+        accepted: impl FnOnce(),
+    ) -> Result<bool, ErrorCode> {
+        let id = desc.id;
+        let ranges: Vec<(u64, u64)> = reserved.iter().map(|&(o, l, _)| (o, l)).collect();
+        let (seg, got, replaced) = self.segments.mount_then(client, desc, &ranges, accepted)?;
+        for (alloc, &(_, _, until)) in got.into_iter().zip(reserved) {
+            if let Some(alloc) = alloc {
+                self.defer(vec![Replica::new(seg.clone(), alloc)], until, now);
+            }
+        }
+        let entry = self.register_client(client);
+        let mut segs = entry.segments.lock();
+        if !segs.contains(&id) {
+            segs.push(id);
+        }
+        Ok(replaced)
+    }
+
+    /// A segment is unmounted: it and every replica on it are dead from now on.
+    pub(super) fn apply_unmount(&self, id: SegmentId) {
+        if let Some(seg) = self.segments.unmount(id) {
+            if let Some(c) = self.clients.read().get(&seg.client) {
+                c.segments.lock().retain(|s| *s != id);
+            }
+        }
+    }
+}
+
+/// Checks that the write `(writer, write_id)` is the one pending on `key`.
+fn check_pending(
+    map: &ShardMap,
+    key: &[u8],
+    writer: ClientId,
+    write_id: u64,
+    what: &'static str,
+) -> Result<(), ReplayError> {
+    let ours =
+        map.get(key).and_then(|o| o.pending.as_ref()).is_some_and(|p| p.writer == writer && p.write_id == write_id);
+    if ours {
+        Ok(())
+    } else {
+        Err(ReplayError::NoSuchWrite(what))
+    }
+}
