@@ -12,6 +12,7 @@ mod health;
 mod master;
 mod metrics;
 mod object;
+pub mod oplog;
 pub mod record;
 mod rpc;
 mod segment;

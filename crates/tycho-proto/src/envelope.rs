@@ -1,5 +1,5 @@
-//! The envelope of every record Tycho persists or replicates (OpLog batches, snapshot chunks,
-//! ownership records): what it is, which version of its layout, its length and a checksum, so
+//! The envelope of every record Tycho persists or replicates (OpLog batches and their durable
+//! prefix, snapshot chunks, ownership records): what it is, which version of its layout, its length and a checksum, so
 //! that a reader refuses bytes it does not understand or that were damaged, instead of decoding
 //! them into something else.
 //!
@@ -31,6 +31,8 @@ pub enum RecordKind {
     SnapshotChunk = 2,
     /// A group's ownership record.
     Ownership = 3,
+    /// The durable prefix of a group's OpLog (the last committed sequence number).
+    LogPrefix = 4,
 }
 
 /// Why bytes could not be opened as the record asked for.

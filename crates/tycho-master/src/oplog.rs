@@ -1,0 +1,394 @@
+//! A KVPT group's OpLog on the coordination store: one ordered group-commit writer.
+//!
+//! The primary appends each record as it applies it ([`OpLogWriter::append`], which never
+//! blocks and is called under shard locks) and acknowledges the mutation only once its record is
+//! durable ([`OpLogWriter::wait`]). One task commits the queued records in batches, bounded by
+//! count and bytes (under etcd's request limit), one transaction per batch:
+//!
+//! ```text
+//! if   mod_revision(kvpt_groups/{rank}) == the revision this master became primary at
+//!  and mod_revision(oplog/{rank}/durable) == the revision of this writer's last commit
+//! then put oplog/{rank}/b/{first_seq:020} = sealed RecordBatch
+//!      put oplog/{rank}/durable          = sealed last sequence number
+//! ```
+//!
+//! A compare that fails means another master owns the group or wrote its log: the writer is
+//! fenced for good, every waiting and later mutation fails with KVPT_NOT_OWNED, and the master
+//! must stop serving the group. A transaction whose outcome is unknown (the store did not
+//! answer) is resolved by reading the durable prefix back: committed, not committed (the same
+//! batch is sent again, under the same sequence numbers, so the log has no gap), or changed by
+//! someone else (fenced). Records committed while a batch is in flight form the next batch.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use thiserror::Error;
+use tycho_meta::{Compare, MetaError, MetaStore, Revision, Txn, TxnOp};
+use tycho_proto::envelope::{self, RecordKind};
+use tycho_proto::ErrorCode;
+
+use crate::record::{Record, RecordBatch};
+
+/// Layout version of the durable-prefix record.
+const PREFIX_VERSION: u16 = 1;
+
+/// Where one group's log lives in the store.
+#[derive(Debug, Clone)]
+pub struct LogKeys {
+    prefix: String,
+}
+
+impl LogKeys {
+    /// The log of group `rank` of cluster `cluster`.
+    pub fn new(cluster: &str, rank: u32) -> LogKeys {
+        LogKeys { prefix: format!("/tycho/{cluster}/oplog/{rank:05}/") }
+    }
+
+    /// The key of the batch whose first record is `first_seq`.
+    pub fn batch(&self, first_seq: u64) -> Vec<u8> {
+        format!("{}b/{first_seq:020}", self.prefix).into_bytes()
+    }
+
+    /// The prefix of every batch key, in sequence order.
+    pub fn batches(&self) -> Vec<u8> {
+        format!("{}b/", self.prefix).into_bytes()
+    }
+
+    /// The durable prefix: the sequence number of the last committed record.
+    pub fn durable(&self) -> Vec<u8> {
+        format!("{}durable", self.prefix).into_bytes()
+    }
+}
+
+/// The durable prefix as stored: sealed, so that a reader refuses a damaged or newer one.
+pub fn encode_prefix(last_seq: u64) -> Vec<u8> {
+    envelope::seal(RecordKind::LogPrefix, PREFIX_VERSION, &last_seq.to_le_bytes())
+}
+
+/// Reads a stored durable prefix.
+pub fn decode_prefix(bytes: &[u8]) -> Result<u64, LogError> {
+    let (_, payload) = envelope::open(RecordKind::LogPrefix, PREFIX_VERSION, bytes)
+        .map_err(|e| LogError::Corrupt(format!("durable prefix: {e}")))?;
+    let raw: [u8; 8] = payload.try_into().map_err(|_| LogError::Corrupt("durable prefix of the wrong size".into()))?;
+    Ok(u64::from_le_bytes(raw))
+}
+
+/// The ownership record a group's batches are committed under.
+#[derive(Debug, Clone)]
+pub struct Fence {
+    /// Its key (`/tycho/{cluster}/kvpt_groups/{rank:05}`).
+    pub key: Vec<u8>,
+    /// Its mod revision when this master became the group's primary.
+    pub mod_revision: Revision,
+}
+
+/// Batch and queue bounds.
+#[derive(Debug, Clone)]
+pub struct WriterConfig {
+    /// Most records in one batch.
+    pub max_batch_records: usize,
+    /// Most encoded record bytes in one batch (etcd refuses requests above 1.5 MiB).
+    pub max_batch_bytes: usize,
+    /// Most records waiting to be committed; more are refused as busy.
+    pub max_queued_records: usize,
+    /// Pause before retrying a transaction whose outcome was unknown.
+    pub retry_backoff: Duration,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        WriterConfig {
+            max_batch_records: 1024,
+            max_batch_bytes: 1 << 20,
+            max_queued_records: 64 * 1024,
+            retry_backoff: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Why a record is not (or will not be) durable.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum LogError {
+    /// Too many records wait already; retry shortly.
+    #[error("the OpLog is busy: too many records wait to be committed")]
+    Busy,
+    /// The group's ownership record or log changed under this writer: another master owns it.
+    #[error("fenced: {0}")]
+    Fenced(String),
+    /// The log in the store cannot be read as this build writes it.
+    #[error("corrupt OpLog: {0}")]
+    Corrupt(String),
+    /// The writer was closed.
+    #[error("the OpLog writer is closed")]
+    Closed,
+    /// The store refused the request itself (too large, invalid): a bug, not a transient.
+    #[error("the store refused a log batch: {0}")]
+    Refused(String),
+}
+
+impl LogError {
+    /// The code a client is answered with.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            LogError::Fenced(_) => ErrorCode::KVPT_NOT_OWNED,
+            LogError::Busy | LogError::Closed => ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS,
+            LogError::Corrupt(_) | LogError::Refused(_) => ErrorCode::INTERNAL_ERROR,
+        }
+    }
+}
+
+/// How far the log got: every record up to `durable` is committed; `failed` ends it.
+#[derive(Debug, Clone, Default)]
+struct Progress {
+    durable: u64,
+    failed: Option<LogError>,
+}
+
+struct Queue {
+    next_seq: u64,
+    waiting: VecDeque<(u64, Record, usize)>,
+    closed: Option<LogError>,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: tokio::sync::Notify,
+    progress: tokio::sync::watch::Sender<Progress>,
+    cfg: WriterConfig,
+}
+
+/// The ordered group-commit writer of one group's log.
+pub struct OpLogWriter {
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OpLogWriter {
+    /// Opens the log of `keys` for appending under `fence`: reads its durable prefix and starts
+    /// the commit task on the current tokio runtime. Records are numbered from the prefix on.
+    pub async fn open(
+        store: Arc<dyn MetaStore>,
+        keys: LogKeys,
+        fence: Fence,
+        group: u32,
+        epoch: u64,
+        cfg: WriterConfig,
+    ) -> Result<OpLogWriter, LogError> {
+        let (durable, durable_rev) = read_prefix(&*store, &keys).await?;
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue { next_seq: durable + 1, waiting: VecDeque::new(), closed: None }),
+            wake: tokio::sync::Notify::new(),
+            progress: tokio::sync::watch::Sender::new(Progress { durable, failed: None }),
+            cfg,
+        });
+        let committer = Committer { store, keys, fence, group, epoch, durable, durable_rev, shared: shared.clone() };
+        let task = tokio::spawn(committer.run());
+        Ok(OpLogWriter { shared, task })
+    }
+
+    /// Queues `rec` and returns its sequence number; never blocks. Fails at once when the queue
+    /// is full (busy), or when the writer is fenced or closed.
+    pub fn append(&self, rec: Record) -> Result<u64, LogError> {
+        let size = postcard::serialize_with_flavor(&rec, postcard::ser_flavors::Size::default()).unwrap_or(0);
+        let mut q = self.shared.queue.lock();
+        if let Some(e) = &q.closed {
+            return Err(e.clone());
+        }
+        if q.waiting.len() >= self.shared.cfg.max_queued_records {
+            return Err(LogError::Busy);
+        }
+        let seq = q.next_seq;
+        q.next_seq += 1;
+        q.waiting.push_back((seq, rec, size));
+        drop(q);
+        self.shared.wake.notify_one();
+        Ok(seq)
+    }
+
+    /// Waits until record `seq` is durable; fails if the log ends before it is.
+    pub async fn wait(&self, seq: u64) -> Result<(), LogError> {
+        let mut rx = self.shared.progress.subscribe();
+        let p = rx.wait_for(|p| p.durable >= seq || p.failed.is_some()).await.map_err(|_| LogError::Closed)?.clone();
+        if p.durable >= seq {
+            Ok(())
+        } else {
+            Err(p.failed.unwrap_or(LogError::Closed))
+        }
+    }
+
+    /// The sequence number of the last durable record.
+    pub fn durable(&self) -> u64 {
+        self.shared.progress.borrow().durable
+    }
+
+    /// Why the log ended, if it has.
+    pub fn failed(&self) -> Option<LogError> {
+        self.shared.progress.borrow().failed.clone()
+    }
+
+    /// Stops the writer: queued records that are not durable yet fail with `Closed`.
+    pub fn close(&self) {
+        end(&self.shared, LogError::Closed);
+        self.task.abort();
+    }
+}
+
+impl Drop for OpLogWriter {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Ends the log: nothing more is queued, and waiters learn why.
+fn end(shared: &Shared, why: LogError) {
+    let mut q = shared.queue.lock();
+    if q.closed.is_none() {
+        q.closed = Some(why.clone());
+        q.waiting.clear();
+    }
+    drop(q);
+    shared.progress.send_if_modified(|p| {
+        if p.failed.is_none() {
+            p.failed = Some(why);
+            true
+        } else {
+            false
+        }
+    });
+}
+
+/// Reads the durable prefix and its mod revision (0 and 0 for an empty log).
+async fn read_prefix(store: &dyn MetaStore, keys: &LogKeys) -> Result<(u64, Revision), LogError> {
+    loop {
+        match store.get(&keys.durable()).await {
+            Ok(r) => {
+                return match r.kv {
+                    None => Ok((0, 0)),
+                    Some(kv) => Ok((decode_prefix(&kv.value)?, kv.mod_revision)),
+                }
+            }
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => return Err(LogError::Refused(e.to_string())),
+        }
+    }
+}
+
+struct Committer {
+    store: Arc<dyn MetaStore>,
+    keys: LogKeys,
+    fence: Fence,
+    group: u32,
+    epoch: u64,
+    durable: u64,
+    durable_rev: Revision,
+    shared: Arc<Shared>,
+}
+
+impl Committer {
+    async fn run(mut self) {
+        loop {
+            let batch = match self.next_batch() {
+                Ok(Some(b)) => b,
+                Ok(None) => {
+                    self.shared.wake.notified().await;
+                    continue;
+                }
+                Err(_) => return,
+            };
+            match self.commit(&batch).await {
+                Ok(()) => {
+                    let last = batch.last_seq();
+                    self.shared.progress.send_modify(|p| p.durable = last);
+                }
+                Err(e) => {
+                    tracing::error!(group = self.group, error = %e, "OpLog writer stopped");
+                    end(&self.shared, e);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The next batch: the oldest waiting records, within the count and byte bounds (at least
+    /// one record). `Err` once the log is closed.
+    fn next_batch(&self) -> Result<Option<RecordBatch>, ()> {
+        let mut q = self.shared.queue.lock();
+        if q.closed.is_some() {
+            return Err(());
+        }
+        let Some(&(first_seq, _, _)) = q.waiting.front() else { return Ok(None) };
+        let (mut count, mut bytes) = (0, 0);
+        for (_, _, size) in q.waiting.iter() {
+            if count > 0
+                && (count >= self.shared.cfg.max_batch_records || bytes + size > self.shared.cfg.max_batch_bytes)
+            {
+                break;
+            }
+            count += 1;
+            bytes += size;
+        }
+        let records = q.waiting.drain(..count).map(|(_, r, _)| r).collect();
+        Ok(Some(RecordBatch { group: self.group, epoch: self.epoch, first_seq, records }))
+    }
+
+    /// Commits one batch, resolving unknown outcomes by reading the prefix back.
+    async fn commit(&mut self, batch: &RecordBatch) -> Result<(), LogError> {
+        debug_assert_eq!(batch.first_seq, self.durable + 1, "batches continue the log");
+        let last = batch.last_seq();
+        let encoded = batch.encode();
+        loop {
+            let txn = Txn::new()
+                .when([
+                    Compare::mod_revision_eq(self.fence.key.clone(), self.fence.mod_revision),
+                    Compare::mod_revision_eq(self.keys.durable(), self.durable_rev),
+                ])
+                .and_then([
+                    TxnOp::put(self.keys.batch(batch.first_seq), encoded.clone()),
+                    TxnOp::put(self.keys.durable(), encode_prefix(last)),
+                ]);
+            match self.store.txn(txn).await {
+                Ok(r) if r.succeeded => {
+                    self.durable = last;
+                    self.durable_rev = r.revision;
+                    return Ok(());
+                }
+                Ok(_) => return Err(LogError::Fenced("the ownership record or the log changed".into())),
+                Err(e) if e.is_unavailable() || matches!(e, MetaError::Other(_)) => {
+                    tracing::warn!(group = self.group, error = %e, "OpLog commit outcome unknown; reading it back");
+                    tokio::time::sleep(self.shared.cfg.retry_backoff).await;
+                    let (durable, rev) = match read_prefix(&*self.store, &self.keys).await {
+                        Ok(x) => x,
+                        Err(e) => return Err(e),
+                    };
+                    if durable == last && rev != self.durable_rev && self.holds(batch.first_seq, &encoded).await? {
+                        // It went through before the answer was lost.
+                        self.durable = last;
+                        self.durable_rev = rev;
+                        return Ok(());
+                    }
+                    if durable != self.durable || rev != self.durable_rev {
+                        return Err(LogError::Fenced(format!(
+                            "the log's durable prefix moved to {durable} under this writer (expected {})",
+                            self.durable
+                        )));
+                    }
+                    // Not committed: send the same batch again.
+                }
+                Err(e) => return Err(LogError::Refused(e.to_string())),
+            }
+        }
+    }
+
+    /// Whether the log holds exactly `encoded` as the batch starting at `first_seq`.
+    async fn holds(&self, first_seq: u64, encoded: &[u8]) -> Result<bool, LogError> {
+        loop {
+            match self.store.get(&self.keys.batch(first_seq)).await {
+                Ok(r) => return Ok(r.kv.is_some_and(|kv| kv.value == encoded)),
+                Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
+                Err(e) => return Err(LogError::Refused(e.to_string())),
+            }
+        }
+    }
+}
