@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use thiserror::Error;
-use tycho_meta::{Compare, MetaError, MetaStore, Revision, Txn, TxnOp};
+use tycho_meta::{Compare, MetaError, MetaStore, RangeRequest, Revision, Txn, TxnOp};
 use tycho_proto::envelope::{self, RecordKind};
 use tycho_proto::ErrorCode;
 
@@ -388,6 +388,177 @@ impl Committer {
                 Ok(r) => return Ok(r.kv.is_some_and(|kv| kv.value == encoded)),
                 Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
                 Err(e) => return Err(LogError::Refused(e.to_string())),
+            }
+        }
+    }
+}
+
+/// Why a follower stopped. Each means that its state cannot be trusted to go on: a standby
+/// stops serving as one and rebootstraps from a snapshot.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum FollowError {
+    /// A record is missing: the next batch does not start where the last one ended, or the
+    /// log ends before its durable prefix.
+    #[error("gap in the log: expected record {expected}, found {found}")]
+    Gap {
+        /// The record the follower needs next.
+        expected: u64,
+        /// What the log has instead (0: nothing).
+        found: u64,
+    },
+    /// The durable prefix went back below what the follower applied.
+    #[error("the log's durable prefix went back from {applied} to {durable}")]
+    Regression {
+        /// Records applied.
+        applied: u64,
+        /// The prefix now stored.
+        durable: u64,
+    },
+    /// A batch or the prefix cannot be read (damage, another layout, another group's batch).
+    #[error("unreadable OpLog: {0}")]
+    Corrupt(String),
+    /// A record does not apply to the follower's state.
+    #[error("record {seq} does not apply: {error}")]
+    Diverged {
+        /// Its sequence number.
+        seq: u64,
+        /// Why.
+        error: crate::ReplayError,
+    },
+    /// The store no longer has the history the follower needs.
+    #[error("the store's history is compacted past this follower")]
+    Compacted,
+    /// The store failed otherwise.
+    #[error("coordination store: {0}")]
+    Store(String),
+}
+
+impl From<LogError> for FollowError {
+    fn from(e: LogError) -> FollowError {
+        FollowError::Corrupt(e.to_string())
+    }
+}
+
+fn store_error(e: MetaError) -> FollowError {
+    match e {
+        MetaError::Compacted { .. } => FollowError::Compacted,
+        e => FollowError::Store(e.to_string()),
+    }
+}
+
+/// Reads a group's log in order from a known position and applies its records: a standby's
+/// catch-up and tailing.
+pub struct LogFollower {
+    store: Arc<dyn MetaStore>,
+    keys: LogKeys,
+    group: u32,
+    applied: u64,
+    page: usize,
+}
+
+impl LogFollower {
+    /// A follower of `keys` (group `group`) that has applied every record up to `applied` and
+    /// reads at most `page` batches per request.
+    pub fn new(store: Arc<dyn MetaStore>, keys: LogKeys, group: u32, applied: u64, page: usize) -> LogFollower {
+        LogFollower { store, keys, group, applied, page: page.max(1) }
+    }
+
+    /// The sequence number of the last record applied.
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// Applies every record from the one after [`LogFollower::applied`] up to the durable
+    /// prefix, batch by batch, checking each batch's envelope, group and numbering.
+    pub async fn catch_up(
+        &mut self,
+        apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
+    ) -> Result<u64, FollowError> {
+        let (durable, revision) = match self.store.get(&self.keys.durable()).await.map_err(store_error)?.kv {
+            None => (0, 0),
+            Some(kv) => (decode_prefix(&kv.value)?, kv.mod_revision),
+        };
+        if durable < self.applied {
+            return Err(FollowError::Regression { applied: self.applied, durable });
+        }
+        if durable == self.applied {
+            return Ok(durable);
+        }
+        // Every page at the prefix's revision: the batches and the prefix agree.
+        let mut req = RangeRequest {
+            prefix: self.keys.batches(),
+            start: Some(self.keys.batch(self.applied + 1)),
+            limit: self.page,
+            revision: Some(revision),
+        };
+        loop {
+            let page = self.store.range(req.clone()).await.map_err(store_error)?;
+            for kv in &page.kvs {
+                let batch = RecordBatch::decode(&kv.value).map_err(|e| FollowError::Corrupt(e.to_string()))?;
+                if batch.group != self.group || kv.key != self.keys.batch(batch.first_seq) {
+                    return Err(FollowError::Corrupt(format!(
+                        "batch of group {} at {} stored under another key",
+                        batch.group, batch.first_seq
+                    )));
+                }
+                if batch.first_seq != self.applied + 1 {
+                    return Err(FollowError::Gap { expected: self.applied + 1, found: batch.first_seq });
+                }
+                if batch.last_seq() > durable {
+                    return Err(FollowError::Corrupt(format!(
+                        "batch {}..={} runs past the durable prefix {durable}",
+                        batch.first_seq,
+                        batch.last_seq()
+                    )));
+                }
+                for (seq, rec) in (batch.first_seq..).zip(&batch.records) {
+                    apply(seq, rec).map_err(|error| FollowError::Diverged { seq, error })?;
+                    self.applied = seq;
+                }
+            }
+            match req.next_page(&page) {
+                Some(next) => req = next,
+                None => break,
+            }
+        }
+        if self.applied != durable {
+            return Err(FollowError::Gap { expected: self.applied + 1, found: 0 });
+        }
+        Ok(durable)
+    }
+
+    /// Catches up, then applies new records as the durable prefix moves (a watch on it, no
+    /// polling), until `stop` completes (`Ok`) or the log cannot be followed (`Err`).
+    pub async fn follow(
+        &mut self,
+        apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<(), FollowError> {
+        tokio::pin!(stop);
+        // The watch starts before the first catch-up, so no move of the prefix is missed.
+        let mut watch =
+            self.store.watch(tycho_meta::WatchRequest::key(self.keys.durable())).await.map_err(store_error)?;
+        self.catch_up(apply).await?;
+        loop {
+            tokio::select! {
+                _ = &mut stop => return Ok(()),
+                event = watch.next() => match event {
+                    Ok(tycho_meta::WatchEvent::Disconnected { .. }) => {}
+                    Ok(_) => {
+                        self.catch_up(apply).await?;
+                    }
+                    Err(MetaError::Compacted { .. }) => {
+                        // The watch fell behind the store's history: watch again from now, and
+                        // read what was missed from the log itself.
+                        watch = self
+                            .store
+                            .watch(tycho_meta::WatchRequest::key(self.keys.durable()))
+                            .await
+                            .map_err(store_error)?;
+                        self.catch_up(apply).await?;
+                    }
+                    Err(e) => return Err(store_error(e)),
+                },
             }
         }
     }

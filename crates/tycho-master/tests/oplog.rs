@@ -256,3 +256,215 @@ async fn a_full_queue_is_busy_and_a_reopened_log_continues_its_numbering() {
     again.wait(s).await.unwrap();
     assert_eq!(durable_prefix(&store).await, 5);
 }
+
+// ---- the follower (a standby's reader) -----------------------------------------------------
+
+use tycho_master::oplog::{encode_prefix, FollowError, LogFollower};
+
+/// Applies into a list, so that a test sees what was applied and in which order.
+fn collect(into: &mut Vec<(u64, Record)>) -> impl FnMut(u64, &Record) -> Result<(), tycho_master::ReplayError> + '_ {
+    move |seq, r| {
+        into.push((seq, r.clone()));
+        Ok(())
+    }
+}
+
+async fn written(n: u64) -> (Arc<Store>, OpLogWriter) {
+    let (store, w, _) = setup(cfg()).await;
+    for i in 1..=n {
+        w.append(rec(i)).unwrap();
+    }
+    w.wait(n).await.unwrap();
+    (store, w)
+}
+
+#[tokio::test]
+async fn a_follower_applies_every_record_in_order_across_pages() {
+    let (store, w) = written(10).await;
+    // One batch per page: a full page continues on the next one.
+    let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 1);
+    let mut got = Vec::new();
+    assert_eq!(f.catch_up(&mut collect(&mut got)).await.unwrap(), 10);
+    assert_eq!(got, (1..=10).map(|i| (i, rec(i))).collect::<Vec<_>>());
+    // Nothing new: nothing applied twice.
+    f.catch_up(&mut collect(&mut got)).await.unwrap();
+    assert_eq!(got.len(), 10);
+    // It resumes where it stopped.
+    for i in 11..=13 {
+        w.append(rec(i)).unwrap();
+    }
+    w.wait(13).await.unwrap();
+    f.catch_up(&mut collect(&mut got)).await.unwrap();
+    assert_eq!(got.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (1..=13).collect::<Vec<_>>());
+    // A follower that starts from a position reads only what follows it.
+    let mut later = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 8, 100);
+    let mut tail = Vec::new();
+    later.catch_up(&mut collect(&mut tail)).await.unwrap();
+    assert_eq!(tail.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (9..=13).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn gaps_regressions_and_damage_fail_closed() {
+    let keys = LogKeys::new("test", 0);
+    // A missing batch below the prefix.
+    let (store, _w) = written(10).await;
+    let second = batches(&store).await[1].first_seq;
+    store.delete(&keys.batch(second)).await.unwrap();
+    // (Batches are read at the prefix's revision, so the prefix is written again after it.)
+    store.put(&keys.durable(), &encode_prefix(10), None).await.unwrap();
+    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
+    let mut got = Vec::new();
+    let gap = f.catch_up(&mut collect(&mut got)).await;
+    assert!(matches!(gap, Err(FollowError::Gap { expected, .. }) if expected == second), "{gap:?}");
+    assert_eq!(f.applied(), second - 1, "it applied what came before the gap and nothing after");
+    assert_eq!(got.len() as u64, second - 1);
+    // A prefix ahead of the batches.
+    let (store, _w) = written(3).await;
+    store.put(&keys.durable(), &encode_prefix(5), None).await.unwrap();
+    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
+    assert_eq!(f.catch_up(&mut collect(&mut Vec::new())).await, Err(FollowError::Gap { expected: 4, found: 0 }));
+
+    // The prefix going back.
+    let (store, _w) = written(6).await;
+    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
+    f.catch_up(&mut collect(&mut Vec::new())).await.unwrap();
+    store.put(&keys.durable(), &encode_prefix(2), None).await.unwrap();
+    assert_eq!(
+        f.catch_up(&mut collect(&mut Vec::new())).await,
+        Err(FollowError::Regression { applied: 6, durable: 2 })
+    );
+
+    // A damaged batch, and a record that does not apply.
+    let (store, _w) = written(6).await;
+    let first = batches(&store).await[0].clone();
+    let mut bad = first.encode();
+    let at = bad.len() - 3;
+    bad[at] ^= 1;
+    store.put(&keys.batch(1), &bad, None).await.unwrap();
+    store.put(&keys.durable(), &encode_prefix(6), None).await.unwrap();
+    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
+    assert!(matches!(f.catch_up(&mut collect(&mut Vec::new())).await, Err(FollowError::Corrupt(_))));
+    assert_eq!(f.applied(), 0);
+    store.put(&keys.batch(1), &first.encode(), None).await.unwrap();
+    store.put(&keys.durable(), &encode_prefix(6), None).await.unwrap();
+    let mut refuse = |seq: u64, _: &Record| {
+        if seq == 3 {
+            Err(tycho_master::ReplayError::NoSuchObject("test"))
+        } else {
+            Ok(())
+        }
+    };
+    assert!(matches!(f.catch_up(&mut refuse).await, Err(FollowError::Diverged { seq: 3, .. })));
+}
+
+#[tokio::test]
+async fn a_follower_tails_the_log_as_it_grows() {
+    let (store, w) = written(3).await;
+    let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 100);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let follower = tokio::spawn(async move {
+        let mut apply = |seq: u64, _: &Record| {
+            let _ = tx.send(seq);
+            Ok(())
+        };
+        let r = f
+            .follow(&mut apply, async {
+                let _ = stop_rx.await;
+            })
+            .await;
+        (r, f.applied())
+    });
+    for i in 4..=20 {
+        w.append(rec(i)).unwrap();
+    }
+    w.wait(20).await.unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 20 {
+        let seq =
+            tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("the follower keeps up").unwrap();
+        seen.push(seq);
+    }
+    assert_eq!(seen, (1..=20).collect::<Vec<_>>());
+    stop_tx.send(()).unwrap();
+    let (r, applied) = follower.await.unwrap();
+    assert_eq!((r, applied), (Ok(()), 20));
+}
+
+/// Segment, offset and generation of each replica.
+type Ranges = Vec<(tycho_proto::SegmentId, u64, u32)>;
+
+/// Sends a primary master's records to its OpLog writer.
+struct ToLog(OpLogWriter);
+
+impl tycho_master::record::RecordSink for ToLog {
+    fn append(&self, rec: Record) {
+        self.0.append(rec).expect("the test's log takes every record");
+    }
+}
+
+#[tokio::test]
+async fn a_standby_master_follows_a_primary_through_the_log() {
+    use tycho_master::{ManualClock, Master, MasterConfig, WriteMode};
+    use tycho_proto::*;
+    let (store, w, _) = setup(WriterConfig::default()).await;
+    let sink = Arc::new(ToLog(w));
+    let primary = Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000)));
+    assert!(primary.set_record_sink(sink.clone()));
+    let a = ClientId(7);
+    let desc = |id: u128| SegmentDesc {
+        id: SegmentId(id),
+        name: format!("s{id}"),
+        base: 0,
+        size: 1 << 24,
+        endpoint: format!("10.0.0.{id}:1"),
+        host: "h".into(),
+        incarnation: 1,
+    };
+    primary.mount_segment(a, desc(1)).unwrap();
+    primary.mount_segment(a, desc(2)).unwrap();
+    let kref = |k: &str| KeyRef { key: k.into(), route: tycho_routing::route_for("", k, 1) };
+    for i in 0..50u64 {
+        let key = kref(&format!("obj-{i}"));
+        let start = WriteStart {
+            client: a,
+            tenant: String::new(),
+            key: key.clone(),
+            size: 1000 + i,
+            config: ReplicateConfig { replica_num: 1 + (i % 2) as u32, ..Default::default() },
+            write_id: i + 1,
+        };
+        primary.write_start(WriteMode::Put, &start).unwrap();
+        let finish = WriteFinish { client: a, tenant: String::new(), key, write_id: i + 1 };
+        primary.write_finish(&finish, i % 10 != 3).unwrap();
+    }
+    for i in (0..50).step_by(7) {
+        let _ = primary.remove(&RemoveKey { tenant: String::new(), key: kref(&format!("obj-{i}")), force: true });
+    }
+    let last = sink.0.append(Record::Unmount { segment: SegmentId(99) }).unwrap();
+    sink.0.wait(last).await.unwrap();
+
+    let standby = Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000)));
+    let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 16);
+    f.catch_up(&mut |_, r| standby.replay(r)).await.unwrap();
+    assert_eq!(f.applied(), last);
+    let view = |m: &Master| {
+        let mut keys: Vec<(String, u64, Ranges)> = m
+            .list_keys(Some(""), None, u32::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|k| {
+                let q = KeyQuery { tenant: String::new(), key: kref(&k.key) };
+                let ranges =
+                    m.get_replica_list(&q).unwrap().replicas.iter().map(|r| (r.segment, r.offset, r.gen)).collect();
+                (k.key, k.size, ranges)
+            })
+            .collect();
+        keys.sort();
+        let used: Vec<u64> = m.list_segments().iter().map(|s| s.used).collect();
+        (keys, used)
+    };
+    let (objects, used) = view(&primary);
+    assert_eq!(objects.len(), 37, "45 committed (5 revoked), 8 removed");
+    assert_eq!(view(&standby), (objects, used));
+}

@@ -20,7 +20,7 @@ use crate::record::{RangeRec, Record, RecordSink};
 use crate::segment::Replica;
 
 /// Why a record could not be replayed: the replaying state has diverged from the primary's.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
 pub enum ReplayError {
     /// The record names a write that is not the one pending on its key.
     #[error("record {0} names a write that is not pending")]
