@@ -13,6 +13,7 @@ mod master;
 mod metrics;
 mod object;
 pub mod oplog;
+pub mod ownership;
 pub mod record;
 mod rpc;
 mod segment;
