@@ -22,7 +22,7 @@ impl Master {
     /// shard was write-locked and the caller should run [`Master::health_check`].
     pub fn health_check_now(&self) -> Option<HealthReport> {
         let mut checked = 0;
-        for shard in self.shards().iter() {
+        for shard in self.all_shards() {
             // Take and drop at once: only one shard is held, and only for an instant.
             drop(shard.try_read()?);
             checked += 1;
@@ -35,7 +35,7 @@ impl Master {
     pub fn health_check(&self, budget: Duration) -> HealthReport {
         let start = Instant::now();
         let mut checked = 0;
-        for (i, shard) in self.shards().iter().enumerate() {
+        for (i, shard) in self.all_shards().enumerate() {
             loop {
                 if let Some(guard) = shard.try_read() {
                     drop(guard);
@@ -77,7 +77,7 @@ mod tests {
     #[test]
     fn detects_a_write_locked_shard_and_recovers() {
         let m = master();
-        let guard = m.shards().shard(0).write();
+        let guard = m.group(0).unwrap().shards().shard(0).write();
         assert_eq!(m.health_check_now(), None);
         let r = m.health_check(Duration::from_millis(200));
         assert_eq!(r, HealthReport { ok: false, shards_checked: 0, shards_blocked: 0 });
@@ -89,7 +89,7 @@ mod tests {
     #[test]
     fn reports_the_first_blocked_shard_and_waits_for_a_brief_holder() {
         let m = Arc::new(master());
-        let held = m.shards().shard(700).write();
+        let held = m.group(0).unwrap().shards().shard(700).write();
         let r = m.health_check(Duration::from_millis(100));
         assert_eq!((r.ok, r.shards_checked, r.shards_blocked), (false, 700, 700));
         drop(held);
@@ -97,7 +97,7 @@ mod tests {
         let m2 = m.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         let holder = std::thread::spawn(move || {
-            let g = m2.shards().shard(5).write();
+            let g = m2.group(0).unwrap().shards().shard(5).write();
             tx.send(()).unwrap();
             std::thread::sleep(Duration::from_millis(50));
             drop(g);

@@ -15,13 +15,15 @@ use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partitio
 use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
-use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards};
+use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
 use crate::record::{Record, RecordSink};
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
 use tycho_proto::auth::capability::{tenant_tag, unix_ms, RIGHT_READ, RIGHT_WRITE};
 
 mod apply;
+mod group;
 pub use apply::ReplayError;
+pub use group::Group;
 
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +96,7 @@ struct Tombstone {
 /// One key after its route was checked.
 struct Routed {
     key: ObjectKey,
+    group: u32,
     shard: usize,
 }
 
@@ -104,9 +107,8 @@ pub struct Master {
     /// Unix milliseconds at master clock 0 (record times are Unix times).
     unix_offset: u64,
     instance: u64,
-    epoch: AtomicU64,
-    owned_ranks: Vec<bool>,
-    shards: Shards,
+    /// The group containers, by rank; `None` for a group this master does not hold.
+    groups: Box<[Option<Group>]>,
     segments: SegmentTable,
     clients: RwLock<HashMap<ClientId, Arc<ClientEntry>>>,
     deferred: Mutex<Vec<Deferred>>,
@@ -117,13 +119,6 @@ pub struct Master {
     orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
     last_abandon_scan: AtomicU64,
     evictor: Evictor,
-    /// Per shard: the ranges of leased objects removed by force, until their lease ends. A
-    /// client may still reuse a replica list of such an object (during the first part of its
-    /// lease) and read the removed value, which is an acknowledged value of the key; but once a
-    /// new value of the key is acknowledged, no read that starts later may see the old one. So
-    /// the next commit of the key hands these ranges to its writer to retire, with the ranges it
-    /// replaced. Lock order: the shard's lock, then this one.
-    tombstones: Box<[Mutex<HashMap<ObjectKey, Tombstone>>]>,
     /// When the RPC runtime last showed that it runs ([`Master::note_responsive`]); 0 while
     /// nothing watches it.
     rpc_alive: AtomicU64,
@@ -142,20 +137,17 @@ impl Master {
         let secret = cfg.secret.clone();
         let groups = cfg.group_count.max(1) as usize;
         Master {
-            epoch: AtomicU64::new(cfg.group_epoch),
-            owned_ranks: vec![true; groups],
+            groups: (0..groups as u32).map(|rank| Some(Group::new(rank, cfg.group_epoch))).collect(),
             cfg,
             unix_offset: clock.unix_offset_ms(),
             clock,
             instance: rand::random(),
-            shards: Shards::default(),
             segments: SegmentTable::with_secret(secret),
             clients: RwLock::new(HashMap::new()),
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
             last_abandon_scan: AtomicU64::new(0),
             evictor: Evictor::default(),
-            tombstones: (0..crate::object::SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
             sink: std::sync::OnceLock::new(),
@@ -173,9 +165,41 @@ impl Master {
         &self.segments
     }
 
-    /// The metadata shards (for health checks and tests).
-    pub fn shards(&self) -> &Shards {
-        &self.shards
+    /// The group containers this master holds, by rank.
+    pub fn groups(&self) -> impl Iterator<Item = &Group> {
+        self.groups.iter().flatten()
+    }
+
+    /// The container of group `rank`, if this master holds it.
+    pub fn group(&self, rank: u32) -> Option<&Group> {
+        self.groups.get(rank as usize).and_then(Option::as_ref)
+    }
+
+    /// The container holding the storage key `key`, if this master holds its group.
+    fn group_of_key(&self, key: &[u8]) -> Option<&Group> {
+        self.group(kvpt_to_rank(partition_of_encoded(key), self.cfg.group_count.max(1)))
+    }
+
+    /// The container of a routed key (routing checked that this master holds it).
+    fn routed(&self, r: &Routed) -> &Group {
+        self.group(r.group).expect("routing admits only keys of groups this master holds")
+    }
+
+    /// Every metadata shard of every group held with its index across groups
+    /// (`rank * SHARD_COUNT + shard`), group by group.
+    fn indexed_shards(&self) -> impl Iterator<Item = (usize, &RwLock<ShardMap>)> {
+        self.groups()
+            .flat_map(|g| g.shards.iter().enumerate().map(move |(i, s)| (g.rank() as usize * SHARD_COUNT + i, s)))
+    }
+
+    /// The shard with index `i` across groups (see [`Master::indexed_shards`]).
+    fn indexed_shard(&self, i: usize) -> Option<&RwLock<ShardMap>> {
+        self.group((i / SHARD_COUNT) as u32).map(|g| g.shards.shard(i % SHARD_COUNT))
+    }
+
+    /// Every metadata shard of every group held, group by group.
+    pub fn all_shards(&self) -> impl Iterator<Item = &RwLock<ShardMap>> {
+        self.groups().flat_map(|g| g.shards.iter())
     }
 
     fn now(&self) -> u64 {
@@ -192,7 +216,7 @@ impl Master {
         Grant {
             rights,
             expires_ms: unix_ms().saturating_add(ttl_ms),
-            epoch: self.epoch.load(Ordering::Relaxed),
+            epoch: self.group(group).map_or(0, Group::epoch),
             group: group as u16,
             tenant: decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t)),
         }
@@ -209,20 +233,18 @@ impl Master {
         if pid != k.route.partition_id {
             return Err(ErrorCode::STALE_ROUTE);
         }
-        let rank = kvpt_to_rank(pid, self.cfg.group_count.max(1)) as usize;
-        if !self.owned_ranks.get(rank).copied().unwrap_or(false) {
-            return Err(ErrorCode::KVPT_NOT_OWNED);
-        }
+        let rank = kvpt_to_rank(pid, self.cfg.group_count.max(1));
+        let Some(group) = self.group(rank) else { return Err(ErrorCode::KVPT_NOT_OWNED) };
         // Epoch fence: an older epoch is a stale route; a newer one means the client has
         // seen an owner change this master has not, so it must not serve the key.
-        let epoch = self.epoch.load(Ordering::Acquire);
+        let epoch = group.epoch();
         if k.route.epoch < epoch {
             return Err(ErrorCode::STALE_EPOCH);
         }
         if k.route.epoch > epoch {
             return Err(ErrorCode::KVPT_NOT_OWNED);
         }
-        Ok(Routed { key: key.into_boxed_slice(), shard: Shards::index_of(pid) })
+        Ok(Routed { key: key.into_boxed_slice(), group: rank, shard: Shards::index_of(pid) })
     }
 
     /// Routes every key; keys that fail carry their error. Returns the routed keys in an order
@@ -242,7 +264,7 @@ impl Master {
                 Err(e) => errors.push(Some(e)),
             }
         }
-        routed.sort_unstable_by_key(|(i, r)| (r.shard, *i));
+        routed.sort_unstable_by_key(|(i, r)| (r.group, r.shard, *i));
         (errors, routed)
     }
 
@@ -553,7 +575,7 @@ impl Master {
         }
         let pins = self.pins_of(&req.config)?;
         let (host, pending) = self.writer(req.client)?;
-        let shard = self.shards.shard(r.shard);
+        let shard = self.routed(&r).shards.shard(r.shard);
         {
             let map = shard.read();
             let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
@@ -628,7 +650,7 @@ impl Master {
         let mut staged: Vec<(usize, Routed, Vec<Replica>)> = Vec::with_capacity(routed.len());
         for run in group_by_shard(routed) {
             let (conflicts, retried): (Vec<bool>, Vec<Option<Vec<ReplicaDesc>>>) = {
-                let map = self.shards.shard(run[0].1.shard).read();
+                let map = self.routed(&run[0].1).shards.shard(run[0].1.shard).read();
                 let now = self.now();
                 run.iter()
                     .map(|(i, r)| {
@@ -661,8 +683,8 @@ impl Master {
         let now = self.now();
         let mut staged = staged.into_iter().peekable();
         while let Some(first) = staged.next() {
-            let shard = first.1.shard;
-            let mut map = self.shards.shard(shard).write();
+            let (group, shard) = (first.1.group, first.1.shard);
+            let mut map = self.routed(&first.1).shards.shard(shard).write();
             let mut next = Some(first);
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
@@ -676,7 +698,7 @@ impl Master {
                         out[i] = Err(code);
                     }
                 }
-                if staged.peek().is_some_and(|n| n.1.shard == shard) {
+                if staged.peek().is_some_and(|n| n.1.group == group && n.1.shard == shard) {
                     next = staged.next();
                 }
             }
@@ -716,8 +738,7 @@ impl Master {
         let mut replaced: Vec<ReplicaDesc> =
             old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
         old.into_iter().for_each(Replica::release);
-        let shard = Shards::index_of(partition_of_encoded(key));
-        if let Some(t) = self.tombstones[shard].lock().remove(key) {
+        if let Some(t) = self.group_of_key(key).and_then(|g| g.tombstones_of(key).lock().remove(key)) {
             if t.until > now {
                 replaced.extend(t.ranges);
             }
@@ -748,7 +769,7 @@ impl Master {
     pub fn write_finish(&self, req: &WriteFinish, end: bool) -> WireResult<Vec<ReplicaDesc>> {
         let r = self.route(&req.tenant, &req.key)?;
         let now = self.now();
-        let mut map = self.shards.shard(r.shard).write();
+        let mut map = self.routed(&r).shards.shard(r.shard).write();
         if end {
             self.commit(&mut map, &r.key, req.client, req.write_id, now)
         } else {
@@ -778,8 +799,8 @@ impl Master {
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<WireResult<T>> = errors.into_iter().map(|e| e.map_or(Ok(T::default()), Err)).collect();
-        for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
-            let mut map = self.shards.shard(run[0].1.shard).write();
+        for run in routed.chunk_by(|a, b| (a.1.group, a.1.shard) == (b.1.group, b.1.shard)) {
+            let mut map = self.routed(&run[0].1).shards.shard(run[0].1.shard).write();
             for (i, r) in run {
                 out[*i] = f(&mut map, *i, &r.key);
             }
@@ -789,14 +810,15 @@ impl Master {
 
     fn batch_read<T, F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<T>>
     where
-        F: FnMut(&ShardMap, &ObjectKey) -> WireResult<T>,
+        F: FnMut(&Group, &ShardMap, &ObjectKey) -> WireResult<T>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<Option<WireResult<T>>> = errors.into_iter().map(|e| e.map(Err)).collect();
-        for run in routed.chunk_by(|a, b| a.1.shard == b.1.shard) {
-            let map = self.shards.shard(run[0].1.shard).read();
+        for run in routed.chunk_by(|a, b| (a.1.group, a.1.shard) == (b.1.group, b.1.shard)) {
+            let group = self.routed(&run[0].1);
+            let map = group.shards.shard(run[0].1.shard).read();
             for (i, r) in run {
-                out[*i] = Some(f(&map, &r.key));
+                out[*i] = Some(f(group, &map, &r.key));
             }
         }
         out.into_iter().map(|o| o.expect("every key has a result")).collect()
@@ -807,11 +829,20 @@ impl Master {
     /// What a cached read grant must satisfy to be handed out now: the group epoch it was
     /// granted under, and the wall-clock time (Unix ms) it must last until. Read grants last two
     /// leases and are shared by readers while at least one is left, so that every reader's grant
-    /// outlasts its lease and a hot object costs one MAC per lease. One per call, batch or not.
-    fn read_grant_floor(&self) -> (u64, u64) {
+    /// outlasts its lease and a hot object costs one MAC per lease. The clock is read once per
+    /// call, batch or not ([`Master::read_grant_until`]).
+    fn read_grant_floor(&self, group: &Group, until: u64) -> (u64, u64) {
         match self.cfg.secret {
-            Some(_) => (self.epoch.load(Ordering::Relaxed), unix_ms().saturating_add(self.cfg.default_kv_lease_ttl_ms)),
+            Some(_) => (group.epoch(), until),
             None => (0, 0),
+        }
+    }
+
+    /// The wall-clock time (Unix ms) a read grant handed out now must last until.
+    fn read_grant_until(&self) -> u64 {
+        match self.cfg.secret {
+            Some(_) => unix_ms().saturating_add(self.cfg.default_kv_lease_ttl_ms),
+            None => 0,
         }
     }
 
@@ -845,14 +876,18 @@ impl Master {
     pub fn get_replica_list(&self, q: &KeyQuery) -> WireResult<ReplicaList> {
         let r = self.route(&q.tenant, &q.key)?;
         let now = self.now();
-        self.replica_list(&self.shards.shard(r.shard).read(), &r.key, now, self.read_grant_floor())
+        let group = self.routed(&r);
+        let floor = self.read_grant_floor(group, self.read_grant_until());
+        self.replica_list(&group.shards.shard(r.shard).read(), &r.key, now, floor)
     }
 
     /// BatchGetReplicaList.
     pub fn batch_get_replica_list(&self, q: &BatchKeyQuery) -> Vec<WireResult<ReplicaList>> {
         let now = self.now();
-        let floor = self.read_grant_floor();
-        self.batch_read(&q.tenant, &q.keys, |map, key| self.replica_list(map, key, now, floor))
+        let until = self.read_grant_until();
+        self.batch_read(&q.tenant, &q.keys, |group, map, key| {
+            self.replica_list(map, key, now, self.read_grant_floor(group, until))
+        })
     }
 
     fn exists(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> bool {
@@ -869,13 +904,13 @@ impl Master {
     pub fn exist_key(&self, q: &KeyQuery) -> WireResult<bool> {
         let r = self.route(&q.tenant, &q.key)?;
         let now = self.now();
-        Ok(self.exists(&self.shards.shard(r.shard).read(), &r.key, now))
+        Ok(self.exists(&self.routed(&r).shards.shard(r.shard).read(), &r.key, now))
     }
 
     /// BatchExistKey.
     pub fn batch_exist_key(&self, q: &BatchKeyQuery) -> Vec<WireResult<bool>> {
         let now = self.now();
-        self.batch_read(&q.tenant, &q.keys, |map, key| Ok(self.exists(map, key, now)))
+        self.batch_read(&q.tenant, &q.keys, |_, map, key| Ok(self.exists(map, key, now)))
     }
 
     // ---- removal -------------------------------------------------------------------------
@@ -924,8 +959,8 @@ impl Master {
                 .map(|r| r.seg.replica_desc(&r.alloc, obj.size, &grant))
                 .collect();
             if !ranges.is_empty() {
-                let shard = Shards::index_of(partition_of_encoded(key));
-                let mut t = self.tombstones[shard].lock();
+                let Some(group) = self.group_of_key(key) else { return Err(ErrorCode::KVPT_NOT_OWNED) };
+                let mut t = group.tombstones_of(key).lock();
                 let entry = t.entry(key.clone()).or_insert(Tombstone { until: 0, ranges: Vec::new() });
                 entry.until = entry.until.max(obj.lease());
                 entry.ranges.extend(ranges);
@@ -939,7 +974,7 @@ impl Master {
 
     /// Drops tombstones whose lease has ended.
     fn expire_tombstones(&self, now: u64) {
-        for t in self.tombstones.iter() {
+        for t in self.groups().flat_map(|g| g.tombstones.iter()) {
             let mut t = t.lock();
             if !t.is_empty() {
                 t.retain(|_, x| x.until > now);
@@ -951,7 +986,7 @@ impl Master {
     pub fn remove(&self, req: &RemoveKey) -> WireResult<()> {
         let r = self.route(&req.tenant, &req.key)?;
         let now = self.now();
-        self.remove_one(&mut self.shards.shard(r.shard).write(), &r.key, req.force, now)
+        self.remove_one(&mut self.routed(&r).shards.shard(r.shard).write(), &r.key, req.force, now)
     }
 
     /// BatchRemove.
@@ -1005,7 +1040,7 @@ impl Master {
         F: Fn(&[u8]) -> bool,
     {
         let mut removed = 0;
-        for shard in self.shards.iter() {
+        for shard in self.all_shards() {
             // The filter (maybe a regular expression) runs after the shard's lock is released.
             let mut keys: Vec<ObjectKey> = shard.read().keys().cloned().collect();
             keys.retain(|k| pick(k));
@@ -1053,7 +1088,7 @@ impl Master {
         let limit = (limit as usize).min(MAX_LIST_KEYS);
         let mut out = Vec::new();
         let mut bytes = 0;
-        for shard in self.shards.iter() {
+        for shard in self.all_shards() {
             if out.len() >= limit || bytes >= MAX_LIST_BYTES {
                 break;
             }
@@ -1097,7 +1132,7 @@ impl Master {
         let now = self.now();
         let first = after.as_ref().map_or(0, |c| c.shard as usize);
         let mut out = Vec::new();
-        for (i, shard) in self.shards.iter().enumerate().skip(first) {
+        for (i, shard) in self.indexed_shards().skip_while(|(i, _)| *i < first) {
             let map = shard.read();
             let mut keys: Vec<&ObjectKey> = map
                 .keys()
@@ -1121,8 +1156,8 @@ impl Master {
     pub fn query_key(&self, tenant: &str, key: &str) -> WireResult<Option<KeyInfo>> {
         validate_key(tenant, key)?;
         let encoded = encode_object_key(tenant, key);
-        let shard = Shards::index_of(partition_of_encoded(&encoded));
-        let map = self.shards.shard(shard).read();
+        let group = self.group_of_key(&encoded).ok_or(ErrorCode::KVPT_NOT_OWNED)?;
+        let map = group.shard_of(&encoded).read();
         Ok(map.get(encoded.as_slice()).map(|o| key_info(tenant, key, o, self.now())))
     }
 
@@ -1132,7 +1167,7 @@ impl Master {
         MasterStats {
             capacity_bytes,
             used_bytes,
-            objects: self.shards.iter().map(|s| s.read().len() as u64).sum(),
+            objects: self.all_shards().map(|s| s.read().len() as u64).sum(),
             clients: self.clients.read().len() as u64,
             segments: self.segments.live().len() as u64,
             sweep_progress: self.counters.sweep_visited.load(Ordering::Relaxed),
@@ -1149,7 +1184,7 @@ impl Master {
         #[cfg(feature = "failpoints")]
         fail::fail_point!("master::hold_shard_write", |arg: Option<String>| {
             let ms = arg.and_then(|a| a.parse().ok()).unwrap_or(1000);
-            let _held = self.shards.shard(0).write();
+            let _held = self.all_shards().next().expect("a master holds a group").write();
             std::thread::sleep(std::time::Duration::from_millis(ms));
         });
         self.expire_clients();
@@ -1234,7 +1269,7 @@ impl Master {
     /// shard's write lock for at most [`SWEEP_BATCH`] objects at a time.
     pub fn sweep_dead_segments(&self) {
         self.counters.sweeps_running.fetch_add(1, Ordering::Relaxed);
-        for shard in self.shards.iter() {
+        for shard in self.all_shards() {
             let keys: Vec<ObjectKey> =
                 shard.read().iter().filter(|(_, o)| o.touches_dead_segment()).map(|(k, _)| k.clone()).collect();
             for chunk in keys.chunks(SWEEP_BATCH) {
@@ -1298,7 +1333,7 @@ impl Master {
         self.last_abandon_scan.store(now, Ordering::Relaxed);
         let release = self.cfg.put_start_release_timeout_ms;
         let stale = |o: &ObjectMeta| o.pending.as_ref().is_some_and(|p| p.started_ms + release <= now);
-        for shard in self.shards.iter() {
+        for shard in self.all_shards() {
             let keys: Vec<ObjectKey> = shard.read().iter().filter(|(_, o)| stale(o)).map(|(k, _)| k.clone()).collect();
             for chunk in keys.chunks(SWEEP_BATCH) {
                 let mut map = shard.write();
@@ -1333,7 +1368,7 @@ impl Master {
         let now = self.now();
         let mut plain: Vec<Candidate> = Vec::new();
         let mut pinned: Vec<Candidate> = Vec::new();
-        for (si, shard) in self.shards.iter().enumerate() {
+        for (si, shard) in self.indexed_shards() {
             let map = shard.read();
             for (k, o) in map.iter() {
                 if !o.is_complete() || o.pending.is_some() || o.hard_pin || o.is_leased(now) {
@@ -1369,7 +1404,8 @@ impl Master {
         let (mut objects, mut bytes) = (0, 0);
         for run in victims.chunk_by(|a, b| a.1 == b.1) {
             for chunk in run.chunks(SWEEP_BATCH) {
-                let mut map = self.shards.shard(chunk[0].1).write();
+                let Some(shard) = self.indexed_shard(chunk[0].1) else { continue };
+                let mut map = shard.write();
                 for (_, _, k, _) in chunk {
                     // Re-check: a reader or writer may have arrived since the scan.
                     let ok = map
@@ -1419,7 +1455,7 @@ impl KeyCursor {
     /// Parses the text form `<shard>.<hex of the encoded key>`.
     pub fn parse(s: &str) -> Option<KeyCursor> {
         let (shard, hex) = s.split_once('.')?;
-        let shard: u32 = shard.parse().ok().filter(|&n| (n as usize) < crate::object::SHARD_COUNT)?;
+        let shard: u32 = shard.parse().ok()?;
         if hex.len() % 2 != 0 || hex.len() > 2 * (tycho_proto::MAX_KEY_LEN + tycho_proto::MAX_TENANT_LEN + 4) {
             return None;
         }
@@ -1491,7 +1527,7 @@ fn group_by_shard(routed: Vec<(usize, Routed)>) -> Vec<Vec<(usize, Routed)>> {
     let mut runs: Vec<Vec<(usize, Routed)>> = Vec::new();
     for item in routed {
         match runs.last_mut() {
-            Some(run) if run[0].1.shard == item.1.shard => run.push(item),
+            Some(run) if (run[0].1.group, run[0].1.shard) == (item.1.group, item.1.shard) => run.push(item),
             _ => runs.push(vec![item]),
         }
     }
@@ -1519,7 +1555,7 @@ impl Master {
     pub fn object_gauges(&self) -> ObjectGauges {
         let now = self.now();
         let mut g = ObjectGauges::default();
-        for shard in self.shards.iter() {
+        for shard in self.all_shards() {
             let Some(map) = shard.try_read() else {
                 g.shards_skipped += 1;
                 continue;

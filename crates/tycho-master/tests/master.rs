@@ -1711,3 +1711,44 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
         assert!(!taken.iter().any(|t| t.0 == r.segment && t.2 == r.gen), "generation reused");
     }
 }
+
+#[test]
+fn with_several_groups_each_key_lives_in_its_group_container() {
+    let e = Env::with(MasterConfig { group_count: 4, ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, 64 * MIB);
+    let names: Vec<String> = (0..200).map(|i| format!("g-{i}")).collect();
+    for k in &names {
+        put(m, A, k, 1000);
+    }
+    let per_group: Vec<u64> =
+        (0..4).map(|rank| m.group(rank).unwrap().shards().iter().map(|s| s.read().len() as u64).sum()).collect();
+    assert_eq!(per_group.iter().sum::<u64>(), 200);
+    assert!(per_group.iter().all(|&n| n > 20), "keys spread over the four groups: {per_group:?}");
+    assert!(m.group(4).is_none());
+    for k in &names {
+        let rank = tycho_routing::kvpt_to_rank(kref(k).route.partition_id, 4);
+        assert_eq!(m.group(rank).unwrap().rank(), rank);
+        assert_eq!(get(m, k).unwrap().size, 1000);
+    }
+    // A listing pages through every group in a stable order.
+    let mut seen = BTreeSet::new();
+    let mut after = None;
+    loop {
+        let (page, next) = m.list_keys_page(Some(T), 7, after);
+        seen.extend(page.into_iter().map(|k| k.key));
+        match next {
+            Some(c) => after = Some(tycho_master::KeyCursor::parse(&c.to_string()).unwrap()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, names.iter().cloned().collect::<BTreeSet<_>>());
+    assert_eq!(objects(m), 200);
+    // Eviction and removal visit every group.
+    e.advance(LEASE + 1);
+    assert!(m.evict().0 > 0);
+    let before = objects(m);
+    assert!(before < 200);
+    assert_eq!(m.remove_all(true), before);
+    assert_eq!(objects(m), 0);
+}

@@ -446,8 +446,15 @@ async fn a_standby_master_follows_a_primary_through_the_log() {
 
     let standby = Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000)));
     let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 16);
-    f.catch_up(&mut |_, r| standby.replay(r)).await.unwrap();
-    assert_eq!(f.applied(), last);
+    let group = standby.group(0).unwrap();
+    f.catch_up(&mut |seq, r| {
+        standby.replay(r)?;
+        group.note_applied(seq);
+        Ok(())
+    })
+    .await
+    .unwrap();
+    assert_eq!((f.applied(), group.applied()), (last, last));
     let view = |m: &Master| {
         let mut keys: Vec<(String, u64, Ranges)> = m
             .list_keys(Some(""), None, u32::MAX)

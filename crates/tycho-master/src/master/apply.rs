@@ -12,10 +12,9 @@ use std::sync::Arc;
 
 use thiserror::Error;
 use tycho_proto::{ClientId, ErrorCode, SegmentId};
-use tycho_routing::partition_of_encoded;
 
 use super::Master;
-use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap, Shards};
+use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
 use crate::record::{RangeRec, Record, RecordSink};
 use crate::segment::Replica;
 
@@ -215,7 +214,10 @@ impl Master {
     /// Replays one record of the primary's log on this master (a standby, or an import).
     pub fn replay(&self, rec: &Record) -> Result<(), ReplayError> {
         let now = self.now();
-        let shard_of = |key: &[u8]| self.shards.shard(Shards::index_of(partition_of_encoded(key)));
+        let group = |key: &[u8]| {
+            self.group_of_key(key).ok_or(ReplayError::NoSuchObject("a record of a group this master does not hold"))
+        };
+        let shard_of = |key: &[u8]| group(key).map(|g| g.shard_of(key));
         match rec {
             Record::WriteStart { key, upsert: _, writer, write_id, started_ms, size, pins, replicas } => {
                 let mut reserved: Vec<Replica> = Vec::with_capacity(replicas.len());
@@ -237,7 +239,7 @@ impl Master {
                         }
                     }
                 }
-                let mut map = shard_of(key).write();
+                let mut map = shard_of(key)?.write();
                 if map.get(key.as_slice()).is_some_and(|o| o.pending.is_some()) {
                     drop(map);
                     reserved.into_iter().for_each(Replica::release);
@@ -251,7 +253,7 @@ impl Master {
                 Ok(())
             }
             Record::WriteEnd { key, writer, write_id, at_ms } => {
-                let mut map = shard_of(key).write();
+                let mut map = shard_of(key)?.write();
                 check_pending(&map, key, *writer, *write_id, "WriteEnd")?;
                 // An error: every segment it wrote to died here too, and the write is gone.
                 if let Ok((old, _)) = self.apply_write_end(&mut map, key, self.local_time(*at_ms)) {
@@ -260,23 +262,23 @@ impl Master {
                 Ok(())
             }
             Record::WriteRevoke { key, writer, write_id } => {
-                let mut map = shard_of(key).write();
+                let mut map = shard_of(key)?.write();
                 check_pending(&map, key, *writer, *write_id, "WriteRevoke")?;
                 self.apply_write_cancel(&mut map, key, None, now);
                 Ok(())
             }
             Record::WriteDrop { key, writer, write_id, release_at_ms } => {
-                let mut map = shard_of(key).write();
+                let mut map = shard_of(key)?.write();
                 check_pending(&map, key, *writer, *write_id, "WriteDrop")?;
                 self.apply_write_cancel(&mut map, key, Some(self.local_time(*release_at_ms)), now);
                 Ok(())
             }
             Record::Remove { key, at_ms: _, evicted: _ } => {
-                self.apply_remove(&mut shard_of(key).write(), key, now).ok_or(ReplayError::NoSuchObject("Remove"))?;
+                self.apply_remove(&mut shard_of(key)?.write(), key, now).ok_or(ReplayError::NoSuchObject("Remove"))?;
                 Ok(())
             }
             Record::DropReplicas { key, segment } => {
-                self.apply_drop_replicas(&mut shard_of(key).write(), key, *segment, now);
+                self.apply_drop_replicas(&mut shard_of(key)?.write(), key, *segment, now);
                 Ok(())
             }
             Record::Mount { client, desc, reserved } => {

@@ -1,0 +1,72 @@
+//! One KVPT group's metadata on a master: the unit that failover, standby bootstrap and reshard
+//! move, and that a master adds or drops whole.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, RwLock};
+use tycho_routing::partition_of_encoded;
+
+use super::Tombstone;
+use crate::object::{ObjectKey, ShardMap, Shards, SHARD_COUNT};
+
+/// A group container: its metadata shards, the tombstones of its force-removed leased objects,
+/// its ownership epoch and its position in its log.
+pub struct Group {
+    rank: u32,
+    epoch: AtomicU64,
+    /// Sequence number of the last record of the group's log applied here (0: none).
+    applied: AtomicU64,
+    pub(super) shards: Shards,
+    /// Per shard: the ranges of leased objects removed by force, until their lease ends (see
+    /// `Master::commit`). Lock order: the shard's lock, then this one.
+    pub(super) tombstones: Box<[Mutex<HashMap<ObjectKey, Tombstone>>]>,
+}
+
+impl Group {
+    /// An empty container of group `rank` at `epoch`.
+    pub fn new(rank: u32, epoch: u64) -> Group {
+        Group {
+            rank,
+            epoch: AtomicU64::new(epoch),
+            applied: AtomicU64::new(0),
+            shards: Shards::default(),
+            tombstones: (0..SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+
+    /// The group's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The ownership epoch this master serves the group under.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// The sequence number of the last log record applied.
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Notes that the group's log record `seq` has been applied.
+    pub fn note_applied(&self, seq: u64) {
+        self.applied.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// The metadata shards (for health checks and tests).
+    pub fn shards(&self) -> &Shards {
+        &self.shards
+    }
+
+    /// The shard that holds the storage key `key`.
+    pub(super) fn shard_of(&self, key: &[u8]) -> &RwLock<ShardMap> {
+        self.shards.shard(Shards::index_of(partition_of_encoded(key)))
+    }
+
+    /// The tombstones of the shard that holds `key`.
+    pub(super) fn tombstones_of(&self, key: &[u8]) -> &Mutex<HashMap<ObjectKey, Tombstone>> {
+        &self.tombstones[Shards::index_of(partition_of_encoded(key))]
+    }
+}
