@@ -1,105 +1,16 @@
 //! The OpLog writer on `MemStore`, with a wrapper that holds transactions or loses their
 //! answers: batching, order, fencing, unknown outcomes, back-pressure and reopening.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys, OpLogWriter, WriterConfig};
 use tycho_master::record::{Record, RecordBatch};
-use tycho_meta::{
-    BoxFuture, DeleteResponse, GetResponse, LeaseGrant, LeaseId, LeaseInfo, Limits, MemStore, MetaError, MetaResult,
-    MetaStore, RangePage, RangeRequest, Revision, Txn, TxnResponse, Watch, WatchRequest,
-};
+use tycho_meta::faults::{FaultyStore, TxnFault};
+use tycho_meta::{MemStore, MetaStore, RangeRequest};
 use tycho_proto::ClientId;
 
-/// What the next transaction does.
-const NORMAL: u8 = 0;
-/// Waits for `release` before it runs.
-const HOLD: u8 = 1;
-/// Runs, then its answer is lost (once).
-const APPLY_THEN_LOSE: u8 = 2;
-/// Is lost before it runs (once).
-const LOSE: u8 = 3;
-
-#[derive(Debug)]
-struct Store {
-    inner: MemStore,
-    mode: AtomicU8,
-    txns: AtomicU64,
-    release: tokio::sync::Semaphore,
-}
-
-impl Store {
-    fn new() -> Arc<Store> {
-        Arc::new(Store {
-            inner: MemStore::new(),
-            mode: AtomicU8::new(NORMAL),
-            txns: AtomicU64::new(0),
-            release: tokio::sync::Semaphore::new(0),
-        })
-    }
-}
-
-impl MetaStore for Store {
-    fn get<'a>(&'a self, key: &'a [u8]) -> BoxFuture<'a, MetaResult<GetResponse>> {
-        self.inner.get(key)
-    }
-    fn range(&self, req: RangeRequest) -> BoxFuture<'_, MetaResult<RangePage>> {
-        self.inner.range(req)
-    }
-    fn put<'a>(
-        &'a self,
-        key: &'a [u8],
-        value: &'a [u8],
-        lease: Option<LeaseId>,
-    ) -> BoxFuture<'a, MetaResult<Revision>> {
-        self.inner.put(key, value, lease)
-    }
-    fn delete<'a>(&'a self, key: &'a [u8]) -> BoxFuture<'a, MetaResult<DeleteResponse>> {
-        self.inner.delete(key)
-    }
-    fn txn(&self, txn: Txn) -> BoxFuture<'_, MetaResult<TxnResponse>> {
-        Box::pin(async move {
-            self.txns.fetch_add(1, Ordering::SeqCst);
-            match self.mode.load(Ordering::SeqCst) {
-                HOLD => self.release.acquire().await.expect("open").forget(),
-                APPLY_THEN_LOSE => {
-                    self.mode.store(NORMAL, Ordering::SeqCst);
-                    self.inner.txn(txn).await?;
-                    return Err(MetaError::Unavailable("answer lost".into()));
-                }
-                LOSE => {
-                    self.mode.store(NORMAL, Ordering::SeqCst);
-                    return Err(MetaError::Unavailable("request lost".into()));
-                }
-                _ => {}
-            }
-            self.inner.txn(txn).await
-        })
-    }
-    fn compact(&self, revision: Revision) -> BoxFuture<'_, MetaResult<()>> {
-        self.inner.compact(revision)
-    }
-    fn watch(&self, req: WatchRequest) -> BoxFuture<'_, MetaResult<Watch>> {
-        self.inner.watch(req)
-    }
-    fn lease_grant(&self, ttl: Duration) -> BoxFuture<'_, MetaResult<LeaseGrant>> {
-        self.inner.lease_grant(ttl)
-    }
-    fn lease_keep_alive_once(&self, lease: LeaseId) -> BoxFuture<'_, MetaResult<Duration>> {
-        self.inner.lease_keep_alive_once(lease)
-    }
-    fn lease_revoke(&self, lease: LeaseId) -> BoxFuture<'_, MetaResult<()>> {
-        self.inner.lease_revoke(lease)
-    }
-    fn lease_time_to_live(&self, lease: LeaseId) -> BoxFuture<'_, MetaResult<Option<LeaseInfo>>> {
-        self.inner.lease_time_to_live(lease)
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-}
+type Store = FaultyStore;
 
 const OWNER: &[u8] = b"/tycho/test/kvpt_groups/00000";
 
@@ -112,7 +23,7 @@ fn cfg() -> WriterConfig {
 }
 
 async fn setup(cfg: WriterConfig) -> (Arc<Store>, OpLogWriter, Fence) {
-    let store = Store::new();
+    let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
     let rev = store.put(OWNER, b"primary: a", None).await.unwrap();
     let fence = Fence { key: OWNER.to_vec(), mod_revision: rev };
     let w = OpLogWriter::open(store.clone(), LogKeys::new("test", 0), fence.clone(), 0, 1, cfg).await.unwrap();
@@ -134,7 +45,7 @@ async fn durable_prefix(store: &Store) -> u64 {
 /// Waits (bounded) until the store has seen `n` transactions.
 async fn until_txns(store: &Store, n: u64) {
     for _ in 0..5000 {
-        if store.txns.load(Ordering::SeqCst) >= n {
+        if store.txns() >= n {
             return;
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -167,15 +78,15 @@ async fn records_commit_in_order_in_bounded_batches() {
 #[tokio::test]
 async fn records_appended_during_a_commit_form_the_next_batch() {
     let (store, w, _) = setup(cfg()).await;
-    store.mode.store(HOLD, Ordering::SeqCst);
+    store.set_txn_fault(TxnFault::Hold);
     w.append(rec(1)).unwrap();
     until_txns(&store, 1).await;
     for i in 2..=4 {
         w.append(rec(i)).unwrap();
     }
     assert_eq!(w.durable(), 0);
-    store.mode.store(NORMAL, Ordering::SeqCst);
-    store.release.add_permits(1);
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
     w.wait(4).await.unwrap();
     let sizes: Vec<(u64, usize)> = batches(&store).await.iter().map(|b| (b.first_seq, b.records.len())).collect();
     assert_eq!(sizes, vec![(1, 1), (2, 3)]);
@@ -215,10 +126,10 @@ async fn a_log_written_by_another_writer_fences_this_one() {
 async fn an_unknown_outcome_is_read_back_not_repeated_or_skipped() {
     let (store, w, _) = setup(cfg()).await;
     // Committed, but the answer was lost: read back as committed, not written twice.
-    store.mode.store(APPLY_THEN_LOSE, Ordering::SeqCst);
+    store.set_txn_fault(TxnFault::ApplyThenLose);
     w.wait(w.append(rec(1)).unwrap()).await.unwrap();
     // Lost before it ran: sent again under the same sequence numbers.
-    store.mode.store(LOSE, Ordering::SeqCst);
+    store.set_txn_fault(TxnFault::Lose);
     let s = w.append(rec(2)).unwrap();
     assert_eq!(s, 2);
     w.wait(s).await.unwrap();
@@ -227,14 +138,14 @@ async fn an_unknown_outcome_is_read_back_not_repeated_or_skipped() {
         log.iter().map(|b| (b.first_seq, b.records.clone())).collect::<Vec<_>>(),
         vec![(1, vec![rec(1)]), (2, vec![rec(2)])]
     );
-    assert_eq!(store.txns.load(Ordering::SeqCst), 3, "the lost request was sent once more");
+    assert_eq!(store.txns(), 3, "the lost request was sent once more");
     assert_eq!(durable_prefix(&store).await, 2);
 }
 
 #[tokio::test]
 async fn a_full_queue_is_busy_and_a_reopened_log_continues_its_numbering() {
     let (store, w, fence) = setup(WriterConfig { max_queued_records: 3, ..cfg() }).await;
-    store.mode.store(HOLD, Ordering::SeqCst);
+    store.set_txn_fault(TxnFault::Hold);
     w.append(rec(1)).unwrap();
     until_txns(&store, 1).await;
     for i in 2..=4 {
@@ -243,8 +154,8 @@ async fn a_full_queue_is_busy_and_a_reopened_log_continues_its_numbering() {
     let busy = w.append(rec(5)).unwrap_err();
     assert_eq!(busy, LogError::Busy);
     assert!(busy.code().retry_class() == tycho_proto::RetryClass::RetrySame, "busy is retryable");
-    store.mode.store(NORMAL, Ordering::SeqCst);
-    store.release.add_permits(1);
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
     w.wait(4).await.unwrap();
     w.close();
     assert!(matches!(w.append(rec(6)), Err(LogError::Closed)));

@@ -34,6 +34,8 @@ mod clock;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "testing")]
+pub mod faults;
 mod kv;
 mod lease;
 mod limits;
