@@ -199,11 +199,7 @@ fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
     let pinging = Arc::new(AtomicBool::new(true));
     rt.block_on(async {
         let c = MasterClient::connect(&addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
-        for s in 0..FAKE_SEGMENTS {
-            mount_fake(&c, owner, s).await?;
-        }
-        keep_alive(c.clone(), owner, pinging.clone());
-        populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
+        prepare(&c, owner, &keys, &pinging).await?;
         let mut results = Vec::new();
         for w in &args.workloads {
             let st = run_workload(&addr, w, &args, owner, keys.clone(), server_pid).await?;
@@ -239,6 +235,16 @@ async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), S
     };
     c.call(&Request::MountSegment { client, segment: desc }).await.map_err(|e| format!("mount: {e}"))?;
     Ok(())
+}
+
+/// Makes `owner` hold the fake segments, pinging the master while `alive` is set, and writes
+/// `keys` for the read workloads.
+async fn prepare(c: &MasterClient, owner: ClientId, keys: &[KeyRef], alive: &Arc<AtomicBool>) -> Result<(), String> {
+    for s in 0..FAKE_SEGMENTS {
+        mount_fake(c, owner, s).await?;
+    }
+    keep_alive(c.clone(), owner, alive.clone());
+    populate(c, owner, keys, 1000, ReplicateConfig::default()).await
 }
 
 fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
@@ -657,11 +663,7 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             };
             // Reconnect, as the registered client when there is one.
             let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
-            for s in 0..FAKE_SEGMENTS {
-                mount_fake(&c, owner, s).await?;
-            }
-            keep_alive(c.clone(), owner, alive.clone());
-            populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
+            prepare(&c, owner, &keys, &alive).await?;
             owners.push(owner);
         }
         for w in &args.workloads {
@@ -736,11 +738,7 @@ fn probe_compare(args: &BenchMasterArgs) -> Result<(), String> {
         for addr in [&on_addr, &off_addr] {
             let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
             let owner = ClientId(rand::random());
-            for s in 0..FAKE_SEGMENTS {
-                mount_fake(&c, owner, s).await?;
-            }
-            keep_alive(c.clone(), owner, alive.clone());
-            populate(&c, owner, &keys, 1000, ReplicateConfig::default()).await?;
+            prepare(&c, owner, &keys, &alive).await?;
             owners.push(owner);
         }
         for w in &args.workloads {
