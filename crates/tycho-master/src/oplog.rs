@@ -191,13 +191,30 @@ impl OpLogWriter {
     /// Queues `rec` and returns its sequence number; never blocks. Fails at once when the queue
     /// is full (busy), or when the writer is fenced or closed.
     pub fn append(&self, rec: Record) -> Result<u64, LogError> {
-        let size = postcard::serialize_with_flavor(&rec, postcard::ser_flavors::Size::default()).unwrap_or(0);
-        let mut q = self.shared.queue.lock();
+        self.admit()?;
+        self.append_admitted(rec)
+    }
+
+    /// Whether a mutation may be decided now: busy while the queue is full. Checked before the
+    /// decision, since a record that is applied must then be logged.
+    pub fn admit(&self) -> Result<(), LogError> {
+        let q = self.shared.queue.lock();
         if let Some(e) = &q.closed {
             return Err(e.clone());
         }
         if q.waiting.len() >= self.shared.cfg.max_queued_records {
             return Err(LogError::Busy);
+        }
+        Ok(())
+    }
+
+    /// Queues `rec` whatever the queue's length (it was admitted); fails only once the log has
+    /// ended.
+    pub fn append_admitted(&self, rec: Record) -> Result<u64, LogError> {
+        let size = postcard::serialize_with_flavor(&rec, postcard::ser_flavors::Size::default()).unwrap_or(0);
+        let mut q = self.shared.queue.lock();
+        if let Some(e) = &q.closed {
+            return Err(e.clone());
         }
         let seq = q.next_seq;
         q.next_seq += 1;
@@ -209,13 +226,7 @@ impl OpLogWriter {
 
     /// Waits until record `seq` is durable; fails if the log ends before it is.
     pub async fn wait(&self, seq: u64) -> Result<(), LogError> {
-        let mut rx = self.shared.progress.subscribe();
-        let p = rx.wait_for(|p| p.durable >= seq || p.failed.is_some()).await.map_err(|_| LogError::Closed)?.clone();
-        if p.durable >= seq {
-            Ok(())
-        } else {
-            Err(p.failed.unwrap_or(LogError::Closed))
-        }
+        wait_for(&self.shared, seq).await
     }
 
     /// The sequence number of the last durable record.
@@ -238,6 +249,40 @@ impl OpLogWriter {
 impl Drop for OpLogWriter {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// Waits until record `seq` of `shared`'s log is durable, or the log ends first.
+async fn wait_for(shared: &Shared, seq: u64) -> Result<(), LogError> {
+    let mut rx = shared.progress.subscribe();
+    let p = rx.wait_for(|p| p.durable >= seq || p.failed.is_some()).await.map_err(|_| LogError::Closed)?.clone();
+    if p.durable >= seq {
+        Ok(())
+    } else {
+        Err(p.failed.unwrap_or(LogError::Closed))
+    }
+}
+
+/// A primary's records go to its group's log. A record the log no longer takes (it was fenced
+/// or closed) gets a number that never becomes durable, so its mutation is never acknowledged.
+impl crate::record::RecordSink for OpLogWriter {
+    fn append(&self, rec: Record) -> u64 {
+        match self.append_admitted(rec) {
+            Ok(seq) => seq,
+            Err(e) => {
+                tracing::error!(error = %e, "a record was applied but the OpLog no longer takes records");
+                u64::MAX
+            }
+        }
+    }
+
+    fn durable(&self, seq: u64) -> crate::record::DurableFuture {
+        let shared = self.shared.clone();
+        Box::pin(async move { wait_for(&shared, seq).await.map_err(|e| e.code()) })
+    }
+
+    fn admit(&self) -> Result<(), ErrorCode> {
+        OpLogWriter::admit(self).map_err(|e| e.code())
     }
 }
 

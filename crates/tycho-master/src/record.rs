@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tycho_proto::envelope::{self, EnvelopeError, RecordKind};
-use tycho_proto::{ClientId, SegmentDesc, SegmentId};
+use tycho_proto::{ClientId, ErrorCode, SegmentDesc, SegmentId};
 
 use crate::object::Pins;
 
@@ -157,12 +157,26 @@ pub enum Record {
     },
 }
 
+/// Resolves once a record is durable; an error means it never will be, and the mutation must
+/// not be acknowledged.
+pub type DurableFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ErrorCode>> + Send>>;
+
 /// Where a primary's records go, in the order it applies them: the group's OpLog writer, or a
 /// test's recorder. `append` is called under the lock of the key's shard, so it must not block
-/// on anything that takes a shard lock.
+/// on anything that takes a shard lock, and it must not refuse a record for lack of room
+/// (admission is checked before the decision): the record is applied already.
 pub trait RecordSink: Send + Sync {
-    /// Takes the next record.
-    fn append(&self, rec: Record);
+    /// Takes the next record; returns its sequence number in the log.
+    fn append(&self, rec: Record) -> u64;
+
+    /// Resolves once record `seq` is durable.
+    fn durable(&self, seq: u64) -> DurableFuture;
+
+    /// Whether a mutation may be decided now (checked before the decision: a record that is
+    /// applied must then be taken). A full log answers a retryable busy code.
+    fn admit(&self) -> Result<(), ErrorCode> {
+        Ok(())
+    }
 }
 
 /// Consecutive records of one group's log.

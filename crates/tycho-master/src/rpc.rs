@@ -64,6 +64,17 @@ fn same_tenant(a: &str, b: &str) -> bool {
     a.len() == b.len() && (a.is_empty() || a == b)
 }
 
+/// `resp` once record `seq` is durable; the log's error instead if it never will be.
+async fn when_durable(m: &Master, seq: u64, resp: Response) -> Response {
+    match m.durable(seq) {
+        None => resp,
+        Some(wait) => match wait.await {
+            Ok(()) => resp,
+            Err(code) => Response::Error(code),
+        },
+    }
+}
+
 fn done(r: WireResult<()>) -> Response {
     r.map_or_else(Response::Error, |()| Response::Done)
 }
@@ -77,7 +88,16 @@ impl MasterRpc {
     {
         let master = self.master.clone();
         Reply::Later(Box::pin(async move {
-            tokio::task::spawn_blocking(move || f(&master)).await.unwrap_or(Response::Error(ErrorCode::INTERNAL_ERROR))
+            let m = master.clone();
+            let run = move || {
+                Master::take_logged();
+                let resp = f(&m);
+                (resp, Master::take_logged())
+            };
+            match tokio::task::spawn_blocking(run).await {
+                Ok((resp, seq)) => when_durable(&master, seq, resp).await,
+                Err(_) => Response::Error(ErrorCode::INTERNAL_ERROR),
+            }
         }))
     }
 }
@@ -115,7 +135,19 @@ impl Service for MasterRpc {
         fail::fail_point!("master::rpc::stall");
         let index = req.index();
         let start = Instant::now();
-        let reply = match self.authorize(&req, peer) {
+        // A mutation is answered only once its records are durable: what this thread logs
+        // while it runs the request inline is waited for below (`blocking` does the same on
+        // its thread).
+        Master::take_logged();
+        // A mutation is admitted only while the log can take its records (busy otherwise):
+        // once decided and applied, a record must be logged.
+        let checked = self.authorize(&req, peer).and_then(|r| {
+            if req.mutates() {
+                self.master.admit()?;
+            }
+            Ok(r)
+        });
+        let reply = match checked {
             // An admin unmounts any client's segment; its owner is told to remount.
             Ok(None)
                 if peer.admin && self.master.secret().is_some() && matches!(req, Request::UnmountSegment { .. }) =>
@@ -126,6 +158,21 @@ impl Service for MasterRpc {
             Ok(None) => self.dispatch(req),
             Ok(Some(narrowed)) => self.dispatch(narrowed),
             Err(code) => Reply::Ready(Response::Error(code)),
+        };
+        // (A request that went on to a blocking thread may have logged records here first: a
+        // batch start's first attempt. Its answer waits for those too.)
+        let reply = match self.master.durable(Master::take_logged()) {
+            None => reply,
+            Some(wait) => Reply::Later(Box::pin(async move {
+                let resp = match reply {
+                    Reply::Ready(resp) => resp,
+                    Reply::Later(later) => later.await,
+                };
+                match wait.await {
+                    Ok(()) => resp,
+                    Err(code) => Response::Error(code),
+                }
+            })),
         };
         match reply {
             Reply::Ready(resp) => {

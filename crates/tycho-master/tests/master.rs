@@ -1586,8 +1586,14 @@ fn descriptors_carry_capabilities_and_readers_share_one() {
 struct Recorder(parking_lot::Mutex<Vec<tycho_master::record::Record>>);
 
 impl tycho_master::record::RecordSink for Recorder {
-    fn append(&self, rec: tycho_master::record::Record) {
-        self.0.lock().push(rec);
+    fn append(&self, rec: tycho_master::record::Record) -> u64 {
+        let mut log = self.0.lock();
+        log.push(rec);
+        log.len() as u64
+    }
+
+    fn durable(&self, _seq: u64) -> tycho_master::record::DurableFuture {
+        Box::pin(async { Ok(()) })
     }
 }
 

@@ -305,21 +305,12 @@ async fn a_follower_tails_the_log_as_it_grows() {
 /// Segment, offset and generation of each replica.
 type Ranges = Vec<(tycho_proto::SegmentId, u64, u32)>;
 
-/// Sends a primary master's records to its OpLog writer.
-struct ToLog(OpLogWriter);
-
-impl tycho_master::record::RecordSink for ToLog {
-    fn append(&self, rec: Record) {
-        self.0.append(rec).expect("the test's log takes every record");
-    }
-}
-
 #[tokio::test]
 async fn a_standby_master_follows_a_primary_through_the_log() {
     use tycho_master::{ManualClock, Master, MasterConfig, WriteMode};
     use tycho_proto::*;
     let (store, w, _) = setup(WriterConfig::default()).await;
-    let sink = Arc::new(ToLog(w));
+    let sink = Arc::new(w);
     let primary = Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000)));
     assert!(primary.set_record_sink(sink.clone()));
     let a = ClientId(7);
@@ -352,8 +343,8 @@ async fn a_standby_master_follows_a_primary_through_the_log() {
     for i in (0..50).step_by(7) {
         let _ = primary.remove(&RemoveKey { tenant: String::new(), key: kref(&format!("obj-{i}")), force: true });
     }
-    let last = sink.0.append(Record::Unmount { segment: SegmentId(99) }).unwrap();
-    sink.0.wait(last).await.unwrap();
+    let last = sink.append(Record::Unmount { segment: SegmentId(99) }).unwrap();
+    sink.wait(last).await.unwrap();
 
     let standby = Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000)));
     let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 16);
@@ -385,4 +376,114 @@ async fn a_standby_master_follows_a_primary_through_the_log() {
     let (objects, used) = view(&primary);
     assert_eq!(objects.len(), 37, "45 committed (5 revoked), 8 removed");
     assert_eq!(view(&standby), (objects, used));
+}
+
+#[tokio::test]
+async fn the_master_answers_a_mutation_only_once_its_record_is_durable() {
+    use tycho_master::{ManualClock, Master, MasterConfig, MasterRpc, RpcMetrics, WriteMode};
+    use tycho_proto::auth::handshake::Peer;
+    use tycho_proto::*;
+    use tycho_rpc::{Reply, Service};
+
+    let (store, w, _) = setup(cfg()).await;
+    let log = Arc::new(w);
+    let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000))));
+    assert!(master.set_record_sink(log.clone()));
+    let rpc = MasterRpc::new(master.clone(), Arc::new(RpcMetrics::default()));
+    let admin = Peer { authenticated: true, client: None, admin: true };
+    let a = ClientId(7);
+    let desc = SegmentDesc {
+        id: SegmentId(1),
+        name: "s".into(),
+        base: 0,
+        size: 1 << 24,
+        endpoint: "10.0.0.1:1".into(),
+        host: "h".into(),
+        incarnation: 1,
+    };
+    master.mount_segment(a, desc).unwrap();
+    let key = |k: &str| KeyRef { key: k.into(), route: tycho_routing::route_for("", k, 1) };
+    let start = |k: &str, id: u64| WriteStart {
+        client: a,
+        tenant: String::new(),
+        key: key(k),
+        size: 4096,
+        config: ReplicateConfig::default(),
+        write_id: id,
+    };
+    master.write_start(WriteMode::Put, &start("k1", 1)).unwrap();
+    master.write_start(WriteMode::Put, &start("k2", 2)).unwrap();
+    log.wait(Master::take_logged()).await.unwrap();
+
+    // The commit's record cannot become durable while the store holds the transaction: no
+    // answer until it does.
+    let txns = store.txns();
+    store.set_txn_fault(TxnFault::Hold);
+    let end =
+        |k: &str, id: u64| Request::PutEnd(WriteFinish { client: a, tenant: String::new(), key: key(k), write_id: id });
+    let Reply::Later(answer) = rpc.call(end("k1", 1), &admin) else { panic!("a logged mutation was answered at once") };
+    let mut answer = tokio::spawn(answer);
+    until_txns(&store, txns + 1).await;
+    assert!(tokio::time::timeout(Duration::from_millis(20), &mut answer).await.is_err(), "answered before durable");
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
+    assert!(matches!(answer.await.unwrap(), Response::Committed(_)));
+
+    // Reads log nothing and are answered at once.
+    let read = Request::ExistKey(KeyQuery { tenant: String::new(), key: key("k1") });
+    assert!(matches!(rpc.call(read, &admin), Reply::Ready(Response::Exists(true))));
+
+    // Once the group moved, a commit is applied here but never durable: it is refused.
+    store.put(OWNER, b"primary: b", None).await.unwrap();
+    let Reply::Later(answer) = rpc.call(end("k2", 2), &admin) else { panic!("a logged mutation was answered at once") };
+    match answer.await {
+        Response::Error(code) => assert_eq!(code, ErrorCode::KVPT_NOT_OWNED),
+        other => panic!("a commit that cannot be durable was answered {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_full_log_turns_mutations_away_before_deciding_them() {
+    use tycho_master::{ManualClock, Master, MasterConfig, MasterRpc, RpcMetrics};
+    use tycho_proto::auth::handshake::Peer;
+    use tycho_proto::*;
+    use tycho_rpc::{Reply, Service};
+
+    let (store, w, _) = setup(WriterConfig { max_queued_records: 2, ..cfg() }).await;
+    let log = Arc::new(w);
+    let master = Arc::new(Master::new(MasterConfig::default(), Arc::new(ManualClock::new(1_000))));
+    assert!(master.set_record_sink(log.clone()));
+    let rpc = MasterRpc::new(master.clone(), Arc::new(RpcMetrics::default()));
+    let admin = Peer { authenticated: true, client: None, admin: true };
+    // Fill the queue behind a held transaction.
+    store.set_txn_fault(TxnFault::Hold);
+    log.append(rec(1)).unwrap();
+    until_txns(&store, 1).await;
+    for i in 2..=3 {
+        log.append(rec(i)).unwrap();
+    }
+    assert_eq!(log.admit(), Err(LogError::Busy));
+    let remove = Request::Remove(RemoveKey {
+        tenant: String::new(),
+        key: KeyRef { key: "k".into(), route: tycho_routing::route_for("", "k", 1) },
+        force: true,
+    });
+    match rpc.call(remove, &admin) {
+        Reply::Ready(Response::Error(code)) => {
+            assert_eq!(code, ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS);
+            assert_eq!(code.retry_class(), RetryClass::RetrySame);
+        }
+        _ => panic!("a mutation was admitted into a full log"),
+    }
+    assert_eq!(Master::take_logged(), 0, "nothing was decided or logged");
+    // Reads are not turned away.
+    let read = Request::ExistKey(KeyQuery {
+        tenant: String::new(),
+        key: KeyRef { key: "k".into(), route: tycho_routing::route_for("", "k", 1) },
+    });
+    assert!(matches!(rpc.call(read, &admin), Reply::Ready(Response::Exists(false))));
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
+    log.wait(3).await.unwrap();
+    assert_eq!(log.admit(), Ok(()));
 }

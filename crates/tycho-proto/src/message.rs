@@ -243,6 +243,24 @@ pub enum Request {
 }
 
 impl Request {
+    /// Whether the request may change durable metadata (and so is logged by an HA master).
+    pub fn mutates(&self) -> bool {
+        !matches!(
+            self,
+            Request::Ping { .. }
+                | Request::ServiceReady
+                | Request::Register { .. }
+                | Request::GetReplicaList(_)
+                | Request::BatchGetReplicaList(_)
+                | Request::ExistKey(_)
+                | Request::BatchExistKey(_)
+                | Request::ListSegments
+                | Request::ListKeys { .. }
+                | Request::Stats
+                | Request::HealthCheck
+        )
+    }
+
     /// How many keys a batch request names (0 for any other request).
     pub fn batch_len(&self) -> usize {
         match self {

@@ -42,6 +42,11 @@ pub enum ReplayError {
     Mount(SegmentId, ErrorCode),
 }
 
+thread_local! {
+    /// The highest sequence number this thread logged since [`Master::take_logged`].
+    static LOGGED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// The record of a replica's range.
 pub(super) fn range_rec(r: &Replica) -> RangeRec {
     RangeRec {
@@ -72,11 +77,35 @@ impl Master {
         unix.saturating_sub(self.unix_offset)
     }
 
-    /// Hands the record `make` builds to the sink, if there is one (it is built only then).
+    /// Hands the record `make` builds to the sink, if there is one (it is built only then), and
+    /// notes its sequence number for [`Master::take_logged`].
     pub(super) fn log(&self, make: impl FnOnce() -> Record) {
         if let Some(s) = self.sink.get() {
-            s.append(make());
+            let seq = s.append(make());
+            LOGGED.with(|c| c.set(c.get().max(seq)));
         }
+    }
+
+    /// The highest sequence number the calling thread logged since its last call (0: none),
+    /// and starts over. An RPC takes it before and after running a request on one thread, and
+    /// answers only once that record is durable ([`Master::durable`]).
+    pub fn take_logged() -> u64 {
+        LOGGED.with(|c| c.replace(0))
+    }
+
+    /// Whether a mutation may be decided now: busy (retryable) while the log is full, the log's
+    /// error once it has ended.
+    pub fn admit(&self) -> Result<(), ErrorCode> {
+        self.sink.get().map_or(Ok(()), |s| s.admit())
+    }
+
+    /// Resolves once record `seq` is durable; `None` when there is nothing to wait for (no
+    /// record, or no log).
+    pub fn durable(&self, seq: u64) -> Option<crate::record::DurableFuture> {
+        if seq == 0 {
+            return None;
+        }
+        self.sink.get().map(|s| s.durable(seq))
     }
 
     /// A write starts: `replicas` (reserved already) are its ranges.
