@@ -5,8 +5,11 @@
 //! [`Record`]. A record says what happened, never what to decide: the primary decides (checks
 //! ownership, conflicts, leases, liveness) and then applies the record, a standby replays the
 //! same records in the same order, and a snapshot import replays them too. So a record carries
-//! everything its effect depends on (exact ranges with their generations, times), and applying
-//! it reads no clock and no segment liveness.
+//! what its effect depends on (exact ranges with their generations, times). Not yet everything:
+//! applying a commit or a replica drop still reads the applier's segment liveness, and replay
+//! still defers ranges by the applier's clock (which only housekeeping releases); both can make
+//! a standby diverge from its primary, and are to be replaced by explicit records (the state of
+//! issue 12 in docs/architecture.md).
 //!
 //! Records travel in [`RecordBatch`]es: consecutive sequence numbers of one group under one
 //! epoch, sealed in a versioned, checksummed envelope (`tycho_proto::envelope`). A reader
