@@ -13,6 +13,12 @@ pub trait Clock: Send + Sync + 'static {
     /// that leave the master (log records, which another master replays) are Unix times; each
     /// master converts them with its own offset, read once.
     fn unix_offset_ms(&self) -> u64;
+
+    /// Unix milliseconds now, as the hosts that check capabilities read their own clocks:
+    /// capability expiries are minted and waited out on this reading.
+    fn unix_now_ms(&self) -> u64 {
+        self.now_ms().saturating_add(self.unix_offset_ms())
+    }
 }
 
 /// The Unix time a [`ManualClock`]'s zero stands for, the same for every manual clock, so that
@@ -46,6 +52,12 @@ impl Clock for SystemClock {
         let age = self.start.elapsed();
         let unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         (unix.saturating_sub(age).as_millis() as u64).saturating_sub(1)
+    }
+
+    fn unix_now_ms(&self) -> u64 {
+        // The wall clock itself, not the monotonic one shifted: a stepped wall clock moves the
+        // holders' checks too.
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
     }
 }
 

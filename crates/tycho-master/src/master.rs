@@ -18,7 +18,7 @@ use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
 use crate::record::{Record, RecordSink};
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
-use tycho_proto::auth::capability::{tenant_tag, unix_ms, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::capability::{tenant_tag, CLOCK_SKEW_MS, RIGHT_READ, RIGHT_WRITE};
 
 mod apply;
 mod group;
@@ -60,6 +60,8 @@ pub struct Counters {
     /// Objects removed by a client (Remove, its batch form, RemoveByRegex, RemoveAll, replica
     /// clear).
     pub objects_removed: AtomicU64,
+    /// Freed replica ranges held back until their last read grant expired.
+    pub ranges_held_for_readers: AtomicU64,
     /// Housekeeping rounds that skipped client expiry because the master itself was stalled.
     pub expiry_pauses: AtomicU64,
 }
@@ -81,6 +83,9 @@ struct ClientEntry {
 struct Deferred {
     release_at: u64,
     replicas: Vec<Replica>,
+    /// Held only for readers' grants (not for a writer): a remount's new generation voids
+    /// those grants, so the range need not stay taken in the new incarnation.
+    readers_only: bool,
 }
 
 /// A range of an unfinished write on a segment that went away: offset, bytes, release time.
@@ -215,7 +220,7 @@ impl Master {
         let group = kvpt_to_rank(partition_of_encoded(key), self.cfg.group_count.max(1));
         Grant {
             rights,
-            expires_ms: unix_ms().saturating_add(ttl_ms),
+            expires_ms: self.clock.unix_now_ms().saturating_add(ttl_ms),
             epoch: self.group(group).map_or(0, Group::epoch),
             group: group as u16,
             tenant: decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t)),
@@ -337,7 +342,7 @@ impl Master {
         let carried: Vec<(u64, u64, u64)> = {
             let mut orphaned = self.orphaned.lock();
             let mut list = orphaned.remove(&id).unwrap_or_default();
-            for d in self.deferred.lock().iter() {
+            for d in self.deferred.lock().iter().filter(|d| !d.readers_only) {
                 for r in d.replicas.iter().filter(|r| r.seg.desc.id == id && !r.seg.is_alive()) {
                     list.push((r.alloc.offset, r.alloc.reserved, d.release_at));
                 }
@@ -737,7 +742,7 @@ impl Master {
         };
         let mut replaced: Vec<ReplicaDesc> =
             old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
-        old.into_iter().for_each(Replica::release);
+        self.release_read(old, now);
         if let Some(t) = self.group_of_key(key).and_then(|g| g.tombstones_of(key).lock().remove(key)) {
             if t.until > now {
                 replaced.extend(t.ranges);
@@ -841,7 +846,7 @@ impl Master {
     /// The wall-clock time (Unix ms) a read grant handed out now must last until.
     fn read_grant_until(&self) -> u64 {
         match self.cfg.secret {
-            Some(_) => unix_ms().saturating_add(self.cfg.default_kv_lease_ttl_ms),
+            Some(_) => self.clock.unix_now_ms().saturating_add(self.cfg.default_kv_lease_ttl_ms),
             None => 0,
         }
     }
@@ -923,7 +928,37 @@ impl Master {
         if until <= now {
             replicas.into_iter().for_each(Replica::release);
         } else {
-            self.deferred.lock().push(Deferred { release_at: until, replicas });
+            self.deferred.lock().push(Deferred { release_at: until, replicas, readers_only: false });
+        }
+    }
+
+    /// Frees the ranges of committed replicas that went away (removed, evicted, replaced,
+    /// dropped), except those whose last read grant a holder may still accept: a reader that
+    /// keeps its grant past its lease must never read the next object written there. Such a
+    /// range stays taken until the grant has expired by every clock within the allowed skew of
+    /// this one (the holder's may lag this clock by [`CLOCK_SKEW_MS`] and accepts a grant that
+    /// long after its expiry).
+    pub(super) fn release_read(&self, replicas: impl IntoIterator<Item = Replica>, now: u64) {
+        let mut held = Vec::new();
+        let mut until = now;
+        let mut wall = None;
+        for r in replicas {
+            let Some(expires) = r.read_grant_expiry() else {
+                r.release();
+                continue;
+            };
+            let wall = *wall.get_or_insert_with(|| self.clock.unix_now_ms());
+            let end = expires.saturating_add(2 * CLOCK_SKEW_MS);
+            if end <= wall {
+                r.release();
+                continue;
+            }
+            until = until.max(now.saturating_add(end - wall));
+            held.push(r);
+        }
+        if !held.is_empty() {
+            self.counters.ranges_held_for_readers.fetch_add(held.len() as u64, Ordering::Relaxed);
+            self.deferred.lock().push(Deferred { release_at: until, replicas: held, readers_only: true });
         }
     }
 
@@ -931,7 +966,7 @@ impl Master {
     /// check generations); an unfinished write's stay reserved until its release timeout, as
     /// its writer may still be copying into them.
     fn dispose(&self, obj: ObjectMeta, now: u64) {
-        obj.replicas.into_iter().for_each(Replica::release);
+        self.release_read(obj.replicas, now);
         if let Some(p) = obj.pending {
             self.defer(p.replicas, p.started_ms + self.cfg.put_start_release_timeout_ms, now);
         }

@@ -212,7 +212,7 @@ impl Master {
             std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.id == segment);
         obj.replicas = kept;
         let mut dropped = gone.len();
-        gone.into_iter().for_each(Replica::release);
+        self.release_read(gone, now);
         if let Some(p) = &mut obj.pending {
             let until = p.started_ms + self.cfg.put_start_release_timeout_ms;
             let (gone, kept): (Vec<Replica>, Vec<Replica>) =
@@ -285,8 +285,9 @@ impl Master {
                 let mut map = shard_of(key)?.write();
                 check_pending(&map, key, *writer, *write_id, "WriteEnd")?;
                 // An error: every segment it wrote to died here too, and the write is gone.
-                if let Ok((old, _)) = self.apply_write_end(&mut map, key, self.local_time(*at_ms)) {
-                    old.into_iter().for_each(Replica::release);
+                let at = self.local_time(*at_ms);
+                if let Ok((old, _)) = self.apply_write_end(&mut map, key, at) {
+                    self.release_read(old, at);
                 }
                 Ok(())
             }
