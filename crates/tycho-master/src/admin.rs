@@ -264,10 +264,15 @@ fn router(state: Arc<AdminState>) -> Router {
         .route("/livez", get(|| async { "ok\n" }))
         .route("/health", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    // The listings name every tenant's keys: with a cluster secret, only for requests that
+    // send it.
+    let listings = Router::new()
         .route("/get_all_segments", get(all_segments))
         .route("/get_all_keys", get(all_keys))
-        .route("/query_key", get(query_key));
+        .route("/query_key", get(query_key))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_secret));
+    let r = r.merge(listings);
     #[cfg(feature = "failpoints")]
     let r = r.route("/fail/{name}", axum::routing::put(fail_set).delete(fail_remove));
     r.with_state(state)
@@ -293,24 +298,26 @@ fn json<T: serde::Serialize>(v: &T) -> HttpResponse {
     }
 }
 
-async fn all_segments(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> HttpResponse {
-    if let Some(no) = s.refuse(&headers) {
-        return no;
+/// Passes a request on only when it carries the cluster secret (or none is set).
+async fn require_secret(
+    State(s): State<Arc<AdminState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> HttpResponse {
+    match s.refuse(req.headers()) {
+        Some(no) => no,
+        None => next.run(req).await,
     }
+}
+
+async fn all_segments(State(s): State<Arc<AdminState>>) -> HttpResponse {
     json(&s.master.list_segments())
 }
 
 /// One page of keys: `?limit=N` (default 1000, at most 10,000), `?tenant=T` (one tenant), and
 /// `?after=CURSOR` (the `next` of the previous page). Answers
 /// `{"keys": [{"tenant", "key"}...], "next": CURSOR or null}`.
-async fn all_keys(
-    State(s): State<Arc<AdminState>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> HttpResponse {
-    if let Some(no) = s.refuse(&headers) {
-        return no;
-    }
+async fn all_keys(State(s): State<Arc<AdminState>>, Query(q): Query<HashMap<String, String>>) -> HttpResponse {
     let limit = match q.get("limit").map(|l| l.parse::<usize>()) {
         None => KEYS_PAGE_DEFAULT,
         Some(Ok(n)) => n.clamp(1, KEYS_PAGE_MAX),
@@ -333,14 +340,7 @@ async fn all_keys(
     }
 }
 
-async fn query_key(
-    State(s): State<Arc<AdminState>>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
-) -> HttpResponse {
-    if let Some(no) = s.refuse(&headers) {
-        return no;
-    }
+async fn query_key(State(s): State<Arc<AdminState>>, Query(q): Query<HashMap<String, String>>) -> HttpResponse {
     let Some(key) = q.get("key").cloned() else {
         return (StatusCode::BAD_REQUEST, "missing ?key=\n").into_response();
     };

@@ -17,6 +17,7 @@ pub mod ownership;
 pub mod record;
 mod rpc;
 mod segment;
+pub mod standby;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -77,9 +77,9 @@ struct ClientEntry {
     must_remount: AtomicBool,
 }
 
-/// Ranges waiting to be freed because an old writer may still be writing into them (a write
-/// pre-empted or dropped without its writer's word). Readers never hold ranges back: they
-/// check generations instead.
+/// Ranges waiting to be freed: an old writer may still be writing into them (a write
+/// pre-empted or dropped without its writer's word), or a reader may still hold a grant for
+/// them ([`Master::release_read`]).
 struct Deferred {
     release_at: u64,
     replicas: Vec<Replica>,
@@ -132,6 +132,11 @@ pub struct Master {
     stalled_at: AtomicU64,
     /// Where the records of this master's mutations go (an OpLog writer), if anywhere.
     sink: std::sync::OnceLock<Arc<dyn RecordSink>>,
+    /// Until when (master clock) every freed range is held back: after a takeover, for the
+    /// read grants the old primary minted, which this master never saw.
+    frees_held_until: AtomicU64,
+    /// How many of its groups this master serves.
+    serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
     pub counters: Counters,
 }
@@ -156,6 +161,8 @@ impl Master {
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
             sink: std::sync::OnceLock::new(),
+            frees_held_until: AtomicU64::new(0),
+            serving_groups: std::sync::atomic::AtomicUsize::new(groups),
             counters: Counters::default(),
         }
     }
@@ -239,7 +246,7 @@ impl Master {
             return Err(ErrorCode::STALE_ROUTE);
         }
         let rank = kvpt_to_rank(pid, self.cfg.group_count.max(1));
-        let Some(group) = self.group(rank) else { return Err(ErrorCode::KVPT_NOT_OWNED) };
+        let Some(group) = self.group(rank).filter(|g| g.is_serving()) else { return Err(ErrorCode::KVPT_NOT_OWNED) };
         // Epoch fence: an older epoch is a stale route; a newer one means the client has
         // seen an owner change this master has not, so it must not serve the key.
         let epoch = group.epoch();
@@ -727,11 +734,25 @@ impl Master {
         if !ours {
             // A retried end of a write that already committed is harmless.
             // It gets the same ranges to retire: its first answer may have been lost.
+            // It is answered once the commit is durable, as the first answer would have been.
             let done = obj.is_complete() && obj.writer == client && obj.version == write_id;
-            return if done { Ok(obj.replaced.clone()) } else { Err(ErrorCode::WRITE_DROPPED) };
+            if !done {
+                return Err(ErrorCode::WRITE_DROPPED);
+            }
+            self.await_logged();
+            return Ok(obj.replaced.clone());
         }
-        self.log(|| Record::WriteEnd { key: key.to_vec(), writer: client, write_id, at_ms: self.unix_time(now) });
-        let (old, old_size) = self.apply_write_end(map, key, now)?;
+        // The commit's outcome depends on which of its segments are alive now: the record
+        // carries that decision, so that a replay reaches the same one.
+        let dropped = Self::dead_segments_of_pending(map, key);
+        self.log(|| Record::WriteEnd {
+            key: key.to_vec(),
+            writer: client,
+            write_id,
+            at_ms: self.unix_time(now),
+            dropped: dropped.clone(),
+        });
+        let (old, old_size) = self.apply_write_end(map, key, now, &dropped)?;
         // Readers still copying the old value find its generations changed once the space is
         // reused (or retired by the writer), and read again: the old value's space is free at
         // once.
@@ -941,20 +962,27 @@ impl Master {
     pub(super) fn release_read(&self, replicas: impl IntoIterator<Item = Replica>, now: u64) {
         let mut held = Vec::new();
         let mut until = now;
-        let mut wall = None;
-        for r in replicas {
-            let Some(expires) = r.read_grant_expiry() else {
-                r.release();
-                continue;
-            };
-            let wall = *wall.get_or_insert_with(|| self.clock.unix_now_ms());
-            let end = expires.saturating_add(2 * CLOCK_SKEW_MS);
-            if end <= wall {
-                r.release();
-                continue;
+        // Shortly after a takeover every range is held: the old primary's grants are unknown.
+        let after_takeover = self.frees_held_until.load(Ordering::Relaxed);
+        if after_takeover > now {
+            held.extend(replicas);
+            until = after_takeover;
+        } else {
+            let mut wall = None;
+            for r in replicas {
+                let Some(expires) = r.read_grant_expiry() else {
+                    r.release();
+                    continue;
+                };
+                let wall = *wall.get_or_insert_with(|| self.clock.unix_now_ms());
+                let end = expires.saturating_add(2 * CLOCK_SKEW_MS);
+                if end <= wall {
+                    r.release();
+                    continue;
+                }
+                until = until.max(now.saturating_add(end - wall));
+                held.push(r);
             }
-            until = until.max(now.saturating_add(end - wall));
-            held.push(r);
         }
         if !held.is_empty() {
             self.counters.ranges_held_for_readers.fetch_add(held.len() as u64, Ordering::Relaxed);
@@ -1015,6 +1043,51 @@ impl Master {
                 t.retain(|_, x| x.until > now);
             }
         }
+    }
+
+    // ---- failover ------------------------------------------------------------------------
+
+    /// Serves group `rank` as its primary under `epoch` from now on, with the state replayed
+    /// from its log (a standby's promotion, or a master that restored the group). What the
+    /// log does not carry is made safe here: every known client counts as just heard from
+    /// (pings are not logged), every object as read-leased for one lease (the old primary's
+    /// readers may still be copying, and its leases are unknown), and no freed range is reused
+    /// before every read grant the old primary could have minted has expired (two leases and
+    /// twice the clock skew). Unfinished writes keep their start times: they are discarded
+    /// and released by the usual timeouts. False if this master does not hold the group.
+    pub fn take_over(&self, rank: u32, epoch: u64) -> bool {
+        let Some(group) = self.group(rank) else { return false };
+        let now = self.now();
+        for c in self.clients.read().values() {
+            c.last_ping.fetch_max(now, Ordering::Relaxed);
+        }
+        let lease = self.cfg.default_kv_lease_ttl_ms;
+        for shard in group.shards.iter() {
+            for obj in shard.read().values() {
+                obj.extend_lease(now + lease);
+            }
+        }
+        self.frees_held_until.fetch_max(now + 2 * lease + 2 * CLOCK_SKEW_MS, Ordering::Relaxed);
+        group.set_epoch(epoch);
+        if !group.set_serving(true) {
+            self.serving_groups.fetch_add(1, Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Stops answering requests for group `rank` (they get KVPT_NOT_OWNED): this master only
+    /// replays its log (a standby), or lost it. False if this master does not hold the group.
+    pub fn stand_by(&self, rank: u32) -> bool {
+        let Some(group) = self.group(rank) else { return false };
+        if group.set_serving(false) {
+            self.serving_groups.fetch_sub(1, Ordering::AcqRel);
+        }
+        true
+    }
+
+    /// Whether this master serves any group; one that serves none answers only probes.
+    pub fn is_serving(&self) -> bool {
+        self.serving_groups.load(Ordering::Acquire) > 0
     }
 
     /// Remove one object; a leased or unfinished one only with `force`.
@@ -1222,6 +1295,13 @@ impl Master {
             let _held = self.all_shards().next().expect("a master holds a group").write();
             std::thread::sleep(std::time::Duration::from_millis(ms));
         });
+        // A master that serves nothing only replays its groups' logs: expiring clients or
+        // evicting here would decide what only the primary decides. Held ranges are let go
+        // (a replayed start that needs one would let it go anyway).
+        if !self.is_serving() {
+            self.free_deferred();
+            return;
+        }
         self.expire_clients();
         self.free_deferred();
         self.expire_tombstones(self.now());
@@ -1400,6 +1480,9 @@ impl Master {
     /// capacity, so that a stream of misses does not run a round per write). Returns (objects,
     /// bytes) evicted.
     pub fn evict_round(&self, req: RoundRequest) -> (u64, u64) {
+        if !self.is_serving() {
+            return (0, 0);
+        }
         let now = self.now();
         let mut plain: Vec<Candidate> = Vec::new();
         let mut pinned: Vec<Candidate> = Vec::new();

@@ -12,12 +12,15 @@
 //!      put oplog/{rank}/durable          = sealed last sequence number
 //! ```
 //!
-//! A compare that fails means another master owns the group or wrote its log: the writer is
-//! fenced for good, every waiting and later mutation fails with KVPT_NOT_OWNED, and the master
-//! must stop serving the group. A transaction whose outcome is unknown (the store did not
-//! answer) is resolved by reading the durable prefix back: committed, not committed (the same
-//! batch is sent again, under the same sequence numbers, so the log has no gap), or changed by
-//! someone else (fenced). Records committed while a batch is in flight form the next batch.
+//! A transaction that fails its compares, or whose outcome is unknown (the store did not
+//! answer), is resolved by reading the durable prefix back: the batch is there (an earlier
+//! attempt landed after all), the prefix is where this writer left it (not committed: the same
+//! batch is sent again under the same sequence numbers, so the log has no gap), or someone else
+//! moved it (fenced). With the prefix in place, a failed compare means the ownership record
+//! changed: if it still names this primary at this epoch (only its standbys changed) the fence
+//! is renewed, else the writer is fenced for good: every waiting and later mutation fails with
+//! KVPT_NOT_OWNED, and the master must stop serving the group. Records committed while a batch
+//! is in flight form the next batch.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -29,7 +32,7 @@ use tycho_meta::{Compare, MetaError, MetaStore, RangeRequest, Revision, Txn, Txn
 use tycho_proto::envelope::{self, RecordKind};
 use tycho_proto::ErrorCode;
 
-use crate::record::{Record, RecordBatch};
+use crate::record::{Record, RecordBatch, MAX_BATCH_RECORDS};
 
 /// Layout version of the durable-prefix record.
 const PREFIX_VERSION: u16 = 1;
@@ -82,12 +85,16 @@ pub struct Fence {
     pub key: Vec<u8>,
     /// Its mod revision when this master became the group's primary.
     pub mod_revision: Revision,
+    /// The primary and epoch this writer commits as. A change of the record that keeps both
+    /// (a standby joined or left) renews the fence at the record's new revision; any other
+    /// change ends the log. `None`: every change ends it.
+    pub owner: Option<(String, u64)>,
 }
 
 /// Batch and queue bounds.
 #[derive(Debug, Clone)]
 pub struct WriterConfig {
-    /// Most records in one batch.
+    /// Most records in one batch (at most [`MAX_BATCH_RECORDS`]).
     pub max_batch_records: usize,
     /// Most encoded record bytes in one batch (etcd refuses requests above 1.5 MiB).
     pub max_batch_bytes: usize,
@@ -100,7 +107,7 @@ pub struct WriterConfig {
 impl Default for WriterConfig {
     fn default() -> Self {
         WriterConfig {
-            max_batch_records: 1024,
+            max_batch_records: MAX_BATCH_RECORDS,
             max_batch_bytes: 1 << 20,
             max_queued_records: 64 * 1024,
             retry_backoff: Duration::from_millis(50),
@@ -246,6 +253,12 @@ impl OpLogWriter {
     }
 }
 
+impl std::fmt::Debug for OpLogWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpLogWriter").field("durable", &self.durable()).finish_non_exhaustive()
+    }
+}
+
 impl Drop for OpLogWriter {
     fn drop(&mut self) {
         self.close();
@@ -283,6 +296,10 @@ impl crate::record::RecordSink for OpLogWriter {
 
     fn admit(&self) -> Result<(), ErrorCode> {
         OpLogWriter::admit(self).map_err(|e| e.code())
+    }
+
+    fn appended(&self) -> u64 {
+        self.shared.queue.lock().next_seq - 1
     }
 }
 
@@ -331,8 +348,27 @@ struct Committer {
     shared: Arc<Shared>,
 }
 
+/// Ends the log when the commit task stops, however it stops (a panic included), so that no
+/// waiter waits forever.
+struct EndsLog(Arc<Shared>);
+
+impl Drop for EndsLog {
+    fn drop(&mut self) {
+        end(&self.0, LogError::Closed);
+    }
+}
+
+/// How a transaction that did not succeed turned out.
+enum Outcome {
+    /// The batch is in the log.
+    Committed,
+    /// It is not: send it again.
+    Retry,
+}
+
 impl Committer {
     async fn run(mut self) {
+        let _ends = EndsLog(self.shared.clone());
         loop {
             let batch = match self.next_batch() {
                 Ok(Some(b)) => b,
@@ -366,9 +402,8 @@ impl Committer {
         let Some(&(first_seq, _, _)) = q.waiting.front() else { return Ok(None) };
         let (mut count, mut bytes) = (0, 0);
         for (_, _, size) in q.waiting.iter() {
-            if count > 0
-                && (count >= self.shared.cfg.max_batch_records || bytes + size > self.shared.cfg.max_batch_bytes)
-            {
+            let max_records = self.shared.cfg.max_batch_records.clamp(1, MAX_BATCH_RECORDS);
+            if count > 0 && (count >= max_records || bytes + size > self.shared.cfg.max_batch_bytes) {
                 break;
             }
             count += 1;
@@ -378,7 +413,7 @@ impl Committer {
         Ok(Some(RecordBatch { group: self.group, epoch: self.epoch, first_seq, records }))
     }
 
-    /// Commits one batch, resolving unknown outcomes by reading the prefix back.
+    /// Commits one batch, resolving failed and unknown outcomes by reading the prefix back.
     async fn commit(&mut self, batch: &RecordBatch) -> Result<(), LogError> {
         debug_assert_eq!(batch.first_seq, self.durable + 1, "batches continue the log");
         let last = batch.last_seq();
@@ -393,37 +428,87 @@ impl Committer {
                     TxnOp::put(self.keys.batch(batch.first_seq), encoded.clone()),
                     TxnOp::put(self.keys.durable(), encode_prefix(last)),
                 ]);
-            match self.store.txn(txn).await {
+            let unknown = match self.store.txn(txn).await {
                 Ok(r) if r.succeeded => {
                     self.durable = last;
                     self.durable_rev = r.revision;
                     return Ok(());
                 }
-                Ok(_) => return Err(LogError::Fenced("the ownership record or the log changed".into())),
+                Ok(_) => false,
                 Err(e) if e.is_unavailable() || matches!(e, MetaError::Other(_)) => {
                     tracing::warn!(group = self.group, error = %e, "OpLog commit outcome unknown; reading it back");
                     tokio::time::sleep(self.shared.cfg.retry_backoff).await;
-                    let (durable, rev) = match read_prefix(&*self.store, &self.keys).await {
-                        Ok(x) => x,
-                        Err(e) => return Err(e),
-                    };
-                    if durable == last && rev != self.durable_rev && self.holds(batch.first_seq, &encoded).await? {
-                        // It went through before the answer was lost.
-                        self.durable = last;
-                        self.durable_rev = rev;
-                        return Ok(());
-                    }
-                    if durable != self.durable || rev != self.durable_rev {
-                        return Err(LogError::Fenced(format!(
-                            "the log's durable prefix moved to {durable} under this writer (expected {})",
-                            self.durable
-                        )));
-                    }
-                    // Not committed: send the same batch again.
+                    true
                 }
                 Err(e) => return Err(LogError::Refused(e.to_string())),
+            };
+            match self.resolve(batch.first_seq, last, &encoded, unknown).await? {
+                Outcome::Committed => return Ok(()),
+                Outcome::Retry => {}
             }
         }
+    }
+
+    /// Finds out what became of a batch whose transaction failed its compares or went
+    /// unanswered (`unknown`).
+    async fn resolve(&mut self, first_seq: u64, last: u64, encoded: &[u8], unknown: bool) -> Result<Outcome, LogError> {
+        let (durable, rev) = read_prefix(&*self.store, &self.keys).await?;
+        if durable == last && rev != self.durable_rev && self.holds(first_seq, encoded).await? {
+            // An earlier attempt went through; its answer was lost, or arrived after the
+            // read-back that sent the batch again.
+            self.durable = last;
+            self.durable_rev = rev;
+            return Ok(Outcome::Committed);
+        }
+        if durable != self.durable || rev != self.durable_rev {
+            return Err(LogError::Fenced(format!(
+                "the log's durable prefix moved to {durable} under this writer (expected {})",
+                self.durable
+            )));
+        }
+        if unknown {
+            return Ok(Outcome::Retry);
+        }
+        // The prefix is in place, so the ownership record failed its compare.
+        self.renew_fence().await?;
+        Ok(Outcome::Retry)
+    }
+
+    /// Re-reads the ownership record after it changed: still this primary at this epoch renews
+    /// the fence at its new revision; anything else fences the writer.
+    async fn renew_fence(&mut self) -> Result<(), LogError> {
+        let Some((primary, epoch)) = self.fence.owner.clone() else {
+            return Err(LogError::Fenced("the ownership record changed".into()));
+        };
+        let kv = loop {
+            match self.store.get(&self.fence.key).await {
+                Ok(r) => break r.kv,
+                Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
+                Err(e) => return Err(LogError::Refused(e.to_string())),
+            }
+        };
+        let Some(kv) = kv else { return Err(LogError::Fenced("the ownership record is gone".into())) };
+        let record = crate::ownership::GroupRecord::decode(&kv.value).map_err(|e| {
+            LogError::Fenced(format!("the ownership record changed into one this build cannot read: {e}"))
+        })?;
+        if record.primary != primary || record.epoch != epoch || record.state != crate::ownership::GroupState::Stable {
+            return Err(LogError::Fenced(format!(
+                "the group is now {} under {} at epoch {} (this writer: {primary} at epoch {epoch})",
+                match record.state {
+                    crate::ownership::GroupState::Stable => "stable",
+                    crate::ownership::GroupState::Migrating => "migrating",
+                },
+                record.primary,
+                record.epoch
+            )));
+        }
+        tracing::info!(
+            group = self.group,
+            revision = kv.mod_revision,
+            "ownership record changed, same primary and epoch: fence renewed"
+        );
+        self.fence.mod_revision = kv.mod_revision;
+        Ok(())
     }
 
     /// Whether the log holds exactly `encoded` as the batch starting at `first_seq`.
@@ -499,13 +584,17 @@ pub struct LogFollower {
     group: u32,
     applied: u64,
     page: usize,
+    /// `applied` is the last record of a batch (or 0), so the next batch starts right after
+    /// it. False until the first catch-up when the follower starts from a snapshot, which may
+    /// end inside a batch.
+    aligned: bool,
 }
 
 impl LogFollower {
     /// A follower of `keys` (group `group`) that has applied every record up to `applied` and
     /// reads at most `page` batches per request.
     pub fn new(store: Arc<dyn MetaStore>, keys: LogKeys, group: u32, applied: u64, page: usize) -> LogFollower {
-        LogFollower { store, keys, group, applied, page: page.max(1) }
+        LogFollower { store, keys, group, applied, page: page.max(1), aligned: applied == 0 }
     }
 
     /// The sequence number of the last record applied.
@@ -529,10 +618,16 @@ impl LogFollower {
         if durable == self.applied {
             return Ok(durable);
         }
-        // Every page at the prefix's revision: the batches and the prefix agree.
+        // Every page at the prefix's revision: the batches and the prefix agree. A follower
+        // that may stand inside a batch starts early enough to find the batch that holds its
+        // next record.
+        let from = match self.aligned {
+            true => self.applied + 1,
+            false => (self.applied + 1).saturating_sub(MAX_BATCH_RECORDS as u64 - 1).max(1),
+        };
         let mut req = RangeRequest {
             prefix: self.keys.batches(),
-            start: Some(self.keys.batch(self.applied + 1)),
+            start: Some(self.keys.batch(from)),
             limit: self.page,
             revision: Some(revision),
         };
@@ -546,7 +641,10 @@ impl LogFollower {
                         batch.group, batch.first_seq
                     )));
                 }
-                if batch.first_seq != self.applied + 1 {
+                if !self.aligned && batch.last_seq() <= self.applied {
+                    continue;
+                }
+                if batch.first_seq > self.applied + 1 || (self.aligned && batch.first_seq != self.applied + 1) {
                     return Err(FollowError::Gap { expected: self.applied + 1, found: batch.first_seq });
                 }
                 if batch.last_seq() > durable {
@@ -556,10 +654,12 @@ impl LogFollower {
                         batch.last_seq()
                     )));
                 }
-                for (seq, rec) in (batch.first_seq..).zip(&batch.records) {
+                let done = self.applied;
+                for (seq, rec) in (batch.first_seq..).zip(&batch.records).filter(|(seq, _)| *seq > done) {
                     apply(seq, rec).map_err(|error| FollowError::Diverged { seq, error })?;
                     self.applied = seq;
                 }
+                self.aligned = true;
             }
             match req.next_page(&page) {
                 Some(next) => req = next,

@@ -78,7 +78,9 @@ pub struct GroupRecord {
     pub state: GroupState,
     /// The target of a migration in progress.
     pub migrating_to: Option<String>,
-    /// Raised by one on every change; requests and capabilities carry it.
+    /// Raised by one whenever who serves the group changes (primary, state, migration
+    /// target); a change of the standbys alone keeps it. Requests and capabilities carry it,
+    /// and the primary's OpLog commits only while the record names it at its epoch.
     pub epoch: u64,
 }
 
@@ -203,8 +205,9 @@ pub async fn create_group(
     Ok((record, rev))
 }
 
-/// Changes a group record read at `read.1`: `change` edits it and the epoch rises by one. Fails
-/// with the current record if anyone changed it since.
+/// Changes who serves a group, from its record read at `read.1`: `change` edits it and the
+/// epoch rises by one, which fences the old primary's log. Fails with the current record if
+/// anyone changed it since.
 pub async fn change_group(
     store: &dyn MetaStore,
     keys: &ClusterKeys,
@@ -215,6 +218,21 @@ pub async fn change_group(
     change(&mut next);
     next.rank = read.0.rank;
     next.epoch = read.0.epoch + 1;
+    let rev = store.compare_and_swap(&keys.group(read.0.rank), read.1, &next.encode(), None).await.map_err(conflict)?;
+    Ok((next, rev))
+}
+
+/// Changes the standbys of a group record read at `read.1`, keeping its primary, state and
+/// epoch (the primary's log goes on committing). Fails with the current record if anyone
+/// changed it since.
+pub async fn change_standbys(
+    store: &dyn MetaStore,
+    keys: &ClusterKeys,
+    read: &(GroupRecord, Revision),
+    change: impl FnOnce(&mut Vec<String>),
+) -> Result<(GroupRecord, Revision), OwnershipError> {
+    let mut next = read.0.clone();
+    change(&mut next.standbys);
     let rev = store.compare_and_swap(&keys.group(read.0.rank), read.1, &next.encode(), None).await.map_err(conflict)?;
     Ok((next, rev))
 }
@@ -255,29 +273,43 @@ pub async fn masters(
 pub enum Decision {
     /// The group does not exist and this is the oldest live master: create it as its primary.
     Create,
-    /// This master is the group's primary: serve it.
+    /// This master is the group's primary and holds its state: serve it.
     Serve,
+    /// This master is named the group's primary but holds none of its state (it restarted):
+    /// hand the group to this live standby, which has it (epoch + 1).
+    HandTo(String),
     /// This master is a listed standby: replay the log.
     Follow,
     /// Join as the group's standby (it has none, and this is the oldest master without a role).
     JoinAsStandby,
     /// The primary is gone and this master should take the group over: it is the first live
-    /// standby, or the group has no live standby and this is the oldest idle master.
+    /// standby, or the group has no live standby and this is the oldest idle master (or the
+    /// restarted primary itself), which restores it from snapshot and log first.
     TakeOver,
     /// Nothing to do now.
     Wait,
 }
 
-/// The decision of master `me` about a group, given the live registrations (oldest first) and
-/// the group's record.
-pub fn decide(me: &str, live: &[(MasterRegistration, Revision)], group: Option<&GroupRecord>) -> Decision {
+/// The decision of master `me` about a group, given the live registrations (oldest first), the
+/// group's record, and whether `me` holds the group's state (it has served or followed it
+/// since it started: a restarted master holds nothing).
+pub fn decide(
+    me: &str,
+    live: &[(MasterRegistration, Revision)],
+    group: Option<&GroupRecord>,
+    holds_state: bool,
+) -> Decision {
     let alive = |id: &str| live.iter().any(|(r, _)| r.id == id);
     let Some(g) = group else {
         return if live.first().is_some_and(|(r, _)| r.id == me) { Decision::Create } else { Decision::Wait };
     };
-    let live_standbys: Vec<&String> = g.standbys.iter().filter(|s| alive(s)).collect();
+    let live_standbys: Vec<&String> = g.standbys.iter().filter(|s| alive(s) && s.as_str() != me).collect();
     if g.primary == me {
-        return Decision::Serve;
+        return match (holds_state, live_standbys.first()) {
+            (true, _) => Decision::Serve,
+            (false, Some(s)) => Decision::HandTo(s.to_string()),
+            (false, None) => Decision::TakeOver,
+        };
     }
     if !alive(&g.primary) {
         // The first live standby promotes; without one, the oldest live master not in the
@@ -328,26 +360,30 @@ mod tests {
     fn every_master_reaches_the_same_roles() {
         let all = live(&["a", "b", "c"]);
         // No group yet: only the oldest creates it.
-        assert_eq!(decide("a", &all, None), Decision::Create);
-        assert_eq!(decide("b", &all, None), Decision::Wait);
+        assert_eq!(decide("a", &all, None, false), Decision::Create);
+        assert_eq!(decide("b", &all, None, false), Decision::Wait);
         // A primary without a standby: the oldest master without a role joins.
         let g = group("a", &[]);
-        assert_eq!(decide("a", &all, Some(&g)), Decision::Serve);
-        assert_eq!(decide("b", &all, Some(&g)), Decision::JoinAsStandby);
-        assert_eq!(decide("c", &all, Some(&g)), Decision::Wait);
+        assert_eq!(decide("a", &all, Some(&g), true), Decision::Serve);
+        assert_eq!(decide("b", &all, Some(&g), true), Decision::JoinAsStandby);
+        assert_eq!(decide("c", &all, Some(&g), true), Decision::Wait);
         // With a standby, later masters wait idle.
         let g = group("a", &["b"]);
-        assert_eq!(decide("b", &all, Some(&g)), Decision::Follow);
-        assert_eq!(decide("c", &all, Some(&g)), Decision::Wait);
+        assert_eq!(decide("b", &all, Some(&g), true), Decision::Follow);
+        assert_eq!(decide("c", &all, Some(&g), true), Decision::Wait);
         // The primary dies: its standby takes over, nobody else.
         let without_a = live(&["b", "c"]);
-        assert_eq!(decide("b", &without_a, Some(&g)), Decision::TakeOver);
-        assert_eq!(decide("c", &without_a, Some(&g)), Decision::Wait);
+        assert_eq!(decide("b", &without_a, Some(&g), true), Decision::TakeOver);
+        assert_eq!(decide("c", &without_a, Some(&g), true), Decision::Wait);
         // Primary and standby dead: the oldest live master takes over.
-        assert_eq!(decide("c", &live(&["c", "d"]), Some(&g)), Decision::TakeOver);
-        assert_eq!(decide("d", &live(&["c", "d"]), Some(&g)), Decision::Wait);
+        assert_eq!(decide("c", &live(&["c", "d"]), Some(&g), true), Decision::TakeOver);
+        assert_eq!(decide("d", &live(&["c", "d"]), Some(&g), true), Decision::Wait);
+        // A restarted primary holds nothing: it hands the group to its live standby, or takes
+        // it over itself (from snapshot and log) when it has none.
+        assert_eq!(decide("a", &all, Some(&g), false), Decision::HandTo("b".into()));
+        assert_eq!(decide("a", &live(&["a", "c"]), Some(&g), false), Decision::TakeOver);
         // A standby listed but dead does not count: a live master joins in its place.
-        assert_eq!(decide("c", &live(&["a", "c"]), Some(&g)), Decision::JoinAsStandby);
+        assert_eq!(decide("c", &live(&["a", "c"]), Some(&g), true), Decision::JoinAsStandby);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use tycho_proto::{ClientId, ErrorCode, SegmentDesc, SegmentId};
 
 use crate::object::Pins;
 
-/// Layout version of [`RecordBatch`] this build writes and the newest it reads.
-pub const RECORD_VERSION: u16 = 1;
+/// Layout version of [`RecordBatch`] this build writes and the only one it reads.
+pub const RECORD_VERSION: u16 = 2;
 
 /// A replica's range as the log names it: enough to reserve exactly the same bytes under the
 /// same generation on replay.
@@ -102,6 +102,10 @@ pub enum Record {
         write_id: u64,
         /// When it committed (Unix ms): soft pins count from here.
         at_ms: u64,
+        /// Segments whose replicas of the write the commit left out, as dead: the primary's
+        /// decision, so that a replay decides alike whatever it sees of those segments (an
+        /// unmount racing the commit may sit on either side of it in the log).
+        dropped: Vec<SegmentId>,
     },
     /// The writer revoked its write: its ranges are free.
     WriteRevoke {
@@ -175,6 +179,10 @@ pub trait RecordSink: Send + Sync {
     /// Resolves once record `seq` is durable.
     fn durable(&self, seq: u64) -> DurableFuture;
 
+    /// The sequence number of the last record taken (0: none yet). An answer that reports an
+    /// earlier mutation (a retried PutEnd) waits until everything up to it is durable.
+    fn appended(&self) -> u64;
+
     /// Whether a mutation may be decided now (checked before the decision: a record that is
     /// applied must then be taken). A full log answers a retryable busy code.
     fn admit(&self) -> Result<(), ErrorCode> {
@@ -204,7 +212,7 @@ pub enum RecordError {
     /// The envelope is sound but its payload is not a batch of this version.
     #[error("malformed record batch: {0}")]
     Malformed(String),
-    /// An empty batch, or a first sequence number of 0.
+    /// An empty batch, one of more than [`MAX_BATCH_RECORDS`], or a first sequence number of 0.
     #[error("record batch numbering is invalid (first {first_seq}, {count} records)")]
     Numbering {
         /// First sequence number stated.
@@ -213,6 +221,10 @@ pub enum RecordError {
         count: usize,
     },
 }
+
+/// Most records in one batch: writers never make bigger ones, readers refuse them, and a
+/// follower resuming inside a batch looks this far back for it.
+pub const MAX_BATCH_RECORDS: usize = 1024;
 
 impl RecordBatch {
     /// Sequence number of the last record.
@@ -228,10 +240,21 @@ impl RecordBatch {
 
     /// Opens a stored batch; refuses newer layouts, damage, and invalid numbering.
     pub fn decode(bytes: &[u8]) -> Result<RecordBatch, RecordError> {
-        let (_version, payload) = envelope::open(RecordKind::OpLogBatch, RECORD_VERSION, bytes)?;
+        let (version, payload) = envelope::open(RecordKind::OpLogBatch, RECORD_VERSION, bytes)?;
+        // Version 1 (a WriteEnd without its dropped segments) was never released: refused.
+        if version < RECORD_VERSION {
+            return Err(RecordError::Envelope(EnvelopeError::UnknownVersion {
+                found: version,
+                newest: RECORD_VERSION,
+            }));
+        }
         let batch: RecordBatch = postcard::from_bytes(payload).map_err(|e| RecordError::Malformed(e.to_string()))?;
         let count = batch.records.len();
-        if count == 0 || batch.first_seq == 0 || batch.first_seq.checked_add(count as u64).is_none() {
+        if count == 0
+            || count > MAX_BATCH_RECORDS
+            || batch.first_seq == 0
+            || batch.first_seq.checked_add(count as u64).is_none()
+        {
             return Err(RecordError::Numbering { first_seq: batch.first_seq, count });
         }
         Ok(batch)
@@ -272,7 +295,13 @@ mod tests {
                     pins: PinsRec { soft_pin_ttl_ms: Some(60_000), preserve_soft_pin: false, hard_pin: true },
                     replicas: vec![range],
                 },
-                Record::WriteEnd { key: b"\x01tkey".to_vec(), writer: ClientId(5), write_id: 99, at_ms: 1005 },
+                Record::WriteEnd {
+                    key: b"\x01tkey".to_vec(),
+                    writer: ClientId(5),
+                    write_id: 99,
+                    at_ms: 1005,
+                    dropped: vec![SegmentId(8)],
+                },
                 Record::WriteRevoke { key: b"k".to_vec(), writer: ClientId(5), write_id: 3 },
                 Record::WriteDrop { key: b"k".to_vec(), writer: ClientId(6), write_id: 4, release_at_ms: 9 },
                 Record::Remove { key: b"\x01tkey".to_vec(), at_ms: 2000, evicted: true },

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tycho_proto::auth::handshake::Peer;
 use tycho_proto::frame::FrameError;
-use tycho_proto::{ErrorCode, Request, Response, WireResult};
+use tycho_proto::{ErrorCode, Request, Response, SegmentId, WireResult};
 use tycho_rpc::{Reply, Service};
 
 use crate::master::{Master, WriteMode};
@@ -139,6 +139,12 @@ impl Service for MasterRpc {
         // while it runs the request inline is waited for below (`blocking` does the same on
         // its thread).
         Master::take_logged();
+        // A master that serves no group (a standby) answers only probes.
+        if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck) {
+            let resp = Response::Error(ErrorCode::KVPT_NOT_OWNED);
+            self.metrics.record(index, start.elapsed(), &resp);
+            return Reply::Ready(resp);
+        }
         // A mutation is admitted only while the log can take its records (busy otherwise):
         // once decided and applied, a record must be logged.
         let checked = self.authorize(&req, peer).and_then(|r| {
@@ -148,15 +154,9 @@ impl Service for MasterRpc {
             Ok(r)
         });
         let reply = match checked {
-            // An admin unmounts any client's segment; its owner is told to remount.
-            Ok(None)
-                if peer.admin && self.master.secret().is_some() && matches!(req, Request::UnmountSegment { .. }) =>
-            {
-                let Request::UnmountSegment { segment, .. } = req else { unreachable!("matched above") };
-                self.blocking(move |m| done(m.admin_unmount(segment)))
-            }
-            Ok(None) => self.dispatch(req),
-            Ok(Some(narrowed)) => self.dispatch(narrowed),
+            Ok(Authorized::AsIs) => self.dispatch(req),
+            Ok(Authorized::Narrowed(narrowed)) => self.dispatch(narrowed),
+            Ok(Authorized::AdminUnmount(segment)) => self.blocking(move |m| done(m.admin_unmount(segment))),
             Err(code) => Reply::Ready(Response::Error(code)),
         };
         // (A request that went on to a blocking thread may have logged records here first: a
@@ -195,6 +195,16 @@ impl Service for MasterRpc {
     }
 }
 
+/// What [`MasterRpc::authorize`] lets a request do.
+enum Authorized {
+    /// Serve it as it is.
+    AsIs,
+    /// Serve this instead: the request narrowed to the caller's tenant.
+    Narrowed(Request),
+    /// The admin unmounts a segment, whoever holds it; its owner is told to remount.
+    AdminUnmount(SegmentId),
+}
+
 /// Batches of more keys than this run on a blocking thread, so that RPC workers stay free for
 /// heartbeats and small calls.
 pub const BATCH_INLINE_KEYS: usize = 1024;
@@ -223,14 +233,18 @@ impl MasterRpc {
     /// Who may do what, when the master has a secret (see docs/security.md): a request that
     /// names a client must come from a connection that proved that client's credential; one
     /// that names a tenant, from a client of that tenant; listings without a tenant and RemoveAll
-    /// are narrowed to the caller's tenant. The admin credential may do anything. Answers the
-    /// request to run, or the refusal.
-    /// Checks `req` against what its connection proved. `Ok(None)`: serve it as it is;
-    /// `Ok(Some(r))`: serve `r` instead (a request narrowed to the caller's tenant). Borrowing
-    /// keeps the common case free of copies of the request.
-    fn authorize(&self, req: &Request, peer: &Peer) -> Result<Option<Request>, ErrorCode> {
-        if peer.admin || self.master.secret().is_none() {
-            return Ok(None);
+    /// are narrowed to the caller's tenant. The admin credential may do anything, and its
+    /// UnmountSegment takes any client's segment. Borrowing keeps the common case free of
+    /// copies of the request.
+    fn authorize(&self, req: &Request, peer: &Peer) -> Result<Authorized, ErrorCode> {
+        if self.master.secret().is_none() {
+            return Ok(Authorized::AsIs);
+        }
+        if peer.admin {
+            return Ok(match req {
+                Request::UnmountSegment { segment, .. } => Authorized::AdminUnmount(*segment),
+                _ => Authorized::AsIs,
+            });
         }
         let own = peer.client.as_ref();
         if let Some(c) = req.client() {
@@ -246,14 +260,22 @@ impl MasterRpc {
         Ok(match req {
             Request::ListKeys { tenant: None, regex, limit } => {
                 let (_, tenant) = own.ok_or(ErrorCode::PERMISSION_DENIED)?;
-                Some(Request::ListKeys { tenant: Some(tenant.clone()), regex: regex.clone(), limit: *limit })
+                Authorized::Narrowed(Request::ListKeys {
+                    tenant: Some(tenant.clone()),
+                    regex: regex.clone(),
+                    limit: *limit,
+                })
             }
             // RemoveAll of a tenant's client: every object of its tenant.
             Request::RemoveAll { force } => {
                 let (_, tenant) = own.ok_or(ErrorCode::PERMISSION_DENIED)?;
-                Some(Request::RemoveByRegex { tenant: tenant.clone(), regex: "(?s).*".into(), force: *force })
+                Authorized::Narrowed(Request::RemoveByRegex {
+                    tenant: tenant.clone(),
+                    regex: "(?s).*".into(),
+                    force: *force,
+                })
             }
-            _ => None,
+            _ => Authorized::AsIs,
         })
     }
 

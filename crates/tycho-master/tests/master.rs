@@ -1654,6 +1654,10 @@ impl tycho_master::record::RecordSink for Recorder {
     fn durable(&self, _seq: u64) -> tycho_master::record::DurableFuture {
         Box::pin(async { Ok(()) })
     }
+
+    fn appended(&self) -> u64 {
+        self.0.lock().len() as u64
+    }
 }
 
 /// Everything a replica list, a listing and the segment table say about a master's objects,

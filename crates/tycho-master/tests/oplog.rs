@@ -25,7 +25,7 @@ fn cfg() -> WriterConfig {
 async fn setup(cfg: WriterConfig) -> (Arc<Store>, OpLogWriter, Fence) {
     let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
     let rev = store.put(OWNER, b"primary: a", None).await.unwrap();
-    let fence = Fence { key: OWNER.to_vec(), mod_revision: rev };
+    let fence = Fence { key: OWNER.to_vec(), mod_revision: rev, owner: None };
     let w = OpLogWriter::open(store.clone(), LogKeys::new("test", 0), fence.clone(), 0, 1, cfg).await.unwrap();
     (store, w, fence)
 }
@@ -143,6 +143,25 @@ async fn an_unknown_outcome_is_read_back_not_repeated_or_skipped() {
 }
 
 #[tokio::test]
+async fn a_transaction_that_lands_after_it_was_read_back_as_lost_is_not_a_fence() {
+    let (store, w, _) = setup(cfg()).await;
+    // The first attempt goes unanswered and the read-back finds nothing, so the batch is sent
+    // again; the first attempt lands just before the second, which then fails its compare.
+    store.set_txn_fault(TxnFault::LoseThenApplyLate);
+    let s = w.append(rec(1)).unwrap();
+    w.wait(s).await.unwrap();
+    assert_eq!(store.txns(), 2);
+    // The log goes on: the next batch follows.
+    w.wait(w.append(rec(2)).unwrap()).await.unwrap();
+    let log = batches(&store).await;
+    assert_eq!(
+        log.iter().map(|b| (b.first_seq, b.records.clone())).collect::<Vec<_>>(),
+        vec![(1, vec![rec(1)]), (2, vec![rec(2)])]
+    );
+    assert_eq!(durable_prefix(&store).await, 2);
+}
+
+#[tokio::test]
 async fn a_full_queue_is_busy_and_a_reopened_log_continues_its_numbering() {
     let (store, w, fence) = setup(WriterConfig { max_queued_records: 3, ..cfg() }).await;
     store.set_txn_fault(TxnFault::Hold);
@@ -212,6 +231,18 @@ async fn a_follower_applies_every_record_in_order_across_pages() {
     let mut tail = Vec::new();
     later.catch_up(&mut collect(&mut tail)).await.unwrap();
     assert_eq!(tail.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (9..=13).collect::<Vec<_>>());
+    // From any position, inside a batch too (a snapshot need not end where a batch does),
+    // with pages of one batch or of many.
+    let boundaries: Vec<u64> = batches(&store).await.iter().map(|b| b.first_seq).collect();
+    assert!(boundaries.len() < 13, "some batch holds several records: {boundaries:?}");
+    for page in [1, 100] {
+        for from in 0..13 {
+            let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, from, page);
+            let mut tail = Vec::new();
+            assert_eq!(f.catch_up(&mut collect(&mut tail)).await.unwrap(), 13);
+            assert_eq!(tail, (from + 1..=13).map(|i| (i, rec(i))).collect::<Vec<_>>(), "from {from}, page {page}");
+        }
+    }
 }
 
 #[tokio::test]
@@ -425,9 +456,16 @@ async fn the_master_answers_a_mutation_only_once_its_record_is_durable() {
     let mut answer = tokio::spawn(answer);
     until_txns(&store, txns + 1).await;
     assert!(tokio::time::timeout(Duration::from_millis(20), &mut answer).await.is_err(), "answered before durable");
+    // A retried end of the same write finds it committed already: it waits for the record too.
+    let Reply::Later(retry) = rpc.call(end("k1", 1), &admin) else {
+        panic!("a retried commit was answered before its record was durable")
+    };
+    let mut retry = tokio::spawn(retry);
+    assert!(tokio::time::timeout(Duration::from_millis(20), &mut retry).await.is_err(), "retry answered early");
     store.set_txn_fault(TxnFault::None);
     store.release_txns(1);
     assert!(matches!(answer.await.unwrap(), Response::Committed(_)));
+    assert!(matches!(retry.await.unwrap(), Response::Committed(_)));
 
     // Reads log nothing and are answered at once.
     let read = Request::ExistKey(KeyQuery { tenant: String::new(), key: key("k1") });

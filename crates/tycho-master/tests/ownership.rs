@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use tycho_master::oplog::{Fence, LogError, LogKeys, OpLogWriter, WriterConfig};
 use tycho_master::ownership::{
-    change_group, create_group, decide, masters, read_group, register, ClusterKeys, Decision, MasterRegistration,
-    OwnershipError, Role,
+    change_group, change_standbys, create_group, decide, masters, read_group, register, ClusterKeys, Decision,
+    MasterRegistration, OwnershipError, Role,
 };
 use tycho_master::record::Record;
 use tycho_meta::{MemStore, MetaStore};
@@ -69,28 +69,34 @@ async fn a_dead_primary_is_replaced_by_its_standby_and_its_log_is_fenced() {
     assert_eq!(live.iter().map(|(r, _)| r.id.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
 
     // a creates the group and serves it; b joins as its standby; c waits.
-    assert_eq!(decide("a", &live, None), Decision::Create);
+    assert_eq!(decide("a", &live, None, false), Decision::Create);
     let created = create_group(&*store, &keys, 0, "a").await.unwrap();
-    assert_eq!(decide("b", &live, Some(&created.0)), Decision::JoinAsStandby);
-    let paired = change_group(&*store, &keys, &created, |g| g.standbys = vec!["b".into()]).await.unwrap();
-    assert_eq!(decide("a", &live, Some(&paired.0)), Decision::Serve);
-    assert_eq!(decide("b", &live, Some(&paired.0)), Decision::Follow);
-    assert_eq!(decide("c", &live, Some(&paired.0)), Decision::Wait);
+    assert_eq!(decide("b", &live, Some(&created.0), true), Decision::JoinAsStandby);
+    let paired = change_standbys(&*store, &keys, &created, |s| *s = vec!["b".into()]).await.unwrap();
+    assert_eq!(paired.0.epoch, created.0.epoch, "a standby joining changes nobody's epoch");
+    assert_eq!(decide("a", &live, Some(&paired.0), true), Decision::Serve);
+    assert_eq!(decide("b", &live, Some(&paired.0), true), Decision::Follow);
+    assert_eq!(decide("c", &live, Some(&paired.0), true), Decision::Wait);
 
     // a's OpLog writer commits under the record as a became primary of it.
-    let fence = Fence { key: keys.group(0), mod_revision: paired.1 };
+    let fence = Fence { key: keys.group(0), mod_revision: paired.1, owner: Some(("a".into(), paired.0.epoch)) };
     let log =
         OpLogWriter::open(store.clone(), LogKeys::new("c1", 0), fence, 0, paired.0.epoch, WriterConfig::default())
             .await
             .unwrap();
     let rec = |i: u64| Record::WriteRevoke { key: vec![i as u8], writer: ClientId(1), write_id: i };
     log.wait(log.append(rec(1)).unwrap()).await.unwrap();
+    // c joins as a second standby and leaves again: the primary's log goes on committing.
+    let more = change_standbys(&*store, &keys, &paired, |s| s.push("c".into())).await.unwrap();
+    log.wait(log.append(rec(2)).unwrap()).await.unwrap();
+    let paired = change_standbys(&*store, &keys, &more, |s| s.retain(|m| m != "c")).await.unwrap();
+    log.wait(log.append(rec(3)).unwrap()).await.unwrap();
 
     // a dies (its lease ends): b takes over; c, acting on the same view, loses the race.
     store.lease_revoke(leases[0]).await.unwrap();
     let live = masters(&*store, &keys).await.unwrap();
-    assert_eq!(decide("b", &live, Some(&paired.0)), Decision::TakeOver);
-    assert_eq!(decide("c", &live, Some(&paired.0)), Decision::Wait);
+    assert_eq!(decide("b", &live, Some(&paired.0), true), Decision::TakeOver);
+    assert_eq!(decide("c", &live, Some(&paired.0), true), Decision::Wait);
     let promoted = change_group(&*store, &keys, &paired, |g| {
         g.primary = "b".into();
         g.standbys.clear();
@@ -99,11 +105,11 @@ async fn a_dead_primary_is_replaced_by_its_standby_and_its_log_is_fenced() {
     .unwrap();
     let late = change_group(&*store, &keys, &paired, |g| g.primary = "c".into()).await.unwrap_err();
     assert!(matches!(late, OwnershipError::Conflict(Some(_))));
-    assert_eq!((promoted.0.primary.as_str(), promoted.0.epoch), ("b", 3));
-    assert_eq!(decide("c", &live, Some(&promoted.0)), Decision::JoinAsStandby);
+    assert_eq!((promoted.0.primary.as_str(), promoted.0.epoch), ("b", 2));
+    assert_eq!(decide("c", &live, Some(&promoted.0), true), Decision::JoinAsStandby);
 
     // Anything a (paused, not dead) still tries to commit is refused by the store.
-    let after = log.append(rec(2)).unwrap();
+    let after = log.append(rec(4)).unwrap();
     assert!(matches!(log.wait(after).await, Err(LogError::Fenced(_))));
-    assert_eq!(log.durable(), 1);
+    assert_eq!(log.durable(), 3);
 }

@@ -23,6 +23,9 @@ pub enum TxnFault {
     ApplyThenLose = 2,
     /// Lose the request before it runs (`Unavailable`); the next transaction runs normally.
     Lose = 3,
+    /// Answer `Unavailable` at once but run the transaction late: just before the next
+    /// transaction (a request the store applies after its sender gave up on it).
+    LoseThenApplyLate = 4,
 }
 
 /// The wrapper.
@@ -34,6 +37,8 @@ pub struct FaultyStore {
     release: tokio::sync::Semaphore,
     renew_fails: AtomicBool,
     renew_delay_ms: AtomicU64,
+    /// A transaction to run before the next one ([`TxnFault::LoseThenApplyLate`]).
+    late: parking_lot::Mutex<Option<Txn>>,
 }
 
 impl FaultyStore {
@@ -46,6 +51,7 @@ impl FaultyStore {
             release: tokio::sync::Semaphore::new(0),
             renew_fails: AtomicBool::new(false),
             renew_delay_ms: AtomicU64::new(0),
+            late: parking_lot::Mutex::new(None),
         }
     }
 
@@ -101,6 +107,10 @@ impl MetaStore for FaultyStore {
                     .compare_exchange(f as u8, TxnFault::None as u8, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
             };
+            let late = self.late.lock().take();
+            if let Some(late) = late {
+                let _ = self.inner.txn(late).await;
+            }
             if self.txn_fault.load(Ordering::SeqCst) == TxnFault::Hold as u8 {
                 self.release.acquire().await.map_err(|_| MetaError::Closed)?.forget();
             } else if once(TxnFault::ApplyThenLose) {
@@ -108,6 +118,9 @@ impl MetaStore for FaultyStore {
                 return Err(MetaError::Unavailable("injected: the answer was lost".into()));
             } else if once(TxnFault::Lose) {
                 return Err(MetaError::Unavailable("injected: the request was lost".into()));
+            } else if once(TxnFault::LoseThenApplyLate) {
+                *self.late.lock() = Some(txn);
+                return Err(MetaError::Unavailable("injected: no answer (the request runs later)".into()));
             }
             self.inner.txn(txn).await
         })

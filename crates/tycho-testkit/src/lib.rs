@@ -18,5 +18,5 @@ mod process;
 mod temp_dir;
 
 pub use etcd::{EtcdConfig, EtcdServer};
-pub use process::{MasterProc, NodeProc, Proc};
+pub use process::{run_cli, text, MasterProc, NodeProc, Proc};
 pub use temp_dir::TempDir;

@@ -167,3 +167,28 @@ impl NodeProc {
         NodeProc { proc, hostname }
     }
 }
+
+/// Runs the command-line tool `bin` once: `bin <args> --master <master>`, with `env` added to
+/// its environment (the cluster secret variables removed first, so that a test names its
+/// credentials explicitly) and `input` on standard input; waits for it and returns its output.
+pub fn run_cli(bin: &str, master: &str, args: &[&str], env: &[(&str, &str)], input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(bin)
+        .args(args)
+        .args(["--master", master])
+        .env_remove("TYCHO_SECRET_FILE")
+        .env_remove("TYCHO_SECRET")
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+    child.stdin.take().expect("piped").write_all(input).expect("write stdin");
+    child.wait_with_output().expect("the command runs")
+}
+
+/// Output bytes as text, for assertions and messages.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}

@@ -418,21 +418,22 @@ async fn run_workload(
     server_pid: Option<u32>,
 ) -> Result<Stats, String> {
     let local = tokio::task::LocalSet::new();
-    let cpu0 = cpu_self();
-    let srv0 = server_pid.and_then(cpu_of);
-    // The clock starts at the first call, once every connection is open.
-    let started: Rc<std::cell::Cell<Option<Instant>>> = Rc::default();
+    // The clock and the CPU counters start at the first call, once every connection is open
+    // (and, on a secure master, authenticated): the figures cover calls only.
+    type Start = (Instant, f64, Option<f64>);
+    let started: Rc<std::cell::Cell<Option<Start>>> = Rc::default();
     let duration = Duration::from_secs_f64(args.duration);
     let first = started.clone();
     let until: Rc<dyn Fn() -> bool> = Rc::new(move || {
-        let t0 = first.get().unwrap_or_else(|| {
-            first.set(Some(Instant::now()));
+        let (t0, _, _) = first.get().unwrap_or_else(|| {
+            first.set(Some((Instant::now(), cpu_self(), server_pid.and_then(cpu_of))));
             first.get().expect("just set")
         });
         t0.elapsed() >= duration
     });
     let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until)).await?;
-    let secs = started.get().map_or(0.0, |t0| t0.elapsed().as_secs_f64());
+    let (t0, cpu0, srv0) = started.get().unwrap_or((Instant::now(), cpu_self(), server_pid.and_then(cpu_of)));
+    let secs = t0.elapsed().as_secs_f64();
     if errs > 0 {
         return Err(format!("workload {w}: {errs} calls failed"));
     }

@@ -1,28 +1,14 @@
 //! The object commands of the `tycho` binary against a real master and node.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
-use tycho_testkit::{MasterProc, NodeProc};
+use tycho_testkit::{run_cli, text, MasterProc, NodeProc};
 
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
 /// Runs `tycho <args> --master <master>` with `input` on standard input.
 fn tycho(master: &str, args: &[&str], input: &[u8]) -> Output {
-    let mut child = Command::new(TYCHO)
-        .args(args)
-        .args(["--master", master])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn tycho");
-    child.stdin.take().expect("piped").write_all(input).expect("write stdin");
-    child.wait_with_output().expect("tycho runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    run_cli(TYCHO, master, args, &[], input)
 }
 
 #[test]

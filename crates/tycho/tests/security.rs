@@ -5,37 +5,21 @@
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::Arc;
 
 use tycho_client::{Client, ClientAuth, ClientConfig, Protocol};
 use tycho_proto::auth::capability::{Capability, RIGHT_READ};
 use tycho_proto::auth::Secret;
 use tycho_proto::*;
-use tycho_testkit::{MasterProc, NodeProc, TempDir};
+use tycho_testkit::{run_cli, text, MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
 
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
 /// Runs `tycho <args> --master <master>` with `env` and `input` on standard input.
 fn tycho(master: &str, args: &[&str], env: &[(&str, &str)], input: &[u8]) -> Output {
-    let mut child = Command::new(TYCHO)
-        .args(args)
-        .args(["--master", master])
-        .env_remove("TYCHO_SECRET_FILE")
-        .env_remove("TYCHO_SECRET")
-        .envs(env.iter().copied())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn tycho");
-    child.stdin.take().expect("piped").write_all(input).expect("write stdin");
-    child.wait_with_output().expect("tycho runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    run_cli(TYCHO, master, args, env, input)
 }
 
 /// Writes a secret file of mode 0600 in `dir`.

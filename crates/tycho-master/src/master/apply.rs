@@ -16,7 +16,7 @@ use tycho_proto::{ClientId, ErrorCode, SegmentId};
 use super::Master;
 use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
 use crate::record::{RangeRec, Record, RecordSink};
-use crate::segment::Replica;
+use crate::segment::{MountedSegment, Replica, SegAlloc};
 
 /// Why a record could not be replayed: the replaying state has diverged from the primary's.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -86,6 +86,16 @@ impl Master {
         }
     }
 
+    /// Makes the calling thread's answer wait until every record logged so far is durable: for
+    /// an answer that reports a mutation decided earlier (a retried PutEnd finds its write
+    /// committed), whose record may not be durable yet.
+    pub(super) fn await_logged(&self) {
+        if let Some(s) = self.sink.get() {
+            let seq = s.appended();
+            LOGGED.with(|c| c.set(c.get().max(seq)));
+        }
+    }
+
     /// The highest sequence number the calling thread logged since its last call (0: none),
     /// and starts over. An RPC takes it before and after running a request on one thread, and
     /// answers only once that record is durable ([`Master::durable`]).
@@ -145,20 +155,29 @@ impl Master {
         }
     }
 
-    /// The pending write of `key` commits at `at_ms`. Its replicas on segments that died meanwhile
-    /// are left out; with none left the write is gone (and so is the object, if it had no
-    /// value), answered as REPLICA_IS_GONE. Returns the replaced value's replicas and size, for
-    /// the caller to describe and release.
+    /// The segments of `key`'s pending write that a commit now leaves out, as dead (the
+    /// commit's decision, which its record carries).
+    pub(super) fn dead_segments_of_pending(map: &ShardMap, key: &[u8]) -> Vec<SegmentId> {
+        let Some(p) = map.get(key).and_then(|o| o.pending.as_ref()) else { return Vec::new() };
+        p.replicas.iter().filter(|r| !r.seg.is_alive()).map(|r| r.seg.desc.id).collect()
+    }
+
+    /// The pending write of `key` commits at `at_ms`. Its replicas on the `dropped` segments
+    /// (those the primary saw dead: [`Master::dead_segments_of_pending`]) are left out; with
+    /// none left the write is gone (and so is the object, if it had no value), answered as
+    /// REPLICA_IS_GONE. Returns the replaced value's replicas and size, for the caller to
+    /// describe and release.
     pub(super) fn apply_write_end(
         &self,
         map: &mut ShardMap,
         key: &[u8],
         at_ms: u64,
+        dropped: &[SegmentId],
     ) -> Result<(Vec<Replica>, u64), ErrorCode> {
         let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let p = obj.pending.take().ok_or(ErrorCode::WRITE_DROPPED)?;
         let mut replicas = p.replicas;
-        replicas.retain(|r| r.seg.is_alive());
+        replicas.retain(|r| !dropped.contains(&r.seg.desc.id));
         if replicas.is_empty() {
             if !obj.is_complete() {
                 map.remove(key);
@@ -253,15 +272,20 @@ impl Master {
                 for r in replicas {
                     let fail = |why| ReplayError::Range { segment: r.segment, offset: r.offset, why };
                     let got = match self.segments.get(r.segment) {
-                        None => Err(fail("segment not mounted")),
-                        Some(seg) if seg.desc.incarnation != r.incarnation => Err(fail("another incarnation")),
-                        Some(seg) => match seg.reserve_as(r.offset, r.reserved, r.len, r.gen) {
-                            Some(a) => Ok(Replica::new(seg, a)),
+                        // The segment went away here already: the primary allocated in it just
+                        // before its unmount was logged, and its replica is dead there too. The
+                        // write goes on without it, as on the primary (a commit leaves it out).
+                        None => Ok(None),
+                        Some(seg) if seg.desc.incarnation < r.incarnation => Err(fail("a later incarnation")),
+                        Some(seg) if seg.desc.incarnation > r.incarnation || !seg.is_alive() => Ok(None),
+                        Some(seg) => match self.reserve_replayed(&seg, r) {
+                            Some(a) => Ok(Some(Replica::new(seg, a))),
                             None => Err(fail("range taken")),
                         },
                     };
                     match got {
-                        Ok(rep) => reserved.push(rep),
+                        Ok(Some(rep)) => reserved.push(rep),
+                        Ok(None) => {}
                         Err(e) => {
                             reserved.into_iter().for_each(Replica::release);
                             return Err(e);
@@ -281,12 +305,12 @@ impl Master {
                 self.apply_write_start(&mut map, key, *writer, *write_id, started, *size, pins, reserved, &count);
                 Ok(())
             }
-            Record::WriteEnd { key, writer, write_id, at_ms } => {
+            Record::WriteEnd { key, writer, write_id, at_ms, dropped } => {
                 let mut map = shard_of(key)?.write();
                 check_pending(&map, key, *writer, *write_id, "WriteEnd")?;
-                // An error: every segment it wrote to died here too, and the write is gone.
+                // An error: every segment it wrote to had died, and the write is gone.
                 let at = self.local_time(*at_ms);
-                if let Ok((old, _)) = self.apply_write_end(&mut map, key, at) {
+                if let Ok((old, _)) = self.apply_write_end(&mut map, key, at, dropped) {
                     self.release_read(old, at);
                 }
                 Ok(())
@@ -323,6 +347,35 @@ impl Master {
                 Ok(())
             }
         }
+    }
+
+    /// Reserves a replayed range exactly. A range this master still holds back (a write's
+    /// release timeout or a read grant, by its own clock) is free on the primary, which just
+    /// allocated it: what overlaps it is let go first.
+    fn reserve_replayed(&self, seg: &Arc<MountedSegment>, r: &RangeRec) -> Option<SegAlloc> {
+        if let Some(a) = seg.reserve_as(r.offset, r.reserved, r.len, r.gen) {
+            return Some(a);
+        }
+        let (start, end) = (r.offset, r.offset + r.reserved);
+        let overlapping: Vec<Replica> = {
+            let mut deferred = self.deferred.lock();
+            let mut out = Vec::new();
+            for d in deferred.iter_mut() {
+                let (hit, keep): (Vec<Replica>, Vec<Replica>) =
+                    std::mem::take(&mut d.replicas).into_iter().partition(|x| {
+                        Arc::ptr_eq(&x.seg, seg) && x.alloc.offset < end && start < x.alloc.offset + x.alloc.reserved
+                    });
+                d.replicas = keep;
+                out.extend(hit);
+            }
+            deferred.retain(|d| !d.replicas.is_empty());
+            out
+        };
+        if overlapping.is_empty() {
+            return None;
+        }
+        overlapping.into_iter().for_each(Replica::release);
+        seg.reserve_as(r.offset, r.reserved, r.len, r.gen)
     }
 
     /// A segment is mounted for `client` with `reserved` ranges (offset, bytes, until) taken

@@ -2,7 +2,7 @@
 //! move, and that a master adds or drops whole.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 use tycho_routing::partition_of_encoded;
@@ -15,6 +15,9 @@ use crate::object::{ObjectKey, ShardMap, Shards, SHARD_COUNT};
 pub struct Group {
     rank: u32,
     epoch: AtomicU64,
+    /// Whether this master answers requests for the group: false while it only replays the
+    /// group's log (a standby) or has stopped serving it.
+    serving: AtomicBool,
     /// Sequence number of the last record of the group's log applied here (0: none).
     applied: AtomicU64,
     pub(super) shards: Shards,
@@ -29,6 +32,7 @@ impl Group {
         Group {
             rank,
             epoch: AtomicU64::new(epoch),
+            serving: AtomicBool::new(true),
             applied: AtomicU64::new(0),
             shards: Shards::default(),
             tombstones: (0..SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
@@ -43,6 +47,21 @@ impl Group {
     /// The ownership epoch this master serves the group under.
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Whether this master answers requests for the group.
+    pub fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::Acquire)
+    }
+
+    /// Starts or stops answering requests for the group; returns whether it did before.
+    pub(super) fn set_serving(&self, on: bool) -> bool {
+        self.serving.swap(on, Ordering::AcqRel)
+    }
+
+    /// Serves the group under `epoch` from now on (a promotion or an ownership change).
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Release);
     }
 
     /// The sequence number of the last log record applied.
