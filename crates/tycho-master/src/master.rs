@@ -224,10 +224,26 @@ impl Master {
         if self.cfg.secret.is_none() {
             return Grant::default();
         }
+        self.grant_until(rights, self.clock.unix_now_ms().saturating_add(ttl_ms), key)
+    }
+
+    /// When a write grant handed out now expires (Unix ms): read once per call, batch or not.
+    fn write_grant_expiry(&self) -> u64 {
+        match self.cfg.secret {
+            Some(_) => self.clock.unix_now_ms().saturating_add(self.cfg.put_start_discard_timeout_ms),
+            None => 0,
+        }
+    }
+
+    /// [`Master::grant`] with its expiry given.
+    fn grant_until(&self, rights: u8, expires_ms: u64, key: &[u8]) -> Grant {
+        if self.cfg.secret.is_none() {
+            return Grant::default();
+        }
         let group = kvpt_to_rank(partition_of_encoded(key), self.cfg.group_count.max(1));
         Grant {
             rights,
-            expires_ms: self.clock.unix_now_ms().saturating_add(ttl_ms),
+            expires_ms,
             epoch: self.group(group).map_or(0, Group::epoch),
             group: group as u16,
             tenant: decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t)),
@@ -658,6 +674,7 @@ impl Master {
         let mut out: Vec<WireResult<Vec<ReplicaDesc>>> =
             errors.into_iter().map(|e| e.map_or(Ok(Vec::new()), Err)).collect();
         let placement = self.placement(&req.config, host.as_deref());
+        let expires = self.write_grant_expiry();
         // Allocate for every key that is not already complete (for puts).
         let mut staged: Vec<(usize, Routed, Vec<Replica>)> = Vec::with_capacity(routed.len());
         for run in group_by_shard(routed) {
@@ -666,7 +683,7 @@ impl Master {
                 let now = self.now();
                 run.iter()
                     .map(|(i, r)| {
-                        let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+                        let grant = || self.grant_until(RIGHT_WRITE, expires, &r.key);
                         let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i], grant);
                         (mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, now), retried)
                     })
@@ -700,7 +717,7 @@ impl Master {
             let mut next = Some(first);
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
-                let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+                let grant = self.grant_until(RIGHT_WRITE, expires, &r.key);
                 let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size, &grant)).collect();
                 let id = req.write_ids[i];
                 match self.install_write(&mut map, r.key, mode, req.client, id, size, pins, reps, now, &pending) {
