@@ -490,11 +490,6 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         ),
         ("tycho_master_removed_objects_total", "Objects removed by clients.", &c.objects_removed),
         (
-            "tycho_master_ranges_held_for_readers_total",
-            "Freed replica ranges held back until their last read grant expired.",
-            &c.ranges_held_for_readers,
-        ),
-        (
             "tycho_master_writes_discarded_total",
             "Unfinished writes pre-empted after the discard timeout.",
             &c.writes_discarded,

@@ -18,7 +18,7 @@ use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
 use crate::record::{Record, RecordSink};
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
-use tycho_proto::auth::capability::{tenant_tag, CLOCK_SKEW_MS, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_WRITE};
 
 mod apply;
 mod group;
@@ -60,8 +60,6 @@ pub struct Counters {
     /// Objects removed by a client (Remove, its batch form, RemoveByRegex, RemoveAll, replica
     /// clear).
     pub objects_removed: AtomicU64,
-    /// Freed replica ranges held back until their last read grant expired.
-    pub ranges_held_for_readers: AtomicU64,
     /// Housekeeping rounds that skipped client expiry because the master itself was stalled.
     pub expiry_pauses: AtomicU64,
 }
@@ -77,15 +75,12 @@ struct ClientEntry {
     must_remount: AtomicBool,
 }
 
-/// Ranges waiting to be freed: an old writer may still be writing into them (a write
-/// pre-empted or dropped without its writer's word), or a reader may still hold a grant for
-/// them ([`Master::release_read`]).
+/// Ranges waiting to be freed because an old writer may still be writing into them (a write
+/// pre-empted or dropped without its writer's word). Readers never hold ranges back: they
+/// check generations instead.
 struct Deferred {
     release_at: u64,
     replicas: Vec<Replica>,
-    /// Held only for readers' grants (not for a writer): a remount's new generation voids
-    /// those grants, so the range need not stay taken in the new incarnation.
-    readers_only: bool,
 }
 
 /// A range of an unfinished write on a segment that went away: offset, bytes, release time.
@@ -132,9 +127,6 @@ pub struct Master {
     stalled_at: AtomicU64,
     /// Where the records of this master's mutations go (an OpLog writer), if anywhere.
     sink: std::sync::OnceLock<Arc<dyn RecordSink>>,
-    /// Until when (master clock) every freed range is held back: after a takeover, for the
-    /// read grants the old primary minted, which this master never saw.
-    frees_held_until: AtomicU64,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -161,7 +153,6 @@ impl Master {
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
             sink: std::sync::OnceLock::new(),
-            frees_held_until: AtomicU64::new(0),
             serving_groups: std::sync::atomic::AtomicUsize::new(groups),
             counters: Counters::default(),
         }
@@ -365,7 +356,7 @@ impl Master {
         let carried: Vec<(u64, u64, u64)> = {
             let mut orphaned = self.orphaned.lock();
             let mut list = orphaned.remove(&id).unwrap_or_default();
-            for d in self.deferred.lock().iter().filter(|d| !d.readers_only) {
+            for d in self.deferred.lock().iter() {
                 for r in d.replicas.iter().filter(|r| r.seg.desc.id == id && !r.seg.is_alive()) {
                     list.push((r.alloc.offset, r.alloc.reserved, d.release_at));
                 }
@@ -608,6 +599,8 @@ impl Master {
             let map = shard.read();
             let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
             if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id, grant) {
+                // Answered once its start is durable, as the first answer would have been.
+                self.await_logged();
                 return Ok(descs);
             }
             if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
@@ -695,6 +688,7 @@ impl Master {
                 if size == 0 {
                     out[i] = Err(ErrorCode::INVALID_PARAMS);
                 } else if let Some(descs) = retried {
+                    self.await_logged();
                     out[i] = Ok(descs);
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
@@ -780,7 +774,7 @@ impl Master {
         };
         let mut replaced: Vec<ReplicaDesc> =
             old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
-        self.release_read(old, now);
+        old.into_iter().for_each(Replica::release);
         if let Some(t) = self.group_of_key(key).and_then(|g| g.tombstones_of(key).lock().remove(key)) {
             if t.until > now {
                 replaced.extend(t.ranges);
@@ -966,44 +960,7 @@ impl Master {
         if until <= now {
             replicas.into_iter().for_each(Replica::release);
         } else {
-            self.deferred.lock().push(Deferred { release_at: until, replicas, readers_only: false });
-        }
-    }
-
-    /// Frees the ranges of committed replicas that went away (removed, evicted, replaced,
-    /// dropped), except those whose last read grant a holder may still accept: a reader that
-    /// keeps its grant past its lease must never read the next object written there. Such a
-    /// range stays taken until the grant has expired by every clock within the allowed skew of
-    /// this one (the holder's may lag this clock by [`CLOCK_SKEW_MS`] and accepts a grant that
-    /// long after its expiry).
-    pub(super) fn release_read(&self, replicas: impl IntoIterator<Item = Replica>, now: u64) {
-        let mut held = Vec::new();
-        let mut until = now;
-        // Shortly after a takeover every range is held: the old primary's grants are unknown.
-        let after_takeover = self.frees_held_until.load(Ordering::Relaxed);
-        if after_takeover > now {
-            held.extend(replicas);
-            until = after_takeover;
-        } else {
-            let mut wall = None;
-            for r in replicas {
-                let Some(expires) = r.read_grant_expiry() else {
-                    r.release();
-                    continue;
-                };
-                let wall = *wall.get_or_insert_with(|| self.clock.unix_now_ms());
-                let end = expires.saturating_add(2 * CLOCK_SKEW_MS);
-                if end <= wall {
-                    r.release();
-                    continue;
-                }
-                until = until.max(now.saturating_add(end - wall));
-                held.push(r);
-            }
-        }
-        if !held.is_empty() {
-            self.counters.ranges_held_for_readers.fetch_add(held.len() as u64, Ordering::Relaxed);
-            self.deferred.lock().push(Deferred { release_at: until, replicas: held, readers_only: true });
+            self.deferred.lock().push(Deferred { release_at: until, replicas });
         }
     }
 
@@ -1011,7 +968,7 @@ impl Master {
     /// check generations); an unfinished write's stay reserved until its release timeout, as
     /// its writer may still be copying into them.
     fn dispose(&self, obj: ObjectMeta, now: u64) {
-        self.release_read(obj.replicas, now);
+        obj.replicas.into_iter().for_each(Replica::release);
         if let Some(p) = obj.pending {
             self.defer(p.replicas, p.started_ms + self.cfg.put_start_release_timeout_ms, now);
         }
@@ -1067,11 +1024,10 @@ impl Master {
     /// Serves group `rank` as its primary under `epoch` from now on, with the state replayed
     /// from its log (a standby's promotion, or a master that restored the group). What the
     /// log does not carry is made safe here: every known client counts as just heard from
-    /// (pings are not logged), every object as read-leased for one lease (the old primary's
-    /// readers may still be copying, and its leases are unknown), and no freed range is reused
-    /// before every read grant the old primary could have minted has expired (two leases and
-    /// twice the clock skew). Unfinished writes keep their start times: they are discarded
-    /// and released by the usual timeouts. False if this master does not hold the group.
+    /// (pings are not logged), and every object as read-leased for one lease (the old
+    /// primary's readers may still be copying, and its leases are unknown). Unfinished writes
+    /// keep their start times: they are discarded and released by the usual timeouts. False
+    /// if this master does not hold the group.
     pub fn take_over(&self, rank: u32, epoch: u64) -> bool {
         let Some(group) = self.group(rank) else { return false };
         let now = self.now();
@@ -1084,7 +1040,6 @@ impl Master {
                 obj.extend_lease(now + lease);
             }
         }
-        self.frees_held_until.fetch_max(now + 2 * lease + 2 * CLOCK_SKEW_MS, Ordering::Relaxed);
         group.set_epoch(epoch);
         if !group.set_serving(true) {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);

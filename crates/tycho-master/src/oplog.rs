@@ -159,8 +159,12 @@ struct Queue {
     closed: Option<LogError>,
 }
 
+/// Told once why the log ended.
+type OnEnd = Box<dyn FnOnce(&LogError) + Send>;
+
 struct Shared {
     queue: Mutex<Queue>,
+    on_end: Mutex<Option<OnEnd>>,
     wake: tokio::sync::Notify,
     progress: tokio::sync::watch::Sender<Progress>,
     cfg: WriterConfig,
@@ -186,6 +190,7 @@ impl OpLogWriter {
         let (durable, durable_rev) = read_prefix(&*store, &keys).await?;
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { next_seq: durable + 1, waiting: VecDeque::new(), closed: None }),
+            on_end: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
             progress: tokio::sync::watch::Sender::new(Progress { durable, failed: None }),
             cfg,
@@ -244,6 +249,25 @@ impl OpLogWriter {
     /// Why the log ended, if it has.
     pub fn failed(&self) -> Option<LogError> {
         self.shared.progress.borrow().failed.clone()
+    }
+
+    /// Runs `f` once the log ends (fenced, closed, failed), with the reason: a master stops
+    /// serving the group then, reads included, since another master may own it now. Runs at
+    /// once if the log has ended already.
+    pub fn on_end(&self, f: impl FnOnce(&LogError) + Send + 'static) {
+        let ended = self.failed();
+        match ended {
+            Some(why) => f(&why),
+            None => {
+                *self.shared.on_end.lock() = Some(Box::new(f));
+                // It may have ended meanwhile.
+                if let Some(why) = self.failed() {
+                    if let Some(f) = self.shared.on_end.lock().take() {
+                        f(&why);
+                    }
+                }
+            }
+        }
     }
 
     /// Stops the writer: queued records that are not durable yet fail with `Closed`.
@@ -311,14 +335,19 @@ fn end(shared: &Shared, why: LogError) {
         q.waiting.clear();
     }
     drop(q);
-    shared.progress.send_if_modified(|p| {
+    let first = shared.progress.send_if_modified(|p| {
         if p.failed.is_none() {
-            p.failed = Some(why);
+            p.failed = Some(why.clone());
             true
         } else {
             false
         }
     });
+    if first {
+        if let Some(f) = shared.on_end.lock().take() {
+            f(&why);
+        }
+    }
 }
 
 /// Reads the durable prefix and its mod revision (0 and 0 for an empty log).
@@ -453,7 +482,9 @@ impl Committer {
     /// unanswered (`unknown`).
     async fn resolve(&mut self, first_seq: u64, last: u64, encoded: &[u8], unknown: bool) -> Result<Outcome, LogError> {
         let (durable, rev) = read_prefix(&*self.store, &self.keys).await?;
-        if durable == last && rev != self.durable_rev && self.holds(first_seq, encoded).await? {
+        // (Another writer may have appended after it already: the batch is committed all the
+        // same, and this writer's next batch finds the prefix moved.)
+        if durable >= last && rev != self.durable_rev && self.holds(first_seq, encoded).await? {
             // An earlier attempt went through; its answer was lost, or arrived after the
             // read-back that sent the batch again.
             self.durable = last;

@@ -303,9 +303,9 @@ pub fn decide(
     let Some(g) = group else {
         return if live.first().is_some_and(|(r, _)| r.id == me) { Decision::Create } else { Decision::Wait };
     };
-    let live_standbys: Vec<&String> = g.standbys.iter().filter(|s| alive(s) && s.as_str() != me).collect();
+    let live_standbys: Vec<&String> = g.standbys.iter().filter(|s| alive(s)).collect();
     if g.primary == me {
-        return match (holds_state, live_standbys.first()) {
+        return match (holds_state, live_standbys.iter().find(|s| s.as_str() != me)) {
             (true, _) => Decision::Serve,
             (false, Some(s)) => Decision::HandTo(s.to_string()),
             (false, None) => Decision::TakeOver,
@@ -375,6 +375,10 @@ mod tests {
         let without_a = live(&["b", "c"]);
         assert_eq!(decide("b", &without_a, Some(&g), true), Decision::TakeOver);
         assert_eq!(decide("c", &without_a, Some(&g), true), Decision::Wait);
+        // The standby takes over even when an idle master registered before it.
+        let c_then_b = vec![(reg("c"), 10), (reg("b"), 11)];
+        assert_eq!(decide("b", &c_then_b, Some(&g), true), Decision::TakeOver);
+        assert_eq!(decide("c", &c_then_b, Some(&g), true), Decision::Wait);
         // Primary and standby dead: the oldest live master takes over.
         assert_eq!(decide("c", &live(&["c", "d"]), Some(&g), true), Decision::TakeOver);
         assert_eq!(decide("d", &live(&["c", "d"]), Some(&g), true), Decision::Wait);

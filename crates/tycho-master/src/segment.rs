@@ -251,12 +251,6 @@ impl Replica {
         d
     }
 
-    /// When the last read grant minted for this replica expires (Unix ms), if one was: grants
-    /// minted later expire later, so the cached one is the last.
-    pub fn read_grant_expiry(&self) -> Option<u64> {
-        self.read_cap.0.lock().map(|c| c.expires_ms)
-    }
-
     /// Frees the replica's range.
     pub fn release(self) {
         self.seg.free(self.alloc);

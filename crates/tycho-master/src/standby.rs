@@ -10,7 +10,9 @@
 //! 3. [`Master::take_over`]: clients get a fresh TTL, objects a read lease, freed ranges are held
 //!    for the old primary's read grants, and the group is served under the new epoch.
 //! 4. Open the log for writing under the new record (fenced on it) and make it the master's
-//!    record sink: from now on a mutation is acknowledged once its record is durable.
+//!    record sink: from now on a mutation is acknowledged once its record is durable. When the
+//!    log ends (fenced by a later owner, or closed), the master stops serving the group, reads
+//!    included.
 //!
 //! It is called only once the old primary's registration is gone (its lease expired, or it
 //! released it when handing over): an old primary stops serving before its lease can expire in
@@ -126,6 +128,14 @@ pub async fn promote(
         ))));
     }
     let log = Arc::new(log);
+    // Once the log ends (another master took the group, or it was closed), stop serving it.
+    let weak = Arc::downgrade(master);
+    log.on_end(move |why| {
+        if let Some(m) = weak.upgrade() {
+            tracing::warn!(group = rank, reason = %why, "the group's log ended: no longer serving it");
+            m.stand_by(rank);
+        }
+    });
     if !master.set_record_sink(log.clone()) {
         return Err(PromoteError::Log(LogError::Refused("the master already had a record sink".into())));
     }

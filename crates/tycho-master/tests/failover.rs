@@ -41,6 +41,12 @@ async fn cluster() -> Cluster {
     let log = Arc::new(log);
     let primary = master();
     assert!(primary.set_record_sink(log.clone()));
+    let weak = Arc::downgrade(&primary);
+    log.on_end(move |_| {
+        if let Some(m) = weak.upgrade() {
+            m.stand_by(0);
+        }
+    });
     let standby_clock = Arc::new(ManualClock::new(1_000));
     let standby = Arc::new(Master::new(MasterConfig::default(), standby_clock.clone()));
     assert!(standby.stand_by(0));
@@ -153,8 +159,11 @@ async fn a_promoted_standby_serves_everything_acknowledged_and_fences_the_old_pr
     assert!(c.store.txns() > held);
     let err = c.log.wait(late_start).await.unwrap_err();
     assert!(matches!(err, LogError::Fenced(_)), "{err:?}");
-    assert!(end(p, "late", 200, 1).is_ok(), "applied on the old primary...");
-    assert_eq!(acknowledged(p).await, Err(ErrorCode::KVPT_NOT_OWNED), "...but never acknowledged");
+    // Its log ended, so it serves nothing any more, reads included.
+    assert_eq!(end(p, "late", 200, 1), Err(ErrorCode::KVPT_NOT_OWNED));
+    let old_read = KeyQuery { tenant: String::new(), key: kref("k1", 1) };
+    assert_eq!(p.get_replica_list(&old_read).map(|l| l.size), Err(ErrorCode::KVPT_NOT_OWNED));
+    assert!(!p.is_serving());
 
     // Everything acknowledged is served by the new primary under the new epoch, with its size.
     let epoch = record.epoch;

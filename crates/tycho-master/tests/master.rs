@@ -1580,64 +1580,6 @@ fn descriptors_carry_capabilities_and_readers_share_one() {
     assert_eq!(put(&plain.m, A, "k", 4096)[0].cap, Default::default());
 }
 
-/// Issue 11: a range freed while a reader may still hold a grant for it (removed, evicted or
-/// replaced) stays taken until that grant has expired by every clock within the allowed skew;
-/// one nobody was granted a read of is free at once.
-#[test]
-fn freed_ranges_wait_out_their_read_grants() {
-    use tycho_proto::auth::capability::CLOCK_SKEW_MS;
-    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
-    let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
-    let m = &e.m;
-    let held = || m.counters.ranges_held_for_readers.load(Ordering::Relaxed);
-    // Room for two values exactly.
-    mount(m, A, 1, 64 * KIB);
-    let half = 32 * KIB;
-    // Nobody read U: its range is free at once.
-    let u = put(m, A, "u", half)[0].offset;
-    remove(m, "u", true).unwrap();
-    let a = put(m, A, "a", half)[0].offset;
-    assert_eq!(a, u);
-    assert_eq!(held(), 0);
-    // A is read, then removed: its range waits for the read grant.
-    let grant = get(m, "a").unwrap().replicas[0].cap.expires_ms;
-    let held_for = grant + 2 * CLOCK_SKEW_MS - e.clock.unix_now_ms();
-    remove(m, "a", true).unwrap();
-    assert_eq!(held(), 1);
-    let b = put(m, A, "b", half)[0].offset;
-    assert_ne!(b, a);
-    // Leased, B cannot be evicted to make room; the held range is not handed out.
-    get(m, "b").unwrap();
-    assert_eq!(start(m, A, "c", half), Err(ErrorCode::NO_AVAILABLE_HANDLE));
-    // One millisecond before the end, still taken. (B, evicted by now to make room, was read
-    // after A: its range is held for longer.)
-    e.advance(held_for - 1);
-    e.tick_alive(&[A]);
-    assert_eq!(start(m, A, "c", half), Err(ErrorCode::NO_AVAILABLE_HANDLE));
-    assert_eq!(held(), 2, "B was evicted, and held for its reader");
-    e.advance(1);
-    e.tick_alive(&[A]);
-    assert_eq!(put(m, A, "c", half)[0].offset, a);
-
-    // A value replaced by an upsert: its old range waits for its readers too.
-    let e = Env::with(MasterConfig {
-        secret: Some(Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap())),
-        ..MasterConfig::default()
-    });
-    let m = &e.m;
-    mount(m, A, 1, 64 * KIB);
-    let old = put(m, A, "x", half)[0].offset;
-    get(m, "x").unwrap();
-    let held_for = get(m, "x").unwrap().replicas[0].cap.expires_ms + 2 * CLOCK_SKEW_MS - e.clock.unix_now_ms();
-    let new = m.write_start(WriteMode::Upsert, &ws(A, "x", half, ReplicateConfig::default())).unwrap();
-    assert_ne!(new[0].offset, old);
-    m.write_finish(&wf(A, "x"), true).unwrap();
-    assert_eq!(m.counters.ranges_held_for_readers.load(Ordering::Relaxed), 1);
-    e.advance(held_for);
-    e.tick_alive(&[A]);
-    assert_eq!(put(m, A, "y", half)[0].offset, old);
-}
-
 // ---- the apply path: a standby replays the primary's records -------------------------------
 
 /// Keeps every record a primary applies, in order.

@@ -462,10 +462,20 @@ async fn the_master_answers_a_mutation_only_once_its_record_is_durable() {
     };
     let mut retry = tokio::spawn(retry);
     assert!(tokio::time::timeout(Duration::from_millis(20), &mut retry).await.is_err(), "retry answered early");
+    // A retried start of a write whose start is not durable yet waits for it too.
+    let put_start = Request::PutStart(start("k3", 3));
+    let Reply::Later(first) = rpc.call(put_start.clone(), &admin) else { panic!("a start was answered at once") };
+    let Reply::Later(again) = rpc.call(put_start, &admin) else {
+        panic!("a retried start was answered before its record was durable")
+    };
+    let (mut first, mut again) = (tokio::spawn(first), tokio::spawn(again));
+    assert!(tokio::time::timeout(Duration::from_millis(20), &mut again).await.is_err(), "retried start answered early");
     store.set_txn_fault(TxnFault::None);
-    store.release_txns(1);
+    store.release_txns(2);
     assert!(matches!(answer.await.unwrap(), Response::Committed(_)));
     assert!(matches!(retry.await.unwrap(), Response::Committed(_)));
+    let (a, b) = (first.await.unwrap(), (&mut again).await.unwrap());
+    assert!(matches!((&a, &b), (Response::WriteStarted(x), Response::WriteStarted(y)) if x == y), "{a:?} {b:?}");
 
     // Reads log nothing and are answered at once.
     let read = Request::ExistKey(KeyQuery { tenant: String::new(), key: key("k1") });

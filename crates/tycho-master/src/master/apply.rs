@@ -231,7 +231,7 @@ impl Master {
             std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.id == segment);
         obj.replicas = kept;
         let mut dropped = gone.len();
-        self.release_read(gone, now);
+        gone.into_iter().for_each(Replica::release);
         if let Some(p) = &mut obj.pending {
             let until = p.started_ms + self.cfg.put_start_release_timeout_ms;
             let (gone, kept): (Vec<Replica>, Vec<Replica>) =
@@ -311,7 +311,7 @@ impl Master {
                 // An error: every segment it wrote to had died, and the write is gone.
                 let at = self.local_time(*at_ms);
                 if let Ok((old, _)) = self.apply_write_end(&mut map, key, at, dropped) {
-                    self.release_read(old, at);
+                    old.into_iter().for_each(Replica::release);
                 }
                 Ok(())
             }
