@@ -468,7 +468,7 @@ async fn the_master_answers_a_mutation_only_once_its_record_is_durable() {
     let Reply::Later(again) = rpc.call(put_start, &admin) else {
         panic!("a retried start was answered before its record was durable")
     };
-    let (mut first, mut again) = (tokio::spawn(first), tokio::spawn(again));
+    let (first, mut again) = (tokio::spawn(first), tokio::spawn(again));
     assert!(tokio::time::timeout(Duration::from_millis(20), &mut again).await.is_err(), "retried start answered early");
     store.set_txn_fault(TxnFault::None);
     store.release_txns(2);
