@@ -189,6 +189,7 @@ impl MountedSegment {
             Some(k) => k.mint(
                 a.offset,
                 len,
+                a.gen,
                 Capability {
                     rights: grant.rights,
                     expires_ms: grant.expires_ms,

@@ -1565,15 +1565,15 @@ fn descriptors_carry_capabilities_and_readers_share_one() {
     let key = SegmentKey::new(&secret, w[0].segment, w[0].incarnation);
     // Grants are minted on the master's clock, as the Unix time it stands for.
     let now = e.clock.unix_now_ms();
-    assert_eq!(key.check(w[0].offset, w[0].len, &w[0].cap, RIGHT_WRITE, now), Ok(()));
+    assert_eq!(key.check(w[0].offset, w[0].len, w[0].gen, &w[0].cap, RIGHT_WRITE, now), Ok(()));
     let r1 = get(m, "k").unwrap().replicas[0].clone();
     let r2 = get(m, "k").unwrap().replicas[0].clone();
     assert_eq!(r1.cap, r2.cap, "readers share the cached grant");
-    assert_eq!(key.check(r1.offset, r1.len, &r1.cap, RIGHT_READ, now), Ok(()));
-    assert_eq!(key.check(r1.offset, r1.len, &r1.cap, RIGHT_WRITE, now), Err(ErrorCode::CAPABILITY_INVALID));
+    assert_eq!(key.check(r1.offset, r1.len, r1.gen, &r1.cap, RIGHT_READ, now), Ok(()));
+    assert_eq!(key.check(r1.offset, r1.len, r1.gen, &r1.cap, RIGHT_WRITE, now), Err(ErrorCode::CAPABILITY_INVALID));
     assert!(r1.cap.expires_ms >= now + DEFAULT_KV_LEASE_TTL_MS, "the grant outlasts the lease");
     let other = SegmentKey::new(&secret, w[0].segment, w[0].incarnation + 1);
-    assert_eq!(other.check(r1.offset, r1.len, &r1.cap, RIGHT_READ, now), Err(ErrorCode::CAPABILITY_INVALID));
+    assert_eq!(other.check(r1.offset, r1.len, r1.gen, &r1.cap, RIGHT_READ, now), Err(ErrorCode::CAPABILITY_INVALID));
     // Without a secret, no capability.
     let plain = Env::new();
     mount(&plain.m, A, 1, MIB);

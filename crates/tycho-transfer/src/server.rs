@@ -167,7 +167,7 @@ impl Guard {
         let key = keys
             .entry((req.segment, req.incarnation))
             .or_insert_with(|| SegmentKey::new(secret, req.segment, req.incarnation));
-        key.check(req.grant_offset, req.grant_len, &req.cap, rights, unix_ms())?;
+        key.check(req.grant_offset, req.grant_len, req.gen, &req.cap, rights, unix_ms())?;
         if rights == RIGHT_WRITE {
             let mut epochs = self.epochs.lock();
             let seen = epochs.entry(req.cap.group).or_insert(0);
@@ -230,6 +230,13 @@ fn serve_connection(
         let len = req.len as usize;
         match req.op {
             XferOp::Read => {
+                // A range already given to a later allocation (its generation moved on) sends
+                // nothing: a grant, bound to the generation it was minted for, reaches only
+                // its own object's bytes.
+                if let Err(e) = m.verify(req.offset, len, req.incarnation, req.gen) {
+                    stream.write_all(&encode_answer(Err(e.code())))?;
+                    continue;
+                }
                 // SAFETY: the range was checked above. A writer may reuse it while the bytes
                 // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };

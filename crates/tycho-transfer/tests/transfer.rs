@@ -20,16 +20,31 @@ fn engine(host: &str, force_tcp: bool) -> TransferEngine {
     TransferEngine::new(host, force_tcp, Arc::new(SegmentRegistry::default()), Some(secret()))
 }
 
-/// A capability for `len` bytes at `offset` of segment 1 in incarnation `inc`, as a master
-/// would mint it.
+/// A capability for `len` bytes at `offset` of segment 1 in incarnation `inc`, allocated under
+/// generation 1, as a master would mint it.
 fn grant(inc: u32, offset: u64, len: u64, rights: u8, expires_ms: u64, epoch: u64) -> Capability {
     grant_on(1, inc, offset, len, rights, expires_ms, epoch)
 }
 
 /// [`grant`] on segment `seg`.
 fn grant_on(seg: u128, inc: u32, offset: u64, len: u64, rights: u8, expires_ms: u64, epoch: u64) -> Capability {
+    grant_gen(seg, inc, offset, len, 1, rights, expires_ms, epoch)
+}
+
+/// [`grant_on`] for a range allocated under generation `gen`.
+#[allow(clippy::too_many_arguments)]
+fn grant_gen(
+    seg: u128,
+    inc: u32,
+    offset: u64,
+    len: u64,
+    gen: u32,
+    rights: u8,
+    expires_ms: u64,
+    epoch: u64,
+) -> Capability {
     let base = Capability { rights, expires_ms, epoch, group: 0, tenant: 0, mac: [0; 16] };
-    SegmentKey::new(&secret(), SegmentId(seg), inc).mint(offset, len, base)
+    SegmentKey::new(&secret(), SegmentId(seg), inc).mint(offset, len, gen, base)
 }
 
 /// A raw connection that has passed the greeting with the cluster secret.
@@ -159,7 +174,7 @@ fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
     tcp.read(&old, 0, &mut out).unwrap();
     assert_eq!(out, pattern(8192, 1));
     // The object goes; a 100-byte value of generation 2 lands in the middle of its range.
-    let cap = grant(old.incarnation, 8192, 100, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+    let cap = grant_gen(1, old.incarnation, 8192, 100, 2, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
     let new = ReplicaDesc { offset: 8192, len: 100, gen: 2, cap, ..old.clone() };
     tcp.write(&new, 0, &pattern(100, 2)).unwrap();
     for engine in [&tcp, &shm] {
@@ -184,6 +199,53 @@ fn reads_of_a_reused_range_fail_instead_of_returning_foreign_bytes() {
     tcp.write(&fresh, 0, &pattern(100, 3)).unwrap();
     shm.read(&fresh, 0, &mut v).unwrap();
     assert_eq!(v, pattern(100, 3));
+}
+
+/// A reader that kept its grant after the range went to another object gets not one byte of
+/// the new object: the holder checks the grant's generation before it sends, and refuses.
+/// (Over a raw connection, which would see any byte the server sent.) The grant cannot be
+/// reworded for the new generation: the generation is under its MAC.
+#[test]
+fn a_kept_grant_reads_nothing_of_the_next_object() {
+    let p = peer(1 << 20);
+    let e = engine("there", true);
+    let old = replica(&p, 8192, 4096, "here");
+    e.write(&old, 0, &pattern(4096, 1)).unwrap();
+    // The range is reused by generation 2.
+    let cap = grant_gen(1, old.incarnation, 8192, 4096, 2, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
+    let new = ReplicaDesc { gen: 2, cap, ..old.clone() };
+    e.write(&new, 0, &pattern(4096, 2)).unwrap();
+    let mut s = raw(&p);
+    let mut ask = |gen: u32, cap: Capability| {
+        let req = XferRequest {
+            op: XferOp::Read,
+            segment: SegmentId(1),
+            offset: 8192,
+            len: 4096,
+            incarnation: old.incarnation,
+            gen,
+            grant_offset: 8192,
+            grant_len: 4096,
+            cap,
+        };
+        s.write_all(&req.encode()).unwrap();
+        let mut answer = [0u8; ANSWER_LEN];
+        s.read_exact(&mut answer).unwrap();
+        decode_answer(&answer)
+    };
+    // The kept grant: refused before any byte (the next thing on the connection is the next
+    // answer, not data).
+    assert!(matches!(ask(1, old.cap), Err(TransferError::Remote(ErrorCode::RANGE_REUSED))));
+    // The kept grant claiming the new generation: its MAC no longer matches.
+    assert!(matches!(ask(2, old.cap), Err(TransferError::Remote(ErrorCode::CAPABILITY_INVALID))));
+    // The new object's own grant reads its bytes, on the same connection.
+    assert_eq!(ask(2, new.cap).unwrap(), 4096);
+    let mut got = vec![0u8; 4096];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(got, pattern(4096, 2));
+    let mut trailer = [0u8; ANSWER_LEN];
+    s.read_exact(&mut trailer).unwrap();
+    assert_eq!(decode_answer(&trailer).unwrap(), 4096);
 }
 
 #[test]

@@ -108,7 +108,7 @@ fn run_one(target: &str, input: &[u8]) {
             head[5] = tycho_transfer::wire::XFER_VERSION;
             if let Ok(r) = XferRequest::decode(&head) {
                 let key = SegmentKey::new(&secret(), r.segment, r.incarnation);
-                let verdict = key.check(r.grant_offset, r.grant_len, &r.cap, RIGHT_READ, 0);
+                let verdict = key.check(r.grant_offset, r.grant_len, r.gen, &r.cap, RIGHT_READ, 0);
                 // A MAC the fuzzer made up must never pass (2^-128 by chance).
                 assert!(verdict.is_err(), "a capability from random bytes was accepted");
             }

@@ -2,10 +2,13 @@
 //! holder on every transfer without a round trip.
 //!
 //! A capability binds the segment and its mount generation (through the key), the granted
-//! range, the rights, an expiry, the group epoch and the tenant. The key is
-//! `HMAC(cluster secret, "segment key v1" ‖ segment ‖ incarnation)`: any master of the cluster
-//! can mint one and the holder can check it, and no key travels on the wire. The tag is the
-//! first 16 bytes of `HMAC-SHA256(key, range ‖ rights ‖ expiry ‖ epoch ‖ tenant ‖ group)`.
+//! range and the range's allocation generation, the rights, an expiry, the group epoch and the
+//! tenant. The key is `HMAC(cluster secret, "segment key v2" ‖ segment ‖ incarnation)`: any
+//! master of the cluster can mint one and the holder can check it, and no key travels on the
+//! wire. The tag is the first 16 bytes of
+//! `HMAC-SHA256(key, range ‖ generation ‖ rights ‖ expiry ‖ epoch ‖ tenant ‖ group)`. Bound
+//! to the generation, a grant is worth nothing once its range is reused: the holder compares it
+//! with the range's current generation before it sends a byte.
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -65,13 +68,13 @@ impl std::fmt::Debug for SegmentKey {
 impl SegmentKey {
     /// The key of `segment` in its mount generation `incarnation`.
     pub fn new(secret: &Secret, segment: SegmentId, incarnation: u32) -> SegmentKey {
-        let key = secret.derive("segment key v1", &[&segment.0.to_le_bytes(), &incarnation.to_le_bytes()]);
+        let key = secret.derive("segment key v2", &[&segment.0.to_le_bytes(), &incarnation.to_le_bytes()]);
         SegmentKey { mac: Hmac::new_from_slice(&key).expect("HMAC takes any key length") }
     }
 
-    fn tag(&self, offset: u64, len: u64, c: &Capability) -> [u8; 16] {
-        // 45 bytes: one SHA-256 block with its padding, so a tag costs two compressions.
-        let mut msg = [0u8; 45];
+    fn tag(&self, offset: u64, len: u64, gen: u32, c: &Capability) -> [u8; 16] {
+        // 49 bytes: one SHA-256 block with its padding, so a tag costs two compressions.
+        let mut msg = [0u8; 49];
         msg[0..8].copy_from_slice(&offset.to_le_bytes());
         msg[8..16].copy_from_slice(&len.to_le_bytes());
         msg[16] = c.rights;
@@ -79,23 +82,32 @@ impl SegmentKey {
         msg[25..33].copy_from_slice(&c.epoch.to_le_bytes());
         msg[33..35].copy_from_slice(&c.group.to_le_bytes());
         msg[35..43].copy_from_slice(&c.tenant.to_le_bytes());
+        msg[43..47].copy_from_slice(&gen.to_le_bytes());
         let mut m = self.mac.clone();
         m.update(&msg);
         let full = m.finalize().into_bytes();
         full[..16].try_into().expect("16 bytes")
     }
 
-    /// A capability for `len` bytes at `offset` with the other fields of `c` (its MAC is
-    /// replaced).
-    pub fn mint(&self, offset: u64, len: u64, mut c: Capability) -> Capability {
-        c.mac = self.tag(offset, len, &c);
+    /// A capability for `len` bytes at `offset`, allocated under generation `gen`, with the
+    /// other fields of `c` (its MAC is replaced).
+    pub fn mint(&self, offset: u64, len: u64, gen: u32, mut c: Capability) -> Capability {
+        c.mac = self.tag(offset, len, gen, &c);
         c
     }
 
-    /// Checks `c` as the grant of `len` bytes at `offset` and that it allows `rights` now
-    /// (`now_ms`, the holder's wall clock).
-    pub fn check(&self, offset: u64, len: u64, c: &Capability, rights: u8, now_ms: u64) -> Result<(), ErrorCode> {
-        if !same_mac(&self.tag(offset, len, c), &c.mac) {
+    /// Checks `c` as the grant of `len` bytes at `offset` of generation `gen`, and that it
+    /// allows `rights` now (`now_ms`, the holder's wall clock).
+    pub fn check(
+        &self,
+        offset: u64,
+        len: u64,
+        gen: u32,
+        c: &Capability,
+        rights: u8,
+        now_ms: u64,
+    ) -> Result<(), ErrorCode> {
+        if !same_mac(&self.tag(offset, len, gen, c), &c.mac) {
             return Err(ErrorCode::CAPABILITY_INVALID);
         }
         if c.rights & rights != rights {
@@ -127,21 +139,22 @@ mod tests {
             tenant: tenant_tag("a"),
             mac: [0; 16],
         };
-        let c = k.mint(4096, 100, base);
-        assert_eq!(k.check(4096, 100, &c, RIGHT_READ, 10_000), Ok(()));
+        let c = k.mint(4096, 100, 5, base);
+        assert_eq!(k.check(4096, 100, 5, &c, RIGHT_READ, 10_000), Ok(()));
+        assert_eq!(k.check(4096, 100, 6, &c, RIGHT_READ, 10_000), Err(ErrorCode::CAPABILITY_INVALID));
         // Another range, another right, another generation, an altered field: refused.
-        assert_eq!(k.check(4096, 101, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
-        assert_eq!(k.check(0, 100, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
-        assert_eq!(k.check(4096, 100, &c, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
-        assert_eq!(key(2).check(4096, 100, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 101, 5, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(0, 100, 5, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 100, 5, &c, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(key(2).check(4096, 100, 5, &c, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
         let widened = Capability { rights: RIGHT_READ | RIGHT_WRITE, ..c };
-        assert_eq!(k.check(4096, 100, &widened, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 100, 5, &widened, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
         let later = Capability { expires_ms: u64::MAX, ..c };
-        assert_eq!(k.check(4096, 100, &later, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 100, 5, &later, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
         // Expiry, with the allowed skew.
-        assert_eq!(k.check(4096, 100, &c, RIGHT_READ, 10_000 + CLOCK_SKEW_MS), Ok(()));
-        assert_eq!(k.check(4096, 100, &c, RIGHT_READ, 10_001 + CLOCK_SKEW_MS), Err(ErrorCode::CAPABILITY_EXPIRED));
-        assert_eq!(k.check(4096, 100, &Capability::default(), RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 100, 5, &c, RIGHT_READ, 10_000 + CLOCK_SKEW_MS), Ok(()));
+        assert_eq!(k.check(4096, 100, 5, &c, RIGHT_READ, 10_001 + CLOCK_SKEW_MS), Err(ErrorCode::CAPABILITY_EXPIRED));
+        assert_eq!(k.check(4096, 100, 5, &Capability::default(), RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
     }
 
     #[test]
