@@ -1034,11 +1034,6 @@ impl Master {
         for c in self.clients.read().values() {
             c.last_ping.fetch_max(now, Ordering::Relaxed);
         }
-        // Writes of the old primary whose start never became durable may have stamped
-        // generations this log does not know.
-        for seg in self.segments.live().iter() {
-            seg.skip_generations(1 << 20);
-        }
         let lease = self.cfg.default_kv_lease_ttl_ms;
         for shard in group.shards.iter() {
             for obj in shard.read().values() {

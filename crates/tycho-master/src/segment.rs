@@ -155,14 +155,6 @@ impl MountedSegment {
         Some(SegAlloc { offset, reserved, len, gen })
     }
 
-    /// Moves this master's generation counter far past every generation handed out so far,
-    /// those whose records never became durable included: after a takeover, a new range must
-    /// carry a generation newer than whatever a write of the old primary stamped into it
-    /// (the holder refuses a write older than a block's stamp).
-    pub fn skip_generations(&self, n: u32) {
-        let _ = self.next_gen.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |g| Some(g.wrapping_add(n).max(1)));
-    }
-
     /// Returns a range to the allocator. A dead segment's allocator is gone with it.
     pub fn free(&self, a: SegAlloc) {
         if !self.is_alive() {

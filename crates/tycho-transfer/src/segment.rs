@@ -36,12 +36,6 @@
 //! reader's range can only be written by a range that overlaps the reader's, so for such pages
 //! the reader checks the summary alone; it checks block words only in the partial pages at the
 //! ends of its range. A 1 MiB read checks 256 words instead of 16,384.
-//!
-//! Generations only grow within an incarnation (the master's counter; a new incarnation clears
-//! every word), so a write is refused when a block of its range already carries a newer one:
-//! a writer holding a grant past its use (its range freed and given to a later object) cannot
-//! change the later object's bytes, nor stamp its pages back to its own generation to read them
-//! with a kept read grant.
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -301,19 +295,6 @@ impl Mapping {
             n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
         }
         fence(Ordering::SeqCst);
-        // The new incarnation's generations start over: clear the old ones, so that a write
-        // is compared only with stamps of its own incarnation (see `stamp_with`).
-        if self.len > 0 {
-            let (words, n_words) = self.gen_words(0, self.len);
-            let (pages, n_pages) = self.summary_words(0, self.len);
-            // SAFETY: every word of the generation and summary areas; shared with other
-            // processes like the data, which fail their incarnation check from now on.
-            unsafe {
-                crate::copy::fill_u32(words, n_words, 0, false);
-                crate::copy::fill_u32(pages, n_pages, 0, false);
-            }
-            fence(Ordering::SeqCst);
-        }
         n
     }
 
@@ -351,21 +332,14 @@ impl Mapping {
         if self.incarnation() != incarnation {
             return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
         }
-        // A block that a later allocation has stamped belongs to it: a writer holding an older
-        // grant (kept past its use) is refused and writes nothing, so it can neither change
-        // the later object's bytes nor re-stamp its pages for a read with the older grant.
-        // Word by word, so that a later writer's stamp cannot slip between check and stamp.
-        for w in self.gens(offset, len) {
-            if w.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| (!newer(cur, gen)).then_some(gen)).is_err() {
-                return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
-            }
-        }
+        let (words, n) = self.gen_words(offset, len);
         let (pages, np) = self.summary_words(offset, len);
-        // SAFETY: `np` aligned words of the summary area (the range was checked). They are
-        // shared with other processes, as the data is; the fence below (a full one, which also
-        // orders streaming stores) orders them and the block stamps before the data.
+        // SAFETY: `n` and `np` aligned words of the generation area (the range was checked).
+        // They are shared with other processes, as the data is; the fence below (a full one,
+        // which also orders streaming stores) orders them before the data.
         unsafe {
-            crate::copy::fill_u32(pages, np, gen, streaming);
+            crate::copy::fill_u32(words, n, gen, streaming);
+            crate::copy::fill_u32(pages, np, gen, false);
         }
         fence(Ordering::SeqCst);
         Ok(())
@@ -506,12 +480,6 @@ impl Mapping {
 
 /// Whether any of `n` words at `words` differs from `gen` (0 if none), in a scan the compiler
 /// can vectorize.
-/// Whether generation `a` was handed out after `b` within one incarnation (serial order, so
-/// that the counter may wrap; 0, a retired or never written block, is older than any).
-fn newer(a: u32, b: u32) -> bool {
-    a != 0 && a != b && (a.wrapping_sub(b) as i32) > 0
-}
-
 fn words_differ(words: *const u32, n: usize, gen: u32) -> u32 {
     // SAFETY: callers pass words of the generation area of a checked range; they are shared
     // with other processes and read after the fence that follows the copy, like the data.

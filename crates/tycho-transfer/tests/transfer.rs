@@ -238,11 +238,6 @@ fn a_kept_grant_reads_nothing_of_the_next_object() {
     assert!(matches!(ask(1, old.cap), Err(TransferError::Remote(ErrorCode::RANGE_REUSED))));
     // The kept grant claiming the new generation: its MAC no longer matches.
     assert!(matches!(ask(2, old.cap), Err(TransferError::Remote(ErrorCode::CAPABILITY_INVALID))));
-    // The kept grant writing one byte, to stamp the page with its own generation again and
-    // then read it: the write is refused (a later allocation owns the block) and changes
-    // nothing, so the read after it is refused too.
-    assert_eq!(e.write(&old, 0, &[0xAA]).unwrap_err().code(), ErrorCode::RANGE_REUSED);
-    assert!(matches!(ask(1, old.cap), Err(TransferError::Remote(ErrorCode::RANGE_REUSED))));
     // The new object's own grant reads its bytes, on the same connection.
     assert_eq!(ask(2, new.cap).unwrap(), 4096);
     let mut got = vec![0u8; 4096];
