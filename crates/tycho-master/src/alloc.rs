@@ -8,6 +8,12 @@
 //! caller's `(offset, len)`. Besides allocate and free it reserves an exact range, which a
 //! replica of the metadata (a standby, a snapshot import, a remount that keeps the ranges of
 //! writes still in flight) needs to rebuild the same allocations.
+//!
+//! A freed range may also be *held* for the tenant whose object it held, until a given time:
+//! until then only allocations for that tenant may take it (see [`RangeAllocator::hold`]). The
+//! master holds a range while a capability it minted for the range may still be used, so that
+//! a grant kept by one tenant never reaches another tenant's bytes, while the tenant itself
+//! reuses its freed space at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,6 +24,21 @@ pub struct RangeAllocator {
     by_offset: BTreeMap<u64, u64>,
     by_len: BTreeSet<(u64, u64)>,
     free_bytes: u64,
+    /// Held ranges by offset (never adjacent with the same tenant: those are merged).
+    held: BTreeMap<u64, Held>,
+    /// Held ranges by (tenant, length, offset), for best fit within a tenant's.
+    held_fit: BTreeSet<(u64, u64, u64)>,
+    /// Held ranges by (until, offset), to give them back once due.
+    held_due: BTreeSet<(u64, u64)>,
+    held_bytes: u64,
+}
+
+/// A freed range that only `tenant` may take until `until`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    len: u64,
+    tenant: u64,
+    until: u64,
 }
 
 impl RangeAllocator {
@@ -25,7 +46,17 @@ impl RangeAllocator {
     pub fn new(size: u64, unit: u64) -> RangeAllocator {
         assert!(unit.is_power_of_two(), "unit must be a power of two");
         let size = size / unit * unit;
-        let mut a = RangeAllocator { unit, size, by_offset: BTreeMap::new(), by_len: BTreeSet::new(), free_bytes: 0 };
+        let mut a = RangeAllocator {
+            unit,
+            size,
+            by_offset: BTreeMap::new(),
+            by_len: BTreeSet::new(),
+            free_bytes: 0,
+            held: BTreeMap::new(),
+            held_fit: BTreeSet::new(),
+            held_due: BTreeSet::new(),
+            held_bytes: 0,
+        };
         if size > 0 {
             a.insert_free(0, size);
         }
@@ -61,26 +92,140 @@ impl RangeAllocator {
         Some((foff, want))
     }
 
-    /// Reserves exactly `[offset, offset + len)` (`len` rounded up to the unit). Fails if any
-    /// of it is not free or the offset is not aligned.
+    /// Reserves exactly `[offset, offset + len)` (`len` rounded up to the unit), whether its
+    /// pieces are free or held (a replay takes what the primary allocated, whatever this copy
+    /// still holds). Fails if any of it is allocated or the offset is not aligned.
     pub fn reserve(&mut self, offset: u64, len: u64) -> Option<u64> {
         let want = self.rounded(len)?;
         if !offset.is_multiple_of(self.unit) || offset.checked_add(want)? > self.size {
             return None;
         }
-        let (&foff, &flen) = self.by_offset.range(..=offset).next_back()?;
-        if foff + flen < offset + want {
-            return None;
-        }
-        self.remove_free(foff, flen);
-        if foff < offset {
-            self.insert_free(foff, offset - foff);
-        }
         let end = offset + want;
-        if end < foff + flen {
-            self.insert_free(end, foff + flen - end);
+        // Check that free and held ranges cover all of it before taking anything.
+        let mut pieces = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let free = self.by_offset.range(..=at).next_back().map(|(&o, &l)| (o, o + l, false));
+            let held = self.held.range(..=at).next_back().map(|(&o, h)| (o, o + h.len, true));
+            let (o, stop, is_held) = [free, held].into_iter().flatten().find(|&(_, stop, _)| stop > at)?;
+            pieces.push((o, is_held));
+            at = stop;
+        }
+        for (o, is_held) in pieces {
+            if is_held {
+                self.carve_held(o, offset, end);
+            } else {
+                let l = self.by_offset[&o];
+                self.remove_free(o, l);
+                if o < offset {
+                    self.insert_free(o, offset - o);
+                }
+                if end < o + l {
+                    self.insert_free(end, o + l - end);
+                }
+            }
         }
         Some(want)
+    }
+
+    /// Takes `[from, to)` out of the held range at `o`, keeping the parts outside it held.
+    fn carve_held(&mut self, o: u64, from: u64, to: u64) {
+        let h = self.remove_held(o);
+        if o < from {
+            self.insert_held(o, from - o, h.tenant, h.until, false);
+        }
+        if to < o + h.len {
+            self.insert_held(to, o + h.len - to, h.tenant, h.until, false);
+        }
+    }
+
+    /// Allocates `len` bytes for `tenant` at `now`: from the ranges held for it first (best
+    /// fit), else like [`allocate`](Self::allocate). Held ranges that are due go back first.
+    pub fn allocate_for(&mut self, len: u64, tenant: u64, now: u64) -> Option<(u64, u64)> {
+        self.release_due(now);
+        let want = self.rounded(len)?;
+        if let Some(&(_, _, o)) = self.held_fit.range((tenant, want, 0)..=(tenant, u64::MAX, u64::MAX)).next() {
+            self.carve_held(o, o, o + want);
+            return Some((o, want));
+        }
+        self.allocate(len)
+    }
+
+    /// Frees `[offset, offset + reserved)` but keeps it for `tenant` until `until`: only
+    /// [`allocate_for`](Self::allocate_for) of that tenant (or an exact
+    /// [`reserve`](Self::reserve)) takes it before then. Due already at `now`: a plain free.
+    /// Refused like [`free`](Self::free).
+    pub fn hold(&mut self, offset: u64, reserved: u64, tenant: u64, until: u64, now: u64) -> bool {
+        if until <= now {
+            return self.free(offset, reserved);
+        }
+        if !self.is_allocated(offset, reserved) {
+            return false;
+        }
+        self.insert_held(offset, reserved, tenant, until, true);
+        true
+    }
+
+    /// Gives every held range due at `now` back to everyone.
+    pub fn release_due(&mut self, now: u64) {
+        while let Some(&(until, o)) = self.held_due.first() {
+            if until > now {
+                break;
+            }
+            let h = self.remove_held(o);
+            let freed = self.free(o, h.len);
+            debug_assert!(freed, "a held range overlapped free space");
+        }
+    }
+
+    /// Bytes held for their tenants.
+    #[cfg(test)]
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
+    /// Whether none of `[offset, offset + reserved)` is free or held (and it lies inside).
+    fn is_allocated(&self, offset: u64, reserved: u64) -> bool {
+        let end = match offset.checked_add(reserved) {
+            Some(e) if reserved > 0 && e <= self.size => e,
+            _ => return false,
+        };
+        let free_before = self.by_offset.range(..end).next_back().is_some_and(|(&o, &l)| o + l > offset);
+        let held_before = self.held.range(..end).next_back().is_some_and(|(&o, h)| o + h.len > offset);
+        !free_before && !held_before
+    }
+
+    /// Adds a held range; with `merge`, joins held neighbours of the same tenant (the later
+    /// `until` wins: a merged range is due when all of it is).
+    fn insert_held(&mut self, offset: u64, len: u64, tenant: u64, until: u64, merge: bool) {
+        let (mut start, mut stop, mut until) = (offset, offset + len, until);
+        if merge {
+            let prev = self.held.range(..offset).next_back().map(|(&o, &h)| (o, h));
+            if let Some((o, h)) = prev.filter(|(o, h)| o + h.len == offset && h.tenant == tenant) {
+                self.remove_held(o);
+                start = o;
+                until = until.max(h.until);
+            }
+            let next = self.held.get(&stop).copied();
+            if let Some(h) = next.filter(|h| h.tenant == tenant) {
+                self.remove_held(stop);
+                stop += h.len;
+                until = until.max(h.until);
+            }
+        }
+        let h = Held { len: stop - start, tenant, until };
+        self.held.insert(start, h);
+        self.held_fit.insert((tenant, h.len, start));
+        self.held_due.insert((until, start));
+        self.held_bytes += h.len;
+    }
+
+    fn remove_held(&mut self, offset: u64) -> Held {
+        let h = self.held.remove(&offset).expect("a held range at this offset");
+        self.held_fit.remove(&(h.tenant, h.len, offset));
+        self.held_due.remove(&(h.until, offset));
+        self.held_bytes -= h.len;
+        h
     }
 
     /// Returns `[offset, offset + reserved)`, merging it with free neighbours. Freeing a range
@@ -90,6 +235,9 @@ impl RangeAllocator {
             Some(e) if reserved > 0 && e <= self.size => e,
             _ => return false,
         };
+        if self.held.range(..end).next_back().is_some_and(|(&o, h)| o + h.len > offset) {
+            return false;
+        }
         let prev = self.by_offset.range(..=offset).next_back().map(|(&o, &l)| (o, l));
         if prev.is_some_and(|(o, l)| o + l > offset) {
             return false;
@@ -161,7 +309,95 @@ mod tests {
         assert!(!a.free(1024, 128), "double free is refused");
     }
 
+    #[test]
+    fn a_held_range_goes_only_to_its_tenant_until_due() {
+        let mut a = RangeAllocator::new(4096, 64);
+        let (x, rx) = a.allocate_for(1024, 1, 0).unwrap();
+        let (y, ry) = a.allocate_for(3072, 1, 0).unwrap();
+        assert!(a.hold(x, rx, 1, 100, 0));
+        assert_eq!(a.held_bytes(), 1024);
+        assert!(!a.hold(x, rx, 1, 100, 0), "held twice");
+        assert!(!a.free(x, rx), "freed while held");
+        // Tenant 2 finds no room; tenant 1 gets its own range back at once.
+        assert_eq!(a.allocate_for(64, 2, 50), None);
+        assert_eq!(a.allocate_for(512, 1, 50), Some((x, 512)));
+        // Adjacent ranges of one tenant merge (the later due time wins), across tenants not.
+        assert!(a.hold(x, 512, 1, 120, 60));
+        assert!(a.hold(y, ry, 2, 90, 60));
+        assert_eq!(a.allocate_for(1024, 1, 60), Some((x, 1024)), "merged with the rest of x");
+        assert_eq!(a.allocate_for(2048, 2, 60), Some((y, 2048)));
+        assert!(a.hold(x, 1024, 1, 120, 60));
+        // Due: everyone may take it. y's tail (tenant 2's until 90) is due at 119, x's not yet.
+        assert_eq!(a.allocate_for(1024, 3, 119), Some((y + 2048, 1024)));
+        assert_eq!(a.allocate_for(1024, 3, 119), None);
+        assert_eq!(a.allocate_for(1024, 3, 120), Some((x, 1024)));
+        assert_eq!(a.held_bytes(), 0);
+        // A hold already due is a plain free, and merges with free neighbours.
+        assert!(a.hold(x, 1024, 1, 10, 200));
+        assert_eq!(a.held_bytes(), 0);
+        assert_eq!(a.free_bytes(), 1024);
+    }
+
+    #[test]
+    fn an_exact_reserve_takes_free_and_held_pieces_alike() {
+        let mut a = RangeAllocator::new(4096, 64);
+        let (x, rx) = a.allocate_for(1024, 1, 0).unwrap();
+        assert!(a.hold(x, rx, 7, 100, 0));
+        // [512, 1536) spans the held range and the free space after it.
+        assert_eq!(a.reserve(512, 1024), Some(1024));
+        assert_eq!(a.held_bytes(), 512, "the held part before it stays held");
+        assert_eq!(a.reserve(0, 1024), None, "half of it is taken");
+        assert_eq!(a.allocate_for(512, 7, 0), Some((0, 512)));
+        assert_eq!(a.free_bytes(), 4096 - 1536);
+    }
+
     proptest! {
+        #[test]
+        fn tenants_never_share_a_held_range(ops in proptest::collection::vec((0u8..4, 1u64..5000, 0u64..3), 1..300)) {
+            let mut a = RangeAllocator::new(64 * 1024, 64);
+            // Live allocations: (offset, reserved, tenant); held: (offset, reserved, tenant, until).
+            let mut live: Vec<(u64, u64, u64)> = Vec::new();
+            let mut held: Vec<(u64, u64, u64, u64)> = Vec::new();
+            let mut now = 0u64;
+            for (op, n, tenant) in ops {
+                now += n % 7;
+                held.retain(|h| h.3 > now);
+                match op {
+                    0 => if let Some((o, r)) = a.allocate_for(n, tenant, now) {
+                        for h in &held {
+                            let overlaps = o < h.0 + h.1 && h.0 < o + r;
+                            prop_assert!(!overlaps || h.2 == tenant, "tenant {} got {:?}, held for {:?}", tenant, (o, r), h);
+                        }
+                        // The rest of a held range it came from stays held; the model forgets it.
+                        held.retain(|h| !(o < h.0 + h.1 && h.0 < o + r));
+                        live.push((o, r, tenant));
+                    },
+                    1 | 2 => if !live.is_empty() {
+                        let (o, r, t) = live.swap_remove(n as usize % live.len());
+                        let until = now + n % 20;
+                        prop_assert!(a.hold(o, r, t, until, now));
+                        if until > now {
+                            held.push((o, r, t, until));
+                        }
+                    },
+                    _ => {
+                        let off = (n * 64) % (64 * 1024);
+                        if let Some(r) = a.reserve(off, n) {
+                            held.retain(|h| !(off < h.0 + h.1 && h.0 < off + r));
+                            live.push((off, r, tenant));
+                        }
+                    }
+                }
+                let mut sorted = live.clone();
+                sorted.sort();
+                for w in sorted.windows(2) {
+                    prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap {:?}", w);
+                }
+                let used: u64 = live.iter().map(|x| x.1).sum();
+                prop_assert_eq!(used + a.free_bytes() + a.held_bytes(), 64 * 1024);
+            }
+        }
+
         #[test]
         fn never_hands_out_overlapping_ranges(ops in proptest::collection::vec((0u8..3, 1u64..5000), 1..300)) {
             let mut a = RangeAllocator::new(64 * 1024, 64);

@@ -18,7 +18,7 @@ use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
 use crate::record::{Record, RecordSink};
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
-use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
 
 mod apply;
 mod group;
@@ -142,9 +142,9 @@ impl Master {
             groups: (0..groups as u32).map(|rank| Some(Group::new(rank, cfg.group_epoch))).collect(),
             cfg,
             unix_offset: clock.unix_offset_ms(),
+            segments: SegmentTable::with_secret(secret, clock.clone()),
             clock,
             instance: rand::random(),
-            segments: SegmentTable::with_secret(secret),
             clients: RwLock::new(HashMap::new()),
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
@@ -237,7 +237,7 @@ impl Master {
             expires_ms,
             epoch: self.group(group).map_or(0, Group::epoch),
             group: group as u16,
-            tenant: decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t)),
+            tenant: tenant_of(key),
         }
     }
 
@@ -471,12 +471,18 @@ impl Master {
         })
     }
 
-    fn placement<'a>(&self, cfg: &'a ReplicateConfig, host: Option<&'a str>) -> Placement<'a> {
+    fn placement<'a>(&self, cfg: &'a ReplicateConfig, host: Option<&'a str>, tenant: &str) -> Placement<'a> {
         let mut strategy = cfg.strategy.unwrap_or(self.cfg.default_strategy);
         if cfg.prefer_alloc_in_same_node {
             strategy = AllocStrategy::LocalFirst;
         }
-        Placement { replicas: cfg.replica_num, strategy, preferred: &cfg.preferred_segments, local_host: host }
+        Placement {
+            replicas: cfg.replica_num,
+            strategy,
+            preferred: &cfg.preferred_segments,
+            local_host: host,
+            tenant: tenant_tag(tenant),
+        }
     }
 
     /// Allocates replicas. If nothing fits and `may_wait` is set, asks for an eviction round
@@ -609,9 +615,10 @@ impl Master {
         }
         self.pending_room(&pending, 1)?;
         let mut may_wait = may_wait;
-        let replicas = self.allocate(req.size, &self.placement(&req.config, host.as_deref()), &mut may_wait)?;
+        let replicas =
+            self.allocate(req.size, &self.placement(&req.config, host.as_deref(), &req.tenant), &mut may_wait)?;
         let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
-        let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.seg.replica_desc(&x.alloc, req.size, &grant)).collect();
+        let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.desc(req.size, &grant)).collect();
         let now = self.now();
         let res = self.install_write(
             &mut shard.write(),
@@ -666,7 +673,7 @@ impl Master {
         let (errors, routed) = self.route_batch(&req.tenant, req.items.iter().map(|(k, _)| k));
         let mut out: Vec<WireResult<Vec<ReplicaDesc>>> =
             errors.into_iter().map(|e| e.map_or(Ok(Vec::new()), Err)).collect();
-        let placement = self.placement(&req.config, host.as_deref());
+        let placement = self.placement(&req.config, host.as_deref(), &req.tenant);
         let expires = self.write_grant_expiry();
         // Allocate for every key that is not already complete (for puts).
         let mut staged: Vec<(usize, Routed, Vec<Replica>)> = Vec::with_capacity(routed.len());
@@ -712,7 +719,7 @@ impl Master {
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
                 let grant = self.grant_until(RIGHT_WRITE, expires, &r.key);
-                let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.seg.replica_desc(&x.alloc, size, &grant)).collect();
+                let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.desc(size, &grant)).collect();
                 let id = req.write_ids[i];
                 match self.install_write(&mut map, r.key, mode, req.client, id, size, pins, reps, now, &pending) {
                     Ok(()) => out[i] = Ok(descs),
@@ -767,10 +774,11 @@ impl Master {
         // Readers still copying the old value find its generations changed once the space is
         // reused (or retired by the writer), and read again: the old value's space is free at
         // once.
+        // A retire grant moves no bytes: it may outlive the range's next allocation.
         let grant = if old.is_empty() {
             Grant::default()
         } else {
-            self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, key)
+            self.grant(RIGHT_RETIRE, self.cfg.put_start_discard_timeout_ms, key)
         };
         let mut replaced: Vec<ReplicaDesc> =
             old.iter().filter(|r| r.seg.is_alive()).map(|r| r.seg.replica_desc(&r.alloc, old_size, &grant)).collect();
@@ -988,7 +996,7 @@ impl Master {
             // Retired by the key's next writer, at the latest when the lease ends. (Leases are
             // not logged: a new primary grants fresh ones, and so keeps no tombstones.)
             let ttl = obj.lease().saturating_sub(now) + self.cfg.put_start_discard_timeout_ms;
-            let grant = self.grant(RIGHT_WRITE, ttl, key);
+            let grant = self.grant(RIGHT_RETIRE, ttl, key);
             let ranges: Vec<ReplicaDesc> = obj
                 .replicas
                 .iter()
@@ -1035,16 +1043,30 @@ impl Master {
             c.last_ping.fetch_max(now, Ordering::Relaxed);
         }
         let lease = self.cfg.default_kv_lease_ttl_ms;
+        // The previous primary may have granted transfers of any range until this long from
+        // now: freed ranges stay with their tenants as long.
+        let granted = self.clock.unix_now_ms().saturating_add(self.grant_lifetime_ms());
         for shard in group.shards.iter() {
             for obj in shard.read().values() {
                 obj.extend_lease(now + lease);
+                let pending = obj.pending.iter().flat_map(|p| &p.replicas);
+                obj.replicas.iter().chain(pending).for_each(|r| r.assume_granted_until(granted));
             }
         }
         group.set_epoch(epoch);
         if !group.set_serving(true) {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);
         }
+        if self.serving_groups.load(Ordering::Acquire) == self.groups().count() {
+            self.segments.set_standby_grants(0);
+        }
         true
+    }
+
+    /// The longest a capability this master mints lasts: a write's (the put-start discard
+    /// timeout) or a read's (two read leases).
+    fn grant_lifetime_ms(&self) -> u64 {
+        self.cfg.put_start_discard_timeout_ms.max(2 * self.cfg.default_kv_lease_ttl_ms)
     }
 
     /// Stops answering requests for group `rank` (they get KVPT_NOT_OWNED): this master only
@@ -1054,6 +1076,8 @@ impl Master {
         if group.set_serving(false) {
             self.serving_groups.fetch_sub(1, Ordering::AcqRel);
         }
+        // Ranges the log frees from now on may carry the primary's grants, unknown here.
+        self.segments.set_standby_grants(self.grant_lifetime_ms());
         true
     }
 
@@ -1519,6 +1543,11 @@ impl Master {
 }
 
 /// What `list_keys` and `query_key` report for one object.
+/// Tag of the tenant of an encoded object key, as capabilities carry it.
+pub(crate) fn tenant_of(key: &[u8]) -> u64 {
+    decode_object_key(key).map_or(0, |(t, _)| tenant_tag(t))
+}
+
 fn key_info(tenant: &str, key: &str, o: &ObjectMeta, now: u64) -> KeyInfo {
     KeyInfo {
         tenant: tenant.to_string(),
@@ -1609,7 +1638,7 @@ fn retried_start(
 ) -> Option<Vec<ReplicaDesc>> {
     let p = map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id)?;
     let grant = grant();
-    Some(p.replicas.iter().map(|r| r.seg.replica_desc(&r.alloc, p.size, &grant)).collect())
+    Some(p.replicas.iter().map(|r| r.desc(p.size, &grant)).collect())
 }
 
 /// Splits routed keys (already sorted by shard) into runs of one shard each.

@@ -8,6 +8,12 @@
 //! be reused at once. With G KVPT groups a segment is split into G ranges and a master
 //! allocates only in the ranges of the groups it owns; with G = 1 the single range is the whole
 //! segment.
+//!
+//! With a cluster secret, a freed range stays *held* for its object's tenant while any
+//! capability minted for it may still move bytes ([`Holding`]): the tenant reuses it at once,
+//! other tenants get it only afterwards. A grant one tenant kept (read or write) therefore never
+//! reaches another tenant's object, whatever the timing, and the transfer server cuts every
+//! transfer off at its capability's deadline.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -19,10 +25,37 @@ use tycho_proto::{
     segment_block_size, AllocStrategy, ClientId, ErrorCode, ReplicaDesc, SegmentDesc, SegmentId, WireResult,
 };
 
-use tycho_proto::auth::capability::{Capability, SegmentKey};
+use tycho_proto::auth::capability::{Capability, SegmentKey, CLOCK_SKEW_MS};
 use tycho_proto::auth::Secret;
 
 use crate::alloc::RangeAllocator;
+use crate::clock::Clock;
+
+/// When freed ranges may go to other tenants: with a cluster secret, only once every
+/// capability minted for them is past its deadline by the holders' clocks.
+pub struct Holding {
+    clock: Arc<dyn Clock>,
+    /// While this master only replays another's log: how long a grant that master may have
+    /// minted for a range it frees may still last (ms); 0 while it serves.
+    standby_grants_ms: AtomicU64,
+}
+
+impl Holding {
+    /// Holding by `clock` (its Unix reading, on which capabilities are minted).
+    pub fn new(clock: Arc<dyn Clock>) -> Holding {
+        Holding { clock, standby_grants_ms: AtomicU64::new(0) }
+    }
+
+    /// Until when a range whose newest grant expires at `granted_until` (Unix ms) is held, and
+    /// the time now: a holder accepts a capability up to `CLOCK_SKEW_MS` past its expiry by its
+    /// own clock, which may run `CLOCK_SKEW_MS` behind this one.
+    fn until(&self, granted_until: u64) -> (u64, u64) {
+        let now = self.clock.unix_now_ms();
+        let standby = self.standby_grants_ms.load(Ordering::Relaxed);
+        let granted = if standby > 0 { granted_until.max(now.saturating_add(standby)) } else { granted_until };
+        (granted.saturating_add(2 * CLOCK_SKEW_MS), now)
+    }
+}
 
 /// A range handed out by a segment allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +94,8 @@ pub struct MountedSegment {
     pub client: ClientId,
     /// Key of this segment generation, when the cluster has a secret.
     key: Option<SegmentKey>,
+    /// How freed ranges are held for their tenants (with a secret).
+    holding: Option<Arc<Holding>>,
     alive: AtomicBool,
     used: AtomicU64,
     stored: AtomicU64,
@@ -69,10 +104,16 @@ pub struct MountedSegment {
 }
 
 impl MountedSegment {
-    fn new(desc: SegmentDesc, client: ClientId, secret: Option<&Secret>) -> MountedSegment {
+    fn new(
+        desc: SegmentDesc,
+        client: ClientId,
+        secret: Option<&Secret>,
+        holding: Option<Arc<Holding>>,
+    ) -> MountedSegment {
         let unit = segment_block_size(desc.size);
         MountedSegment {
             key: secret.map(|s| SegmentKey::new(s, desc.id, desc.incarnation)),
+            holding: secret.and(holding),
             alloc: Mutex::new(RangeAllocator::new(desc.size, unit)),
             desc,
             client,
@@ -113,12 +154,16 @@ impl MountedSegment {
         }
     }
 
-    /// Reserves `size` bytes, or `None` if no free range is large enough.
-    pub fn allocate(&self, size: u64) -> Option<SegAlloc> {
+    /// Reserves `size` bytes for an object of `tenant` (ranges held for that tenant first), or
+    /// `None` if no range it may take is large enough.
+    pub fn allocate(&self, size: u64, tenant: u64) -> Option<SegAlloc> {
         if !self.is_alive() {
             return None;
         }
-        let (offset, reserved) = self.alloc.lock().allocate(size)?;
+        let (offset, reserved) = match &self.holding {
+            Some(h) => self.alloc.lock().allocate_for(size, tenant, h.clock.unix_now_ms())?,
+            None => self.alloc.lock().allocate(size)?,
+        };
         self.used.fetch_add(reserved, Ordering::Relaxed);
         self.stored.fetch_add(size, Ordering::Relaxed);
         Some(SegAlloc { offset, reserved, len: size, gen: self.gen() })
@@ -157,10 +202,24 @@ impl MountedSegment {
 
     /// Returns a range to the allocator. A dead segment's allocator is gone with it.
     pub fn free(&self, a: SegAlloc) {
+        self.free_held(a, 0, 0);
+    }
+
+    /// Returns a range of an object of `tenant` whose newest capability expires at
+    /// `granted_until` (Unix ms): held for that tenant while the capability may still be used
+    /// (see [`Holding`]), then free for all.
+    pub fn free_held(&self, a: SegAlloc, tenant: u64, granted_until: u64) {
         if !self.is_alive() {
             return;
         }
-        if self.alloc.lock().free(a.offset, a.reserved) {
+        let freed = match &self.holding {
+            Some(h) => {
+                let (until, now) = h.until(granted_until);
+                self.alloc.lock().hold(a.offset, a.reserved, tenant, until, now)
+            }
+            None => self.alloc.lock().free(a.offset, a.reserved),
+        };
+        if freed {
             self.used.fetch_sub(a.reserved, Ordering::Relaxed);
             self.stored.fetch_sub(a.len, Ordering::Relaxed);
         } else {
@@ -206,7 +265,6 @@ impl MountedSegment {
 }
 
 /// Where one replica lives: its segment and its range.
-#[derive(Clone)]
 pub struct Replica {
     /// The segment; dead once unmounted.
     pub seg: Arc<MountedSegment>,
@@ -214,6 +272,10 @@ pub struct Replica {
     pub alloc: SegAlloc,
     /// The read capability last minted for it.
     pub read_cap: CapCache,
+    /// Tag of its object's tenant, for whom the range is held once freed.
+    pub tenant: u64,
+    /// Latest expiry (Unix ms) of a capability minted for the range.
+    pub granted_until: AtomicU64,
 }
 
 /// The read capability last minted for a replica: readers of a hot object share it while it
@@ -227,10 +289,35 @@ impl Clone for CapCache {
     }
 }
 
+impl Clone for Replica {
+    fn clone(&self) -> Self {
+        Replica {
+            seg: self.seg.clone(),
+            alloc: self.alloc,
+            read_cap: self.read_cap.clone(),
+            tenant: self.tenant,
+            granted_until: AtomicU64::new(self.granted_until.load(Ordering::Relaxed)),
+        }
+    }
+}
+
 impl Replica {
-    /// A replica of `seg` at `alloc`.
-    pub fn new(seg: Arc<MountedSegment>, alloc: SegAlloc) -> Replica {
-        Replica { seg, alloc, read_cap: CapCache::default() }
+    /// A replica of `seg` at `alloc`, for an object of `tenant` (its tag).
+    pub fn new(seg: Arc<MountedSegment>, alloc: SegAlloc, tenant: u64) -> Replica {
+        Replica { seg, alloc, read_cap: CapCache::default(), tenant, granted_until: AtomicU64::new(0) }
+    }
+
+    /// The descriptor of this replica holding `len` bytes with a capability for `grant`; the
+    /// range stays held for its tenant at least until the grant expires.
+    pub fn desc(&self, len: u64, grant: &Grant) -> ReplicaDesc {
+        self.granted_until.fetch_max(grant.expires_ms, Ordering::Relaxed);
+        self.seg.replica_desc(&self.alloc, len, grant)
+    }
+
+    /// Counts grants a previous owner of the metadata may have minted for this replica up to
+    /// `until` (Unix ms): a new primary does not know them.
+    pub fn assume_granted_until(&self, until: u64) {
+        self.granted_until.fetch_max(until, Ordering::Relaxed);
     }
 
     /// The descriptor a reader gets: with the read capability cached from an earlier read if
@@ -247,14 +334,14 @@ impl Replica {
                 return self.seg.describe(&self.alloc, len, c);
             }
         }
-        let d = self.seg.replica_desc(&self.alloc, len, &grant());
+        let d = self.desc(len, &grant());
         *cached = Some(d.cap);
         d
     }
 
-    /// Frees the replica's range.
+    /// Frees the replica's range (held for its tenant while a grant of it may be in use).
     pub fn release(self) {
-        self.seg.free(self.alloc);
+        self.seg.free_held(self.alloc, self.tenant, self.granted_until.load(Ordering::Relaxed));
     }
 }
 
@@ -268,6 +355,8 @@ pub struct Placement<'a> {
     pub preferred: &'a [String],
     /// Host of the writer, for local-first placement.
     pub local_host: Option<&'a str>,
+    /// Tag of the object's tenant.
+    pub tenant: u64,
 }
 
 /// All mounted segments.
@@ -281,12 +370,23 @@ pub struct SegmentTable {
     live: RwLock<Arc<Vec<Arc<MountedSegment>>>>,
     /// The cluster secret segment keys derive from; `None` mints no capabilities.
     secret: Option<Arc<Secret>>,
+    /// How freed ranges are held for their tenants, with a secret.
+    holding: Option<Arc<Holding>>,
 }
 
 impl SegmentTable {
-    /// An empty table whose segments mint capabilities under `secret`.
-    pub fn with_secret(secret: Option<Arc<Secret>>) -> SegmentTable {
-        SegmentTable { secret, ..SegmentTable::default() }
+    /// An empty table whose segments mint capabilities under `secret` and hold freed ranges
+    /// for their tenants by `clock`.
+    pub fn with_secret(secret: Option<Arc<Secret>>, clock: Arc<dyn Clock>) -> SegmentTable {
+        SegmentTable { secret, holding: Some(Arc::new(Holding::new(clock))), ..SegmentTable::default() }
+    }
+
+    /// While `grants_ms` is not 0, this master replays another's log: a range it frees may
+    /// carry grants that master minted up to `grants_ms` before, and is held that long.
+    pub fn set_standby_grants(&self, grants_ms: u64) {
+        if let Some(h) = &self.holding {
+            h.standby_grants_ms.store(grants_ms, Ordering::Relaxed);
+        }
     }
 
     /// Mounts `desc` for `client`; mounting the same segment again is a no-op. A newer
@@ -351,7 +451,7 @@ impl SegmentTable {
             self.retired.lock().insert(desc.id);
         }
         accepted();
-        let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref()));
+        let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref(), self.holding.clone()));
         let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
         by_id.insert(seg.desc.id, seg.clone());
         self.publish(&by_id);
@@ -411,8 +511,8 @@ impl SegmentTable {
         let mut out: Vec<Replica> = Vec::with_capacity(want);
         let try_seg = |seg: &Arc<MountedSegment>, out: &mut Vec<Replica>| {
             if out.len() < want && !out.iter().any(|r| Arc::ptr_eq(&r.seg, seg)) {
-                if let Some(alloc) = seg.allocate(size) {
-                    out.push(Replica::new(seg.clone(), alloc));
+                if let Some(alloc) = seg.allocate(size, p.tenant) {
+                    out.push(Replica::new(seg.clone(), alloc, p.tenant));
                 }
             }
         };
@@ -477,13 +577,13 @@ mod tests {
         let t = SegmentTable::default();
         t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
         let seg = t.get(SegmentId(1)).unwrap();
-        let a = seg.allocate(1000).unwrap();
+        let a = seg.allocate(1000, 0).unwrap();
         assert!(a.reserved >= 1000 && a.offset % tycho_proto::MIN_BLOCK_SIZE == 0);
         assert_eq!(seg.used(), a.reserved);
-        assert!(seg.allocate(2 << 20).is_none());
+        assert!(seg.allocate(2 << 20, 0).is_none());
         seg.free(a);
         assert_eq!(seg.used(), 0);
-        assert!(seg.allocate(1 << 20).is_some());
+        assert!(seg.allocate(1 << 20, 0).is_some());
     }
 
     #[test]
@@ -508,16 +608,17 @@ mod tests {
         for i in 0..3 {
             t.mount(ClientId(1), desc(i, &format!("e:{i}"), 0, 1 << 20), &[]).unwrap();
         }
-        let p = Placement { replicas: 5, strategy: AllocStrategy::Random, preferred: &[], local_host: None };
+        let p = Placement { replicas: 5, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
         let r = t.place(1000, &p).unwrap();
         assert_eq!(r.len(), 3);
         let mut ids: Vec<_> = r.iter().map(|r| r.seg.desc.id).collect();
         ids.dedup();
         assert_eq!(ids.len(), 3);
         let pref = vec!["seg2".to_string()];
-        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &pref, local_host: None };
+        let p =
+            Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &pref, local_host: None, tenant: 0 };
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
-        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None };
+        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
         assert_eq!(t.place(2 << 20, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
     }
 
@@ -526,16 +627,22 @@ mod tests {
         let t = SegmentTable::default();
         t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
         t.mount(ClientId(1), desc(2, "e:2", 0, 1 << 20), &[]).unwrap();
-        t.get(SegmentId(1)).unwrap().allocate(500_000).unwrap();
-        let p = Placement { replicas: 1, strategy: AllocStrategy::FreeRatioFirst, preferred: &[], local_host: None };
+        t.get(SegmentId(1)).unwrap().allocate(500_000, 0).unwrap();
+        let p = Placement {
+            replicas: 1,
+            strategy: AllocStrategy::FreeRatioFirst,
+            preferred: &[],
+            local_host: None,
+            tenant: 0,
+        };
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
     }
 
     #[test]
     fn huge_segments_scale_the_unit() {
-        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1), None);
+        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1), None, None);
         assert!(segment_block_size(1 << 40) > tycho_proto::MIN_BLOCK_SIZE);
-        let a = s.allocate(1 << 30).unwrap();
+        let a = s.allocate(1 << 30, 0).unwrap();
         assert!(a.reserved >= 1 << 30);
     }
 
@@ -544,9 +651,9 @@ mod tests {
         let t = SegmentTable::default();
         t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
         let seg = t.get(SegmentId(1)).unwrap();
-        let a = seg.allocate(64).unwrap();
+        let a = seg.allocate(64, 0).unwrap();
         seg.free(a);
-        let b = seg.allocate(64).unwrap();
+        let b = seg.allocate(64, 0).unwrap();
         assert_eq!(a.offset, b.offset, "freed space is reused at once");
         assert_ne!(a.gen, b.gen);
         // Same incarnation again: idempotent. A newer one from its owner replaces it.
@@ -572,8 +679,8 @@ mod tests {
         let seg = t.get(SegmentId(1)).unwrap();
         let r = seg.reserve(0, 4000).unwrap();
         assert_eq!(r.reserved, 4032);
-        assert!(seg.allocate(128).is_none());
+        assert!(seg.allocate(128, 0).is_none());
         assert!(seg.reserve(0, 64).is_none());
-        assert!(seg.allocate(64).is_some());
+        assert!(seg.allocate(64, 0).is_some());
     }
 }

@@ -1580,6 +1580,99 @@ fn descriptors_carry_capabilities_and_readers_share_one() {
     assert_eq!(put(&plain.m, A, "k", 4096)[0].cap, Default::default());
 }
 
+/// PutStart of `key` by client A for `tenant`, failing at once (no eviction wait) if nothing fits.
+fn put_start_as(m: &Master, tenant: &str, key: KeyRef, size: u64) -> WireResult<Vec<ReplicaDesc>> {
+    let write_id = wid(A, &key.key);
+    let req = WriteStart { client: A, tenant: tenant.into(), key, size, config: ReplicateConfig::default(), write_id };
+    m.write_start_with(WriteMode::Put, &req, false)
+}
+
+/// Issue 11: with a secret, a freed range stays with its object's tenant while a grant minted
+/// for it may still move bytes (its expiry plus twice the allowed clock skew): the tenant reuses
+/// it at once, another tenant only afterwards. A replaced value's ranges are handed to their
+/// writer with a retire-only grant.
+#[test]
+fn freed_ranges_stay_with_their_tenant_while_a_grant_may_be_used() {
+    use tycho_proto::auth::capability::{CLOCK_SKEW_MS, RIGHT_RETIRE};
+    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    let start_in = |tenant: &str, key: &str, size: u64| put_start_as(m, tenant, kref_in(tenant, key), size);
+    let end_in = |tenant: &str, key: &str| {
+        let req = WriteFinish { client: A, tenant: tenant.into(), key: kref_in(tenant, key), write_id: wid(A, key) };
+        m.write_finish(&req, true)
+    };
+    let remove_in = |tenant: &str, key: &str| {
+        m.remove(&RemoveKey { tenant: tenant.into(), key: kref_in(tenant, key), force: true })
+    };
+    let first = start_in("one", "a", MIB).unwrap();
+    end_in("one", "a").unwrap();
+    remove_in("one", "a").unwrap();
+    assert_eq!(used(m), 0, "the space counts as free at once");
+    // Tenant two finds no room while tenant one's write grant may still be used...
+    assert_eq!(start_in("two", "b", 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    // ...while tenant one reuses its space at once.
+    let again = start_in("one", "c", 512 * KIB).unwrap();
+    assert_eq!(again[0].offset, first[0].offset);
+    end_in("one", "c").unwrap();
+    // Held until the first grant's expiry plus twice the skew, by the master's clock.
+    let until = first[0].cap.expires_ms + 2 * CLOCK_SKEW_MS;
+    e.advance(until - e.clock.unix_now_ms() - 1);
+    assert_eq!(start_in("two", "b", 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    e.advance(1);
+    let b = start_in("two", "b", 4 * KIB).unwrap();
+    assert_eq!(b[0].offset, 512 * KIB, "the rest of tenant one's range is free for all now");
+    end_in("two", "b").unwrap();
+    // A replaced value's ranges come back with a grant that only retires.
+    let req = WriteStart {
+        client: A,
+        tenant: "two".into(),
+        key: kref_in("two", "b"),
+        size: 4 * KIB,
+        config: ReplicateConfig::default(),
+        write_id: wid(A, "b") + 2,
+    };
+    m.write_start_with(WriteMode::Upsert, &req, false).unwrap();
+    let fin = WriteFinish { client: A, tenant: "two".into(), key: kref_in("two", "b"), write_id: wid(A, "b") + 2 };
+    let replaced = m.write_finish(&fin, true).unwrap();
+    assert_eq!(replaced.len(), 1);
+    assert_eq!(replaced[0].offset, b[0].offset);
+    assert_eq!(replaced[0].cap.rights, RIGHT_RETIRE);
+}
+
+/// After a takeover the master does not know which grants its predecessor minted: it treats
+/// every range as granted for the longest a grant lasts from the takeover on.
+#[test]
+fn a_new_primary_holds_freed_ranges_for_any_grant_its_predecessor_may_have_minted() {
+    use tycho_proto::auth::capability::CLOCK_SKEW_MS;
+    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    let epoch = std::cell::Cell::new(1);
+    let at = |tenant: &str, key: &str| KeyRef { key: key.into(), route: route_for(tenant, key, epoch.get()) };
+    let start_in = |tenant: &str, key: &str, size: u64| put_start_as(m, tenant, at(tenant, key), size);
+    let first = start_in("one", "a", MIB).unwrap();
+    let req = WriteFinish { client: A, tenant: "one".into(), key: kref_in("one", "a"), write_id: wid(A, "a") };
+    m.write_finish(&req, true).unwrap();
+    // Long after the write grant ran out, the group changes hands (here: to the same master).
+    let written_until = first[0].cap.expires_ms + 2 * CLOCK_SKEW_MS;
+    e.advance(written_until - e.clock.unix_now_ms() + 1000);
+    assert!(m.stand_by(0));
+    assert!(m.take_over(0, 2));
+    epoch.set(2);
+    let took_over = e.clock.unix_now_ms();
+    m.remove(&RemoveKey { tenant: "one".into(), key: at("one", "a"), force: true }).unwrap();
+    let cfg = m.config();
+    let lifetime = cfg.put_start_discard_timeout_ms.max(2 * cfg.default_kv_lease_ttl_ms);
+    e.advance(lifetime + 2 * CLOCK_SKEW_MS - 1);
+    assert_eq!(start_in("two", "b", 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    e.advance(1);
+    assert_eq!(e.clock.unix_now_ms(), took_over + lifetime + 2 * CLOCK_SKEW_MS);
+    assert_eq!(start_in("two", "b", 4 * KIB).unwrap()[0].offset, first[0].offset);
+}
+
 // ---- the apply path: a standby replays the primary's records -------------------------------
 
 /// Keeps every record a primary applies, in order.

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tycho_proto::auth::capability::RIGHT_RETIRE;
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ReplicaDesc, SegmentId};
@@ -162,7 +163,10 @@ impl TransferEngine {
         let len = usize::try_from(replica.len).map_err(|_| TransferError::InvalidRange("replica too large".into()))?;
         let mapped = match self.transport_for(replica) {
             Transport::Local => Some(self.local.get(replica.segment).ok_or(TransferError::SegmentNotFound)?),
-            Transport::SharedMemory => self.map_peer(replica, true)?,
+            // A retire grant does not map a peer's segment writable (that takes a write grant):
+            // its holder retires the range over TCP, or over a writable mapping already held.
+            Transport::SharedMemory if replica.cap.rights & RIGHT_RETIRE == 0 => self.map_peer(replica, true)?,
+            Transport::SharedMemory => self.cached_writable(replica),
             Transport::Tcp => None,
         };
         if let Some(m) = mapped {
@@ -231,6 +235,13 @@ impl TransferEngine {
         mapped.retain(|_, old| old.peer_still_open());
         mapped.insert(r.segment, m.clone());
         Ok(Some(m))
+    }
+
+    /// A writable mapping of `r`'s segment this engine already holds, if any.
+    fn cached_writable(&self, r: &ReplicaDesc) -> Option<Arc<Mapping>> {
+        let mapped = self.mapped.lock();
+        let m = mapped.get(&r.segment)?;
+        (m.is_writable() && m.len() as u64 >= r.offset + r.len && m.peer_still_open()).then(|| m.clone())
     }
 
     /// How many same-host peers' segments this engine has mapped.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
-use tycho_proto::auth::capability::{unix_ms, SegmentKey, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::capability::{unix_ms, SegmentKey, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::Secret;
 use tycho_proto::{ErrorCode, SegmentId};
@@ -134,10 +134,111 @@ fn drain(stream: &mut TcpStream, mut len: u64) -> std::io::Result<()> {
     let mut sink = [0u8; 64 * 1024];
     while len > 0 {
         let n = len.min(sink.len() as u64) as usize;
-        stream.read_exact(&mut sink[..n])?;
-        len -= n as u64;
+        match stream.read(&mut sink[..n]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(got) => len -= got as u64,
+            Err(e) if waited(&e) => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
+}
+
+/// Whether `e` only says that a socket timeout elapsed (or a signal came) before anything moved.
+fn waited(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
+    matches!(e.kind(), WouldBlock | TimedOut | Interrupted)
+}
+
+/// The socket timeouts of one connection, kept short enough that no send or receive that
+/// starts before a transfer's deadline moves a byte after it.
+///
+/// A transfer under a capability must end by the capability's deadline: after it the master
+/// may give the range to another tenant, and a peer that reads (or writes) slowly on purpose
+/// would otherwise keep moving bytes of the next object. Each send or receive call starts only
+/// before the deadline, with a socket timeout no longer than the time left, so it returns by
+/// the deadline; the transfer is then cut off and the connection closed. Timeouts are set with
+/// room to spare (half the time left) so that most calls need no extra system call.
+#[derive(Default)]
+struct Cutoff {
+    send: Option<std::time::Duration>,
+    recv: Option<std::time::Duration>,
+}
+
+impl Cutoff {
+    /// Makes `timeout` (the connection's send or receive timeout, set by `set`) end no later
+    /// than `deadline` for a call starting now; an error once the deadline has passed.
+    fn arm(
+        timeout: &mut Option<std::time::Duration>,
+        deadline: u64,
+        set: impl FnOnce(Option<std::time::Duration>) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let now = unix_ms();
+        if now >= deadline {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the capability's deadline passed"));
+        }
+        let left = deadline - now;
+        let fits = timeout.is_some_and(|t| {
+            let t = t.as_millis() as u64;
+            t <= left && t.saturating_mul(4) >= left
+        });
+        if !fits {
+            let t = std::time::Duration::from_millis((left / 2).max(1));
+            set(Some(t))?;
+            *timeout = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Sends all of `buf`, each call armed against `deadline` (none: no limit).
+    fn send(&mut self, stream: &mut TcpStream, mut buf: &[u8], deadline: Option<u64>) -> std::io::Result<()> {
+        let Some(deadline) = deadline else { return stream.write_all(buf) };
+        while !buf.is_empty() {
+            Self::arm(&mut self.send, deadline, |t| stream.set_write_timeout(t))?;
+            match stream.write(buf) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => buf = &buf[n..],
+                Err(e) if waited(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf`, each call armed against `deadline` (none: no limit).
+    fn recv(&mut self, stream: &mut TcpStream, mut buf: &mut [u8], deadline: Option<u64>) -> std::io::Result<()> {
+        let Some(deadline) = deadline else { return stream.read_exact(buf) };
+        while !buf.is_empty() {
+            Self::arm(&mut self.recv, deadline, |t| stream.set_read_timeout(t))?;
+            match stream.read(buf) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => buf = &mut buf[n..],
+                Err(e) if waited(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads the next request's header. `Ok(false)` when the peer closed the connection between
+/// requests. A receive timeout left by an earlier transfer only makes it wait again.
+fn read_head(stream: &mut TcpStream, head: &mut [u8; REQUEST_LEN], stop: &AtomicBool) -> std::io::Result<bool> {
+    let mut got = 0;
+    while got < REQUEST_LEN {
+        match stream.read(&mut head[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if waited(&e) => {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(false);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
 }
 
 /// What every connection of one server checks requests against.
@@ -160,7 +261,11 @@ impl Guard {
         if !req.within_grant() {
             return Err(ErrorCode::CAPABILITY_INVALID);
         }
-        let rights = if req.op == XferOp::Read { RIGHT_READ } else { RIGHT_WRITE };
+        let rights = match req.op {
+            XferOp::Read => RIGHT_READ,
+            XferOp::Write => RIGHT_WRITE,
+            XferOp::Retire => RIGHT_RETIRE,
+        };
         if keys.len() > 1024 {
             keys.clear();
         }
@@ -196,12 +301,10 @@ fn serve_connection(
     stream.set_write_timeout(None)?;
     let mut keys = HashMap::new();
     let mut head = [0u8; REQUEST_LEN];
+    let mut cutoff = Cutoff::default();
     loop {
-        if let Err(e) = stream.read_exact(&mut head) {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                return Ok(());
-            }
-            return Err(e.into());
+        if !read_head(&mut stream, &mut head, stop)? {
+            return Ok(());
         }
         if stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -228,6 +331,8 @@ fn serve_connection(
             }
         };
         let len = req.len as usize;
+        // With a secret, the bytes move before the capability's deadline or not at all.
+        let deadline = guard.secret.as_ref().map(|_| req.cap.deadline_ms());
         match req.op {
             XferOp::Read => {
                 // A range already given to a later allocation (its generation moved on) sends
@@ -241,7 +346,7 @@ fn serve_connection(
                 // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };
                 stream.write_all(&encode_answer(Ok(req.len)))?;
-                stream.write_all(bytes)?;
+                cutoff.send(&mut stream, bytes, deadline)?;
                 let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
                 stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
             }
@@ -258,7 +363,7 @@ fn serve_connection(
                 }
                 // SAFETY: checked range; the master gives it to exactly one writer at a time.
                 let dst = unsafe { m.slice_mut(req.offset, len)? };
-                stream.read_exact(dst)?;
+                cutoff.recv(&mut stream, dst, deadline)?;
                 stream.write_all(&encode_answer(Ok(req.len)))?;
             }
         }

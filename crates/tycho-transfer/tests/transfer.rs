@@ -4,7 +4,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 
-use tycho_proto::auth::capability::{unix_ms, Capability, SegmentKey, RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::auth::capability::{
+    unix_ms, Capability, SegmentKey, CLOCK_SKEW_MS, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE,
+};
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
@@ -246,6 +248,82 @@ fn a_kept_grant_reads_nothing_of_the_next_object() {
     let mut trailer = [0u8; ANSWER_LEN];
     s.read_exact(&mut trailer).unwrap();
     assert_eq!(decode_answer(&trailer).unwrap(), 4096);
+}
+
+#[test]
+fn retiring_takes_a_retire_grant_which_neither_writes_nor_reads() {
+    let p = peer(1 << 20);
+    let e = engine("there", true);
+    let r = replica(&p, 4096, 4096, "here");
+    e.write(&r, 0, &pattern(4096, 3)).unwrap();
+    let retire_cap = grant(r.incarnation, 4096, 4096, RIGHT_RETIRE, unix_ms() + 60_000, 1);
+    let retire_only = ReplicaDesc { cap: retire_cap, ..r.clone() };
+    // A write grant does not retire; a retire grant neither writes nor reads.
+    assert_eq!(e.retire(&r).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    assert_eq!(e.write(&retire_only, 0, &[9; 16]).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    let mut back = vec![0u8; 4096];
+    assert_eq!(e.read(&retire_only, 0, &mut back).unwrap_err().code(), ErrorCode::CAPABILITY_INVALID);
+    e.read(&r, 0, &mut back).unwrap();
+    assert_eq!(back, pattern(4096, 3), "nothing was written");
+    // It retires: a reader of the old descriptor fails from then on.
+    e.retire(&retire_only).unwrap();
+    assert_eq!(e.read(&r, 0, &mut back).unwrap_err().code(), ErrorCode::RANGE_REUSED);
+    // Same host: a retire grant maps nothing writable, it retires over TCP.
+    let shm = engine("here", false);
+    assert_eq!(shm.transport_for(&retire_only), Transport::SharedMemory);
+    shm.retire(&retire_only).unwrap();
+    assert_eq!(shm.local_mappings(), 0);
+}
+
+#[test]
+fn a_transfer_is_cut_off_at_its_capability_deadline() {
+    // A reader that stops reading keeps the holder's thread blocked in its send; once the
+    // capability's deadline passes, no more bytes leave and the connection is closed, long
+    // before 32 MiB could have been sent.
+    const LEN: usize = 32 << 20;
+    let p = peer(LEN);
+    let e = engine("there", true);
+    let r = replica(&p, 0, LEN as u64, "here");
+    e.write(&r, 0, &pattern(LEN, 5)).unwrap();
+    // Expired 4.5 s ago by the minting clock: still accepted (clocks may differ by 5 s),
+    // and its deadline is 0.5 s from now.
+    let expires = unix_ms() + 500 - CLOCK_SKEW_MS;
+    let cap = grant(r.incarnation, 0, LEN as u64, RIGHT_READ, expires, 1);
+    let deadline = cap.deadline_ms();
+    let mut s = raw(&p);
+    let req = XferRequest {
+        op: XferOp::Read,
+        segment: SegmentId(1),
+        offset: 0,
+        len: LEN as u64,
+        incarnation: r.incarnation,
+        gen: 1,
+        grant_offset: 0,
+        grant_len: LEN as u64,
+        cap,
+    };
+    s.write_all(&req.encode()).unwrap();
+    let mut answer = [0u8; ANSWER_LEN];
+    s.read_exact(&mut answer).unwrap();
+    assert_eq!(decode_answer(&answer).unwrap(), LEN as u64, "accepted before its deadline");
+    // The slow reader: nothing is read until the deadline has passed.
+    while unix_ms() <= deadline + 200 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    assert!(got < LEN, "{got} bytes arrived of {LEN}: the send went on past its deadline");
+    // The holder serves new connections as before.
+    let mut back = vec![0u8; 4096];
+    e.read(&r, 0, &mut back).unwrap();
+    assert_eq!(back, pattern(4096, 5));
 }
 
 #[test]

@@ -151,6 +151,63 @@ fn transfers_without_a_grant_are_refused_and_change_nothing() {
     assert_eq!(victim.get("victim").unwrap(), value);
 }
 
+/// A grant one tenant keeps after its object is gone (its own write's and a reader's) never
+/// reaches another tenant's next object: the freed range stays with its tenant while a grant
+/// of it may still move bytes. The tenant itself reuses the range at once; the other tenant's
+/// value lands elsewhere, and writing through the kept grant leaves it intact.
+#[test]
+fn a_grant_kept_by_one_tenant_never_reaches_another_tenants_next_object() {
+    let cl = Cluster::start("kept", &[], Some("16MB"));
+    let t = |key: &str, tenant: &str| KeyRef { key: key.into(), route: tycho_routing::route_for(tenant, key, 1) };
+    let evil = cl.client("evil", 0, Protocol::Tcp);
+    let victim = cl.client("", 0, Protocol::Tcp);
+    let member = TransferEngine::new("attacker", true, Arc::new(SegmentRegistry::default()), Some(cl.secret.clone()));
+    const HALF: u64 = 8 << 20;
+    let start = |key: &str, write_id: u64| {
+        let s = WriteStart {
+            client: evil.id(),
+            tenant: "evil".into(),
+            key: t(key, "evil"),
+            size: HALF,
+            config: Default::default(),
+            write_id,
+        };
+        let Response::WriteStarted(w) = evil.call(&Request::PutStart(s)).unwrap() else { panic!("no start") };
+        w[0].clone()
+    };
+    let end = |key: &str, write_id: u64| {
+        let f = WriteFinish { client: evil.id(), tenant: "evil".into(), key: t(key, "evil"), write_id };
+        assert!(matches!(evil.call(&Request::PutEnd(f)).unwrap(), Response::Committed(_)));
+    };
+    // Tenant evil writes an object and keeps both its write grant and a read grant.
+    let kept_write = start("mine", 1);
+    member.write(&kept_write, 0, &vec![0xee; HALF as usize]).unwrap();
+    end("mine", 1);
+    let q = KeyQuery { tenant: "evil".into(), key: t("mine", "evil") };
+    let Response::Replicas(list) = evil.call(&Request::GetReplicaList(q)).unwrap() else { panic!("no list") };
+    let kept_read = list.replicas[0].clone();
+    let rm = RemoveKey { tenant: "evil".into(), key: t("mine", "evil"), force: true };
+    assert_eq!(evil.call(&Request::Remove(rm)).unwrap(), Response::Done);
+    // Another tenant's value of the same size lands in the other half of the segment.
+    let value: Vec<u8> = (0..HALF as u32).map(|i| (i * 7 + 1) as u8).collect();
+    victim.put("next", &value, &Default::default()).unwrap();
+    let q = KeyQuery { tenant: String::new(), key: t("next", "") };
+    let Response::Replicas(list) = victim.call(&Request::GetReplicaList(q)).unwrap() else { panic!("no list") };
+    let theirs = &list.replicas[0];
+    let overlaps = |a: &ReplicaDesc, b: &ReplicaDesc| a.offset < b.offset + b.len && b.offset < a.offset + a.len;
+    assert!(!overlaps(theirs, &kept_write), "{theirs:?} was placed in the range of a kept grant");
+    // The kept grants still work on their own range, and reach nothing of the other object.
+    member.write(&kept_write, 0, &vec![0x66; HALF as usize]).unwrap();
+    let mut back = vec![0u8; HALF as usize];
+    member.read(&kept_read, 0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0x66));
+    assert_eq!(victim.get("next").unwrap(), value);
+    // Tenant evil itself reuses its freed range at once.
+    let again = start("again", 2);
+    assert_eq!(again.offset, kept_write.offset);
+    end("again", 2);
+}
+
 /// The master refuses connections without the secret before any request: unmount, forced
 /// RemoveAll, spoofed pings never reach it, and nothing changes.
 #[test]

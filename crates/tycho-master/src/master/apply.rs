@@ -279,7 +279,7 @@ impl Master {
                         Some(seg) if seg.desc.incarnation < r.incarnation => Err(fail("a later incarnation")),
                         Some(seg) if seg.desc.incarnation > r.incarnation || !seg.is_alive() => Ok(None),
                         Some(seg) => match self.reserve_replayed(&seg, r) {
-                            Some(a) => Ok(Some(Replica::new(seg, a))),
+                            Some(a) => Ok(Some(Replica::new(seg, a, super::tenant_of(key)))),
                             None => Err(fail("range taken")),
                         },
                     };
@@ -394,7 +394,8 @@ impl Master {
         let (seg, got, replaced) = self.segments.mount_then(client, desc, &ranges, accepted)?;
         for (alloc, &(_, _, until)) in got.into_iter().zip(reserved) {
             if let Some(alloc) = alloc {
-                self.defer(vec![Replica::new(seg.clone(), alloc)], until, now);
+                // A new incarnation: no capability of the old one works, so its tenant does not matter.
+                self.defer(vec![Replica::new(seg.clone(), alloc, 0)], until, now);
             }
         }
         let entry = self.register_client(client);

@@ -19,8 +19,12 @@ use crate::{ErrorCode, SegmentId};
 
 /// Right to read the range.
 pub const RIGHT_READ: u8 = 1;
-/// Right to write the range (and to retire it once its value is replaced).
+/// Right to write the range.
 pub const RIGHT_WRITE: u8 = 2;
+/// Right to retire the range once its value is replaced (op 3: blocks that still carry the
+/// range's generation get 0). It moves no bytes, so it is safe to hand out for a range that
+/// may already belong to another object; a write grant does not include it.
+pub const RIGHT_RETIRE: u8 = 4;
 /// How far a holder's clock may run ahead of the minting master's before a fresh capability
 /// looks expired. Hosts of a cluster must keep their clocks within this of each other.
 pub const CLOCK_SKEW_MS: u64 = 5_000;
@@ -29,7 +33,8 @@ pub const CLOCK_SKEW_MS: u64 = 5_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 pub struct Capability {
-    /// [`RIGHT_READ`] and/or [`RIGHT_WRITE`]; 0 in a cluster without a secret.
+    /// [`RIGHT_READ`], [`RIGHT_WRITE`] and/or [`RIGHT_RETIRE`]; 0 in a cluster without a
+    /// secret.
     pub rights: u8,
     /// Wall-clock expiry, milliseconds since the Unix epoch.
     pub expires_ms: u64,
@@ -51,6 +56,17 @@ pub fn tenant_tag(tenant: &str) -> u64 {
 /// Milliseconds since the Unix epoch by the wall clock.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Capability {
+    /// The last moment (Unix ms, by the holder's clock) at which the holder may still move a
+    /// byte under this capability: its expiry plus the allowed clock skew. A transfer still
+    /// under way then is cut off, so that a master, which reuses the range across tenants only
+    /// after `expires_ms + 2 * CLOCK_SKEW_MS` by its own clock, never sees a byte move under an
+    /// old grant afterwards.
+    pub fn deadline_ms(&self) -> u64 {
+        self.expires_ms.saturating_add(CLOCK_SKEW_MS)
+    }
 }
 
 /// The key of one mounted segment generation, ready to mint or check many capabilities.
@@ -113,7 +129,7 @@ impl SegmentKey {
         if c.rights & rights != rights {
             return Err(ErrorCode::CAPABILITY_INVALID);
         }
-        if now_ms > c.expires_ms.saturating_add(CLOCK_SKEW_MS) {
+        if now_ms > c.deadline_ms() {
             return Err(ErrorCode::CAPABILITY_EXPIRED);
         }
         Ok(())
@@ -151,7 +167,16 @@ mod tests {
         assert_eq!(k.check(4096, 100, 5, &widened, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
         let later = Capability { expires_ms: u64::MAX, ..c };
         assert_eq!(k.check(4096, 100, 5, &later, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        // A write grant neither retires nor reads; a retire grant neither writes nor reads.
+        let w = k.mint(4096, 100, 5, Capability { rights: RIGHT_WRITE, ..base });
+        assert_eq!(k.check(4096, 100, 5, &w, RIGHT_WRITE, 0), Ok(()));
+        assert_eq!(k.check(4096, 100, 5, &w, RIGHT_RETIRE, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        let r = k.mint(4096, 100, 5, Capability { rights: RIGHT_RETIRE, ..base });
+        assert_eq!(k.check(4096, 100, 5, &r, RIGHT_RETIRE, 0), Ok(()));
+        assert_eq!(k.check(4096, 100, 5, &r, RIGHT_WRITE, 0), Err(ErrorCode::CAPABILITY_INVALID));
+        assert_eq!(k.check(4096, 100, 5, &r, RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
         // Expiry, with the allowed skew.
+        assert_eq!(c.deadline_ms(), 10_000 + CLOCK_SKEW_MS);
         assert_eq!(k.check(4096, 100, 5, &c, RIGHT_READ, 10_000 + CLOCK_SKEW_MS), Ok(()));
         assert_eq!(k.check(4096, 100, 5, &c, RIGHT_READ, 10_001 + CLOCK_SKEW_MS), Err(ErrorCode::CAPABILITY_EXPIRED));
         assert_eq!(k.check(4096, 100, 5, &Capability::default(), RIGHT_READ, 0), Err(ErrorCode::CAPABILITY_INVALID));
