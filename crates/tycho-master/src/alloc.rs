@@ -141,14 +141,17 @@ impl RangeAllocator {
 
     /// Allocates `len` bytes for `tenant` at `now`: from the ranges held for it first (best
     /// fit), else like [`allocate`](Self::allocate). Held ranges that are due go back first.
-    pub fn allocate_for(&mut self, len: u64, tenant: u64, now: u64) -> Option<(u64, u64)> {
+    /// Returns `(offset, reserved, held_until)`: until when the range was held (0 if it was
+    /// free), which its next free must hold it at least as long.
+    pub fn allocate_for(&mut self, len: u64, tenant: u64, now: u64) -> Option<(u64, u64, u64)> {
         self.release_due(now);
         let want = self.rounded(len)?;
         if let Some(&(_, _, o)) = self.held_fit.range((tenant, want, 0)..=(tenant, u64::MAX, u64::MAX)).next() {
+            let until = self.held[&o].until;
             self.carve_held(o, o, o + want);
-            return Some((o, want));
+            return Some((o, want, until));
         }
-        self.allocate(len)
+        self.allocate(len).map(|(o, r)| (o, r, 0))
     }
 
     /// Frees `[offset, offset + reserved)` but keeps it for `tenant` until `until`: only
@@ -312,25 +315,25 @@ mod tests {
     #[test]
     fn a_held_range_goes_only_to_its_tenant_until_due() {
         let mut a = RangeAllocator::new(4096, 64);
-        let (x, rx) = a.allocate_for(1024, 1, 0).unwrap();
-        let (y, ry) = a.allocate_for(3072, 1, 0).unwrap();
+        let (x, rx, _) = a.allocate_for(1024, 1, 0).unwrap();
+        let (y, ry, _) = a.allocate_for(3072, 1, 0).unwrap();
         assert!(a.hold(x, rx, 1, 100, 0));
         assert_eq!(a.held_bytes(), 1024);
         assert!(!a.hold(x, rx, 1, 100, 0), "held twice");
         assert!(!a.free(x, rx), "freed while held");
         // Tenant 2 finds no room; tenant 1 gets its own range back at once.
         assert_eq!(a.allocate_for(64, 2, 50), None);
-        assert_eq!(a.allocate_for(512, 1, 50), Some((x, 512)));
+        assert_eq!(a.allocate_for(512, 1, 50), Some((x, 512, 100)), "with the hold it came from");
         // Adjacent ranges of one tenant merge (the later due time wins), across tenants not.
         assert!(a.hold(x, 512, 1, 120, 60));
         assert!(a.hold(y, ry, 2, 90, 60));
-        assert_eq!(a.allocate_for(1024, 1, 60), Some((x, 1024)), "merged with the rest of x");
-        assert_eq!(a.allocate_for(2048, 2, 60), Some((y, 2048)));
+        assert_eq!(a.allocate_for(1024, 1, 60), Some((x, 1024, 120)), "merged with the rest of x");
+        assert_eq!(a.allocate_for(2048, 2, 60), Some((y, 2048, 90)));
         assert!(a.hold(x, 1024, 1, 120, 60));
         // Due: everyone may take it. y's tail (tenant 2's until 90) is due at 119, x's not yet.
-        assert_eq!(a.allocate_for(1024, 3, 119), Some((y + 2048, 1024)));
+        assert_eq!(a.allocate_for(1024, 3, 119), Some((y + 2048, 1024, 0)));
         assert_eq!(a.allocate_for(1024, 3, 119), None);
-        assert_eq!(a.allocate_for(1024, 3, 120), Some((x, 1024)));
+        assert_eq!(a.allocate_for(1024, 3, 120), Some((x, 1024, 0)));
         assert_eq!(a.held_bytes(), 0);
         // A hold already due is a plain free, and merges with free neighbours.
         assert!(a.hold(x, 1024, 1, 10, 200));
@@ -341,13 +344,13 @@ mod tests {
     #[test]
     fn an_exact_reserve_takes_free_and_held_pieces_alike() {
         let mut a = RangeAllocator::new(4096, 64);
-        let (x, rx) = a.allocate_for(1024, 1, 0).unwrap();
+        let (x, rx, _) = a.allocate_for(1024, 1, 0).unwrap();
         assert!(a.hold(x, rx, 7, 100, 0));
         // [512, 1536) spans the held range and the free space after it.
         assert_eq!(a.reserve(512, 1024), Some(1024));
         assert_eq!(a.held_bytes(), 512, "the held part before it stays held");
         assert_eq!(a.reserve(0, 1024), None, "half of it is taken");
-        assert_eq!(a.allocate_for(512, 7, 0), Some((0, 512)));
+        assert_eq!(a.allocate_for(512, 7, 0), Some((0, 512, 100)));
         assert_eq!(a.free_bytes(), 4096 - 1536);
     }
 
@@ -363,7 +366,7 @@ mod tests {
                 now += n % 7;
                 held.retain(|h| h.3 > now);
                 match op {
-                    0 => if let Some((o, r)) = a.allocate_for(n, tenant, now) {
+                    0 => if let Some((o, r, _)) = a.allocate_for(n, tenant, now) {
                         for h in &held {
                             let overlaps = o < h.0 + h.1 && h.0 < o + r;
                             prop_assert!(!overlaps || h.2 == tenant, "tenant {} got {:?}, held for {:?}", tenant, (o, r), h);

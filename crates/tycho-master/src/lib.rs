@@ -38,6 +38,7 @@ pub use master::{
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;
 pub use rpc::{MasterRpc, MAX_CONCURRENT_SCANS};
+pub use segment::HELD_PAST_EXPIRY_MS;
 
 /// Calls [`Master::tick`] every `interval` on a dedicated thread until `stop` is set, and runs
 /// the background evictor ([`Master::run_evictor`]) on another.

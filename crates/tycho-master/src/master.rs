@@ -1033,9 +1033,11 @@ impl Master {
     /// from its log (a standby's promotion, or a master that restored the group). What the
     /// log does not carry is made safe here: every known client counts as just heard from
     /// (pings are not logged), and every object as read-leased for one lease (the old
-    /// primary's readers may still be copying, and its leases are unknown). Unfinished writes
-    /// keep their start times: they are discarded and released by the usual timeouts. False
-    /// if this master does not hold the group.
+    /// primary's readers may still be copying, and its leases are unknown), and every replica
+    /// as granted for the longest a grant lasts (its grants are unknown too: a range freed
+    /// later stays with its tenant that long). Unfinished writes keep their start times: they
+    /// are discarded and released by the usual timeouts. False if this master does not hold
+    /// the group.
     pub fn take_over(&self, rank: u32, epoch: u64) -> bool {
         let Some(group) = self.group(rank) else { return false };
         let now = self.now();
@@ -1052,6 +1054,9 @@ impl Master {
                 let pending = obj.pending.iter().flat_map(|p| &p.replicas);
                 obj.replicas.iter().chain(pending).for_each(|r| r.assume_granted_until(granted));
             }
+        }
+        for d in self.deferred.lock().iter() {
+            d.replicas.iter().for_each(|r| r.assume_granted_until(granted));
         }
         group.set_epoch(epoch);
         if !group.set_serving(true) {

@@ -47,15 +47,20 @@ impl Holding {
     }
 
     /// Until when a range whose newest grant expires at `granted_until` (Unix ms) is held, and
-    /// the time now: a holder accepts a capability up to `CLOCK_SKEW_MS` past its expiry by its
-    /// own clock, which may run `CLOCK_SKEW_MS` behind this one.
+    /// the time now (see [`HELD_PAST_EXPIRY_MS`]).
     fn until(&self, granted_until: u64) -> (u64, u64) {
         let now = self.clock.unix_now_ms();
         let standby = self.standby_grants_ms.load(Ordering::Relaxed);
         let granted = if standby > 0 { granted_until.max(now.saturating_add(standby)) } else { granted_until };
-        (granted.saturating_add(2 * CLOCK_SKEW_MS), now)
+        (granted.saturating_add(HELD_PAST_EXPIRY_MS), now)
     }
 }
+
+/// How long past a capability's expiry its range is held: a holder accepts a capability up to
+/// `CLOCK_SKEW_MS` past its expiry by its own clock, which may run `CLOCK_SKEW_MS` behind the
+/// master's, and cuts its transfers off there; one more second covers a transfer call that
+/// returns a little late (a descheduled thread, a timer's granularity).
+pub const HELD_PAST_EXPIRY_MS: u64 = 2 * CLOCK_SKEW_MS + 1_000;
 
 /// A range handed out by a segment allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +79,7 @@ pub struct SegAlloc {
 /// `tycho_proto::auth::capability`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Grant {
-    /// `RIGHT_READ` and/or `RIGHT_WRITE`.
+    /// `RIGHT_READ`, `RIGHT_WRITE` and/or `RIGHT_RETIRE`.
     pub rights: u8,
     /// Wall-clock expiry, Unix milliseconds.
     pub expires_ms: u64,
@@ -157,16 +162,23 @@ impl MountedSegment {
     /// Reserves `size` bytes for an object of `tenant` (ranges held for that tenant first), or
     /// `None` if no range it may take is large enough.
     pub fn allocate(&self, size: u64, tenant: u64) -> Option<SegAlloc> {
+        self.allocate_held(size, tenant).map(|(a, _)| a)
+    }
+
+    /// [`allocate`](Self::allocate), with the expiry (Unix ms) of the grants the range was held
+    /// for (0 if it was free): the new replica must count them as its own.
+    fn allocate_held(&self, size: u64, tenant: u64) -> Option<(SegAlloc, u64)> {
         if !self.is_alive() {
             return None;
         }
-        let (offset, reserved) = match &self.holding {
+        let (offset, reserved, held_until) = match &self.holding {
             Some(h) => self.alloc.lock().allocate_for(size, tenant, h.clock.unix_now_ms())?,
-            None => self.alloc.lock().allocate(size)?,
+            None => self.alloc.lock().allocate(size).map(|(o, r)| (o, r, 0))?,
         };
         self.used.fetch_add(reserved, Ordering::Relaxed);
         self.stored.fetch_add(size, Ordering::Relaxed);
-        Some(SegAlloc { offset, reserved, len: size, gen: self.gen() })
+        let granted = held_until.saturating_sub(HELD_PAST_EXPIRY_MS);
+        Some((SegAlloc { offset, reserved, len: size, gen: self.gen() }, granted))
     }
 
     /// Reserves exactly `[offset, offset + len)`, or `None` if any of it is taken.
@@ -511,8 +523,10 @@ impl SegmentTable {
         let mut out: Vec<Replica> = Vec::with_capacity(want);
         let try_seg = |seg: &Arc<MountedSegment>, out: &mut Vec<Replica>| {
             if out.len() < want && !out.iter().any(|r| Arc::ptr_eq(&r.seg, seg)) {
-                if let Some(alloc) = seg.allocate(size, p.tenant) {
-                    out.push(Replica::new(seg.clone(), alloc, p.tenant));
+                if let Some((alloc, granted)) = seg.allocate_held(size, p.tenant) {
+                    let r = Replica::new(seg.clone(), alloc, p.tenant);
+                    r.assume_granted_until(granted);
+                    out.push(r);
                 }
             }
         };

@@ -7,8 +7,9 @@
 //!    the old primary's log commits nothing: its batch transactions compare the record.
 //! 2. Catch up to the log's durable prefix, within a deadline. The prefix cannot move any more
 //!    (step 1), so what is read is everything the old primary acknowledged.
-//! 3. [`Master::take_over`]: clients get a fresh TTL, objects a read lease, freed ranges are held
-//!    for the old primary's read grants, and the group is served under the new epoch.
+//! 3. [`Master::take_over`]: clients get a fresh TTL, objects a read lease, ranges freed from then
+//!    on stay with their tenants for as long as a grant of the old primary may last, and the
+//!    group is served under the new epoch.
 //! 4. Open the log for writing under the new record (fenced on it) and make it the master's
 //!    record sink: from now on a mutation is acknowledged once its record is durable. When the
 //!    log ends (fenced by a later owner, or closed), the master stops serving the group, reads

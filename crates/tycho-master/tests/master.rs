@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use tycho_master::{
     Clock, ManualClock, Master, MasterConfig, WriteMode, DEFAULT_CLIENT_TTL_MS, DEFAULT_KV_LEASE_TTL_MS,
-    DEFAULT_PUT_START_DISCARD_MS, DEFAULT_PUT_START_RELEASE_MS, DEFAULT_SOFT_PIN_TTL_MS, MAX_SOFT_PIN_TTL_MS,
+    DEFAULT_PUT_START_DISCARD_MS, DEFAULT_PUT_START_RELEASE_MS, DEFAULT_SOFT_PIN_TTL_MS, HELD_PAST_EXPIRY_MS,
+    MAX_SOFT_PIN_TTL_MS,
 };
 use tycho_proto::*;
 use tycho_routing::route_for;
@@ -1616,8 +1617,9 @@ fn freed_ranges_stay_with_their_tenant_while_a_grant_may_be_used() {
     let again = start_in("one", "c", 512 * KIB).unwrap();
     assert_eq!(again[0].offset, first[0].offset);
     end_in("one", "c").unwrap();
-    // Held until the first grant's expiry plus twice the skew, by the master's clock.
-    let until = first[0].cap.expires_ms + 2 * CLOCK_SKEW_MS;
+    // Held until the first grant's expiry plus twice the skew and a margin, by the master's clock.
+    let until = first[0].cap.expires_ms + HELD_PAST_EXPIRY_MS;
+    const { assert!(HELD_PAST_EXPIRY_MS > 2 * CLOCK_SKEW_MS) };
     e.advance(until - e.clock.unix_now_ms() - 1);
     assert_eq!(start_in("two", "b", 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
     e.advance(1);
@@ -1641,11 +1643,49 @@ fn freed_ranges_stay_with_their_tenant_while_a_grant_may_be_used() {
     assert_eq!(replaced[0].cap.rights, RIGHT_RETIRE);
 }
 
+/// A read grant that outlasts the write's (read leases longer than the discard timeout) keeps
+/// the range held that long, also through the tenant's own reuse of part of it: the reusing
+/// object inherits the hold.
+#[test]
+fn a_read_grant_holds_the_range_as_long_as_it_lasts_even_through_reuse() {
+    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let cfg = MasterConfig {
+        secret: Some(secret),
+        default_kv_lease_ttl_ms: 40_000,
+        put_start_discard_timeout_ms: 30_000,
+        ..MasterConfig::default()
+    };
+    let e = Env::with(cfg);
+    let m = &e.m;
+    mount(m, A, 1, MIB);
+    let key = |tenant: &str, key: &str| kref_in(tenant, key);
+    let finish_in = |tenant: &str, k: &str| {
+        let req = WriteFinish { client: A, tenant: tenant.into(), key: key(tenant, k), write_id: wid(A, k) };
+        m.write_finish(&req, true).map(drop)
+    };
+    let w = put_start_as(m, "one", key("one", "a"), MIB).unwrap();
+    finish_in("one", "a").unwrap();
+    let r = m.get_replica_list(&KeyQuery { tenant: "one".into(), key: key("one", "a") }).unwrap().replicas[0].clone();
+    assert!(r.cap.expires_ms > w[0].cap.expires_ms, "the read grant lasts longer");
+    m.remove(&RemoveKey { tenant: "one".into(), key: key("one", "a"), force: true }).unwrap();
+    // Tenant one reuses half of it for a value whose write grant is shorter, then drops it.
+    let again = put_start_as(m, "one", key("one", "b"), MIB / 2).unwrap();
+    assert_eq!(again[0].offset, w[0].offset);
+    finish_in("one", "b").unwrap();
+    m.remove(&RemoveKey { tenant: "one".into(), key: key("one", "b"), force: true }).unwrap();
+    // Both halves stay held until the read grant's deadline has passed.
+    e.advance(again[0].cap.expires_ms + HELD_PAST_EXPIRY_MS - e.clock.unix_now_ms() + 1);
+    assert_eq!(put_start_as(m, "two", key("two", "c"), 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    e.advance(r.cap.expires_ms + HELD_PAST_EXPIRY_MS - e.clock.unix_now_ms() - 1);
+    assert_eq!(put_start_as(m, "two", key("two", "c"), 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
+    e.advance(1);
+    assert_eq!(put_start_as(m, "two", key("two", "c"), 4 * KIB).unwrap()[0].offset, w[0].offset);
+}
+
 /// After a takeover the master does not know which grants its predecessor minted: it treats
 /// every range as granted for the longest a grant lasts from the takeover on.
 #[test]
 fn a_new_primary_holds_freed_ranges_for_any_grant_its_predecessor_may_have_minted() {
-    use tycho_proto::auth::capability::CLOCK_SKEW_MS;
     let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
     let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
     let m = &e.m;
@@ -1657,7 +1697,7 @@ fn a_new_primary_holds_freed_ranges_for_any_grant_its_predecessor_may_have_minte
     let req = WriteFinish { client: A, tenant: "one".into(), key: kref_in("one", "a"), write_id: wid(A, "a") };
     m.write_finish(&req, true).unwrap();
     // Long after the write grant ran out, the group changes hands (here: to the same master).
-    let written_until = first[0].cap.expires_ms + 2 * CLOCK_SKEW_MS;
+    let written_until = first[0].cap.expires_ms + HELD_PAST_EXPIRY_MS;
     e.advance(written_until - e.clock.unix_now_ms() + 1000);
     assert!(m.stand_by(0));
     assert!(m.take_over(0, 2));
@@ -1666,10 +1706,10 @@ fn a_new_primary_holds_freed_ranges_for_any_grant_its_predecessor_may_have_minte
     m.remove(&RemoveKey { tenant: "one".into(), key: at("one", "a"), force: true }).unwrap();
     let cfg = m.config();
     let lifetime = cfg.put_start_discard_timeout_ms.max(2 * cfg.default_kv_lease_ttl_ms);
-    e.advance(lifetime + 2 * CLOCK_SKEW_MS - 1);
+    e.advance(lifetime + HELD_PAST_EXPIRY_MS - 1);
     assert_eq!(start_in("two", "b", 4 * KIB), Err(ErrorCode::NO_AVAILABLE_HANDLE));
     e.advance(1);
-    assert_eq!(e.clock.unix_now_ms(), took_over + lifetime + 2 * CLOCK_SKEW_MS);
+    assert_eq!(e.clock.unix_now_ms(), took_over + lifetime + HELD_PAST_EXPIRY_MS);
     assert_eq!(start_in("two", "b", 4 * KIB).unwrap()[0].offset, first[0].offset);
 }
 

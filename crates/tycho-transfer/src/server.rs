@@ -165,7 +165,25 @@ struct Cutoff {
     recv: Option<std::time::Duration>,
 }
 
+/// Shortest socket timeout left in place while a connection waits for its next request: a
+/// shorter one, left by a transfer near its deadline, is cleared first.
+const IDLE_TIMEOUT_FLOOR: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Cutoff {
+    /// Clears timeouts shorter than [`IDLE_TIMEOUT_FLOOR`] before the connection waits for its
+    /// next request (a system call only after a transfer that ran close to its deadline).
+    fn relax(&mut self, stream: &TcpStream) -> std::io::Result<()> {
+        if self.send.is_some_and(|t| t < IDLE_TIMEOUT_FLOOR) {
+            stream.set_write_timeout(None)?;
+            self.send = None;
+        }
+        if self.recv.is_some_and(|t| t < IDLE_TIMEOUT_FLOOR) {
+            stream.set_read_timeout(None)?;
+            self.recv = None;
+        }
+        Ok(())
+    }
+
     /// Makes `timeout` (the connection's send or receive timeout, set by `set`) end no later
     /// than `deadline` for a call starting now; an error once the deadline has passed.
     fn arm(
@@ -303,6 +321,7 @@ fn serve_connection(
     let mut head = [0u8; REQUEST_LEN];
     let mut cutoff = Cutoff::default();
     loop {
+        cutoff.relax(&stream)?;
         if !read_head(&mut stream, &mut head, stop)? {
             return Ok(());
         }

@@ -127,9 +127,9 @@ async fn object_surface_over_rpc() {
     let Response::Committed(replaced) = c.call(Request::UpsertEnd(fin(a, "k1"))).await else { panic!() };
     let ranges = |l: &[ReplicaDesc]| l.iter().map(|r| (r.segment, r.offset, r.len, r.gen)).collect::<Vec<_>>();
     assert_eq!(ranges(&replaced), ranges(&before.replicas));
-    // Granted for retiring (a write), where the read list granted reading.
-    use tycho_proto::auth::capability::{RIGHT_READ, RIGHT_WRITE};
-    assert_eq!((replaced[0].cap.rights, before.replicas[0].cap.rights), (RIGHT_WRITE, RIGHT_READ));
+    // Granted for retiring only, where the read list granted reading.
+    use tycho_proto::auth::capability::{RIGHT_READ, RIGHT_RETIRE};
+    assert_eq!((replaced[0].cap.rights, before.replicas[0].cap.rights), (RIGHT_RETIRE, RIGHT_READ));
     let Response::Replicas(l) = c.call(Request::GetReplicaList(q("k1"))).await else { panic!() };
     assert_eq!(l.size, 2000);
 
