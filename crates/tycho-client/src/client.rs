@@ -101,6 +101,9 @@ struct Inner {
     closed: AtomicBool,
     /// The master instance last seen in a heartbeat; a new one means a restarted master.
     master_instance: AtomicU64,
+    /// The KVPT groups' epochs, for the routes of key-addressed requests: the initial epoch
+    /// until a request answers STALE_EPOCH, then as the master says.
+    routes: parking_lot::RwLock<RouteTable>,
     heartbeat: Heartbeat,
     /// The process that connected; a forked child that inherits the client never closes it.
     pid: u32,
@@ -269,6 +272,7 @@ impl Client {
             leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             master_instance: AtomicU64::new(0),
+            routes: parking_lot::RwLock::new(RouteTable { groups: 1, epochs: Vec::new() }),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
@@ -329,10 +333,9 @@ impl Client {
     }
 
     fn key(&self, key: &str) -> KeyRef {
-        KeyRef {
-            key: key.to_string(),
-            route: tycho_routing::route_for(&self.inner.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH),
-        }
+        let mut route = tycho_routing::route_for(&self.inner.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH);
+        route.epoch = epoch_of(&self.inner.routes.read(), route.partition_id);
+        KeyRef { key: key.to_string(), route }
     }
 
     fn tenant(&self) -> String {
@@ -1110,6 +1113,26 @@ where
     std::iter::repeat_n((), parts.len() - before)
 }
 
+/// Whether a batch answer refused every key for a stale epoch.
+fn all_stale(resp: &Response) -> bool {
+    fn all<T>(v: &[WireResult<T>]) -> bool {
+        !v.is_empty() && v.iter().all(|r| matches!(r, Err(ErrorCode::STALE_EPOCH)))
+    }
+    match resp {
+        Response::BatchWriteStarted(v) | Response::BatchCommitted(v) => all(v),
+        Response::BatchDone(v) => all(v),
+        Response::BatchReplicas(v) => all(v),
+        Response::BatchExists(v) => all(v),
+        _ => false,
+    }
+}
+
+/// The epoch of partition `partition_id`'s group in `t` (the initial epoch when unknown).
+fn epoch_of(t: &RouteTable, partition_id: u16) -> u64 {
+    let rank = tycho_routing::kvpt_to_rank(partition_id, t.groups.max(1));
+    t.epochs.get(rank as usize).copied().filter(|&e| e > 0).unwrap_or(tycho_routing::INITIAL_GROUP_EPOCH)
+}
+
 impl Inner {
     fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
         match call_with_retry(&self.master, req, self.cfg.rpc_timeout) {
@@ -1120,7 +1143,31 @@ impl Inner {
                 self.remount()?;
                 call_with_retry(&self.master, req, self.cfg.rpc_timeout)
             }
+            // A group changed owner (a failover): learn the epochs, route again, retry once.
+            // A batch says so per key (with one group, for every key, and nothing was done).
+            Ok(resp) if !all_stale(&resp) => Ok(resp),
+            Ok(_) | Err(ErrorCode::STALE_EPOCH) => {
+                self.refresh_routes()?;
+                let mut again = req.clone();
+                let routes = self.routes.read().clone();
+                for r in again.routes_mut() {
+                    r.epoch = epoch_of(&routes, r.partition_id);
+                }
+                call_with_retry(&self.master, &again, self.cfg.rpc_timeout)
+            }
             r => r,
+        }
+    }
+
+    /// Asks the master for the groups' epochs.
+    fn refresh_routes(&self) -> Result<(), ErrorCode> {
+        match call_with_retry(&self.master, &Request::Routes, self.cfg.rpc_timeout)? {
+            Response::Routes(t) => {
+                tracing::info!(epochs = ?t.epochs, "routes refreshed");
+                *self.routes.write() = t;
+                Ok(())
+            }
+            _ => Err(ErrorCode::INTERNAL_ERROR),
         }
     }
 

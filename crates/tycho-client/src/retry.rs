@@ -36,9 +36,11 @@ pub fn call_with_retry(master: &BlockingClient, req: &Request, timeout: Duration
         };
         let retry = match code.retry_class() {
             RetryClass::Fail => false,
-            // With one KVPT group there is no other owner to go to and no route to refresh
-            // beyond the next attempt, which recomputes nothing; retry at once.
-            RetryClass::Redirect | RetryClass::RefreshRoute => true,
+            // The same request would meet the same route: the caller refreshes it (see the
+            // client's `call`).
+            RetryClass::RefreshRoute => false,
+            // With one master address there is no other owner to go to; retry at once.
+            RetryClass::Redirect => true,
             RetryClass::RetrySame => !transport || is_idempotent(req),
         };
         if !retry || attempt >= MAX_ATTEMPTS {

@@ -68,6 +68,8 @@ pub struct AdminConfig {
 #[derive(Default)]
 pub struct ProbeState {
     serving: AtomicBool,
+    /// Why it does not serve, when it says (an HA master's role).
+    note: parking_lot::Mutex<Option<String>>,
     responsive: AtomicBool,
     latency_us: AtomicU64,
     failures: AtomicU64,
@@ -79,6 +81,11 @@ impl ProbeState {
     /// stopping). The probe runs only while it serves.
     pub fn set_serving(&self, on: bool) {
         self.serving.store(on, Ordering::Release);
+    }
+
+    /// Says what the master does, for `/readyz` to give as the reason while it does not serve.
+    pub fn set_note(&self, note: String) {
+        *self.note.lock() = Some(note);
     }
 
     /// Whether the master serves.
@@ -284,7 +291,8 @@ async fn readyz(State(s): State<Arc<AdminState>>) -> HttpResponse {
     if ready {
         (StatusCode::OK, "ready\n").into_response()
     } else if !serving {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the master is not serving\n").into_response()
+        let why = s.probe.note.lock().clone().unwrap_or_else(|| "the master is not serving".into());
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready: the last self-probe (HealthCheck) failed or timed out\n")
             .into_response()

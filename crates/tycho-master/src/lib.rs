@@ -8,6 +8,7 @@ mod alloc;
 mod clock;
 mod config;
 mod evict;
+pub mod ha;
 mod health;
 mod master;
 mod metrics;

@@ -1086,6 +1086,27 @@ impl Master {
         true
     }
 
+    /// Stops serving group `rank` (reads included) once `log`, the group's OpLog as this master
+    /// writes it, ends: another master may own the group then.
+    pub fn stop_serving_when_log_ends(self: &Arc<Self>, log: &crate::oplog::OpLogWriter, rank: u32) {
+        let weak = Arc::downgrade(self);
+        log.on_end(move |why| {
+            if let Some(m) = weak.upgrade() {
+                tracing::warn!(group = rank, reason = %why, "the group's log ended: no longer serving it");
+                m.stand_by(rank);
+            }
+        });
+    }
+
+    /// The groups' epochs as this master serves them (0 for a group it does not serve), for
+    /// clients' routes.
+    pub fn route_table(&self) -> tycho_proto::RouteTable {
+        let groups = self.cfg.group_count.max(1);
+        let epochs =
+            (0..groups).map(|rank| self.group(rank).filter(|g| g.is_serving()).map_or(0, Group::epoch)).collect();
+        tycho_proto::RouteTable { groups, epochs }
+    }
+
     /// Whether this master serves any group; one that serves none answers only probes.
     pub fn is_serving(&self) -> bool {
         self.serving_groups.load(Ordering::Acquire) > 0

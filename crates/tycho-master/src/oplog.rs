@@ -251,6 +251,16 @@ impl OpLogWriter {
         self.shared.progress.borrow().failed.clone()
     }
 
+    /// Completes once the log has ended (fenced, closed, failed), with the reason.
+    pub async fn ended(&self) -> LogError {
+        let mut rx = self.shared.progress.subscribe();
+        let why = match rx.wait_for(|p| p.failed.is_some()).await {
+            Ok(p) => p.failed.clone().unwrap_or(LogError::Closed),
+            Err(_) => LogError::Closed,
+        };
+        why
+    }
+
     /// Runs `f` once the log ends (fenced, closed, failed), with the reason: a master stops
     /// serving the group then, reads included, since another master may own it now. Runs at
     /// once if the log has ended already.

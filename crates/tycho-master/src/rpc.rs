@@ -299,6 +299,7 @@ impl MasterRpc {
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }
+            Request::Routes => Response::Routes(m.route_table()),
             Request::Register { tenant } => match m.register(&tenant) {
                 Ok((client, credential)) => Response::Registered { client, credential },
                 Err(code) => Response::Error(code),

@@ -129,14 +129,7 @@ pub async fn promote(
         ))));
     }
     let log = Arc::new(log);
-    // Once the log ends (another master took the group, or it was closed), stop serving it.
-    let weak = Arc::downgrade(master);
-    log.on_end(move |why| {
-        if let Some(m) = weak.upgrade() {
-            tracing::warn!(group = rank, reason = %why, "the group's log ended: no longer serving it");
-            m.stand_by(rank);
-        }
-    });
+    master.stop_serving_when_log_ends(&log, rank);
     if !master.set_record_sink(log.clone()) {
         return Err(PromoteError::Log(LogError::Refused("the master already had a record sink".into())));
     }

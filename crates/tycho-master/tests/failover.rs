@@ -41,12 +41,7 @@ async fn cluster() -> Cluster {
     let log = Arc::new(log);
     let primary = master();
     assert!(primary.set_record_sink(log.clone()));
-    let weak = Arc::downgrade(&primary);
-    log.on_end(move |_| {
-        if let Some(m) = weak.upgrade() {
-            m.stand_by(0);
-        }
-    });
+    primary.stop_serving_when_log_ends(&log, 0);
     let standby_clock = Arc::new(ManualClock::new(1_000));
     let standby = Arc::new(Master::new(MasterConfig::default(), standby_clock.clone()));
     assert!(standby.stand_by(0));

@@ -240,6 +240,19 @@ pub enum Request {
         /// The tenant the client's keys belong to.
         tenant: String,
     },
+    /// The KVPT groups this master serves and their epochs, for the routes of key-addressed
+    /// requests (a client asks again when a request answers STALE_EPOCH).
+    Routes,
+}
+
+/// Answer to [`Request::Routes`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct RouteTable {
+    /// G, the number of KVPT groups: a key's group is `tycho_routing::kvpt_to_rank(partition, G)`.
+    pub groups: u32,
+    /// Each group's epoch, by rank (0 for a group this master does not serve).
+    pub epochs: Vec<u64>,
 }
 
 impl Request {
@@ -258,7 +271,33 @@ impl Request {
                 | Request::ListKeys { .. }
                 | Request::Stats
                 | Request::HealthCheck
+                | Request::Routes
         )
+    }
+
+    /// The routes of every key the request names, to be recomputed after a route change.
+    pub fn routes_mut(&mut self) -> Vec<&mut RouteTag> {
+        match self {
+            Request::PutStart(r) | Request::UpsertStart(r) => vec![&mut r.key.route],
+            Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
+                vec![&mut r.key.route]
+            }
+            Request::BatchPutStart(r) | Request::BatchUpsertStart(r) => {
+                r.items.iter_mut().map(|(k, _)| &mut k.route).collect()
+            }
+            Request::BatchPutEnd(r)
+            | Request::BatchPutRevoke(r)
+            | Request::BatchUpsertEnd(r)
+            | Request::BatchUpsertRevoke(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
+            Request::GetReplicaList(q) | Request::ExistKey(q) => vec![&mut q.key.route],
+            Request::BatchGetReplicaList(q) | Request::BatchExistKey(q) => {
+                q.keys.iter_mut().map(|k| &mut k.route).collect()
+            }
+            Request::Remove(r) => vec![&mut r.key.route],
+            Request::BatchRemove(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
+            Request::BatchReplicaClear(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// How many keys a batch request names (0 for any other request).
@@ -328,6 +367,8 @@ pub enum Response {
         /// The credential to prove on every connection.
         credential: [u8; 32],
     },
+    /// Answer to Routes.
+    Routes(RouteTable),
 }
 
 impl Request {
@@ -364,6 +405,7 @@ impl Request {
         "health_check",
         "batch_replica_clear",
         "register",
+        "routes",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -405,6 +447,7 @@ impl Request {
             Request::HealthCheck => 28,
             Request::BatchReplicaClear(_) => 29,
             Request::Register { .. } => 30,
+            Request::Routes => 31,
         }
     }
 
@@ -510,8 +553,8 @@ mod tests {
     fn names_and_indices_agree() {
         assert_eq!(Request::HealthCheck.name(), "health_check");
         assert_eq!(Request::Stats.name(), "stats");
-        let last = Request::Register { tenant: String::new() };
-        assert_eq!(last.name(), "register");
+        let last = Request::Routes;
+        assert_eq!(last.name(), "routes");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

@@ -90,6 +90,8 @@ pub struct MasterArgs {
     pub rpc_probe_timeout: f64,
     /// Cluster secret and authentication.
     #[command(flatten)]
+    pub ha: HaArgs,
+    #[command(flatten)]
     pub security: SecurityArgs,
     /// `mooncake_master` flags Tycho does not implement, set aside before parsing.
     #[arg(skip)]
@@ -148,6 +150,50 @@ impl SecurityArgs {
             None => Ok(tycho_client::ClientAuth::Discover),
         }
     }
+}
+
+/// High availability: with etcd endpoints, the master joins a cluster in etcd and logs its
+/// metadata there (docs/ha.md); without, it keeps everything in memory.
+#[derive(Args, Debug, Clone)]
+pub struct HaArgs {
+    /// etcd endpoints, separated by commas or semicolons (`http://h1:2379,h2:2379`). With them
+    /// the master joins the cluster `--cluster-name` in etcd: the first master serves, the
+    /// second replays its log as a standby and takes over when it dies, later ones wait.
+    #[arg(long = "etcd-endpoints", alias = "etcd_endpoints", value_parser = parse_endpoints, value_name = "URLS", default_value = "")]
+    pub etcd_endpoints: Endpoints,
+    /// Name of the cluster in etcd: its keys live under `/tycho/NAME/`.
+    #[arg(long = "cluster-name", alias = "cluster_id", default_value = "tycho", value_name = "NAME")]
+    pub cluster_name: String,
+    /// This master's id in the cluster (default: its advertised address). A master restarted
+    /// with the same id knows it held the group before.
+    #[arg(long = "master-id", value_name = "ID")]
+    pub master_id: Option<String>,
+    /// Address clients reach this master at, published in etcd (default: the RPC address, with
+    /// 127.0.0.1 for an unspecified one).
+    #[arg(long = "advertise-address", value_name = "HOST:PORT")]
+    pub advertise_address: Option<String>,
+    /// TTL of the master's registration in etcd: seconds or a duration. A primary that stops
+    /// renewing it (dead, paused, cut off) is replaced about this long after its last renewal;
+    /// it stops serving by itself after half of it.
+    #[arg(long = "ha-lease-ttl", default_value = "5", value_parser = duration_s)]
+    pub ha_lease_ttl: u64,
+    /// Longest a promotion may take to replay the log's end: seconds or a duration.
+    #[arg(long = "ha-catch-up-deadline", default_value = "30", value_parser = duration_s)]
+    pub ha_catch_up_deadline: u64,
+}
+
+/// etcd endpoints as given.
+#[derive(Debug, Clone, Default)]
+pub struct Endpoints(pub Vec<String>);
+
+impl Endpoints {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+fn parse_endpoints(s: &str) -> Result<Endpoints, String> {
+    Ok(Endpoints(s.split([',', ';']).map(str::trim).filter(|e| !e.is_empty()).map(String::from).collect()))
 }
 
 fn duration_ms(s: &str) -> Result<u64, String> {
@@ -291,15 +337,73 @@ pub fn run_master(args: MasterArgs) -> i32 {
                 }
             };
         let signals = Signals::install();
-        admin.probe().set_serving(true);
         println!("tycho master listening on {}", running.addr);
         println!("tycho master admin HTTP on http://{}", admin.local_addr());
-        signals.wait().await;
+        let code = if args.ha.etcd_endpoints.is_empty() {
+            admin.probe().set_serving(true);
+            signals.wait().await;
+            0
+        } else {
+            run_ha(&args.ha, running.addr, running.master.clone(), &admin, signals).await
+        };
         admin.probe().set_serving(false);
         running.stop().await;
         drop(admin);
-        0
+        code
     })
+}
+
+/// Runs the master's part in an HA cluster until a signal (it then hands its role over at
+/// once) or until it must leave; `/readyz` follows its role. Returns the exit code.
+async fn run_ha(
+    ha: &HaArgs,
+    rpc: SocketAddr,
+    master: Arc<Master>,
+    admin: &tycho_master::AdminHandle,
+    signals: Signals,
+) -> i32 {
+    use tycho_master::ha::{HaConfig, HaStatus};
+    let store = match tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new(ha.etcd_endpoints.0.clone())).await {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            eprintln!("error: etcd at {}: {e}", ha.etcd_endpoints.0.join(","));
+            return 1;
+        }
+    };
+    let address = ha.advertise_address.clone().unwrap_or_else(|| {
+        let ip = if rpc.ip().is_unspecified() { std::net::Ipv4Addr::LOCALHOST.into() } else { rpc.ip() };
+        SocketAddr::new(ip, rpc.port()).to_string()
+    });
+    let cfg = HaConfig {
+        cluster: ha.cluster_name.clone(),
+        id: ha.master_id.clone().unwrap_or_else(|| address.clone()),
+        address,
+        lease_ttl: Duration::from_millis(ha.ha_lease_ttl),
+        catch_up_deadline: Duration::from_millis(ha.ha_catch_up_deadline),
+        writer: Default::default(),
+    };
+    let (status, mut seen) = tokio::sync::watch::channel(HaStatus::Starting);
+    let probe = admin.probe().clone();
+    let follow = tokio::spawn(async move {
+        loop {
+            let now = seen.borrow_and_update().clone();
+            probe.set_serving(now.serves());
+            probe.set_note(now.describe());
+            println!("tycho master role: {}", now.describe());
+            if seen.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    let result = tycho_master::ha::run(master, store, cfg, status, signals.wait()).await;
+    let _ = follow.await;
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
 }
 
 /// Runs the all-in-one: a master and a node with a DRAM segment on loopback, then a

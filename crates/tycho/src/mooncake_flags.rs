@@ -31,9 +31,9 @@ enum Kind {
 
 use Kind::*;
 
-const HA: &str = "Tycho's master keeps metadata in memory; HA (an etcd OpLog, standbys, \
-                  zero-loss takeover) is being built as its own feature (issue 12), so a master \
-                  started with this flag would promise durability it does not have";
+const HA: &str = "Tycho's master turns HA on with --etcd-endpoints URLS (and --cluster-name, \
+                  or Mooncake's --cluster_id); it logs every mutation to etcd whenever it has \
+                  them, so drop this flag";
 const SNAPSHOT: &str = "Tycho does not snapshot master metadata yet; it comes with HA (issue 12)";
 const NO_SSD: &str = "Tycho has no SSD or file tier: objects live in DRAM segments";
 const NO_CXL: &str = "Tycho has no CXL segments";
@@ -52,7 +52,7 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("allow_evict_soft_pinned_objects", true, Native("allow-evict-soft-pinned-objects")),
     ("batch_oplog_retry_timeout_sec", false, Ignored(HA)),
     ("client_ttl", false, Native("client-ttl")),
-    ("cluster_id", false, Ignored("Tycho has no cluster id without HA (issue 12)")),
+    ("cluster_id", false, Native("cluster-name")),
     ("config_path", false, RefusedWhenOn("Tycho reads no master config file: pass the flags on the command line")),
     ("cxl_path", false, Ignored(NO_CXL)),
     ("cxl_size", false, Ignored(NO_CXL)),
@@ -81,7 +81,7 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("enable_oplog", true, RefusedWhenOn(HA)),
     ("enable_snapshot", true, RefusedWhenOn(SNAPSHOT)),
     ("enable_snapshot_restore", true, RefusedWhenOn(SNAPSHOT)),
-    ("etcd_endpoints", false, Ignored("etcd is used only by HA, which Tycho's master does not run yet (issue 12)")),
+    ("etcd_endpoints", false, Native("etcd-endpoints")),
     ("eviction_high_watermark_ratio", false, Native("eviction-high-watermark-ratio")),
     ("eviction_ratio", false, Native("eviction-ratio")),
     ("global_file_segment_size", false, Ignored(NO_SSD)),

@@ -1,0 +1,157 @@
+//! Issue 12 with real processes: masters in a cluster on a real etcd (started by the test on
+//! free ports, stopped with it), a real node and real clients.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tycho_client::{Client, ClientAuth, ClientConfig, Protocol};
+use tycho_testkit::EtcdServer;
+use tycho_testkit::{MasterProc, NodeProc, TempDir};
+
+const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
+
+/// Bound on each role change the test waits for.
+const ROLE_WAIT: Duration = Duration::from_secs(30);
+
+fn secret_file(dir: &Path) -> PathBuf {
+    let p = dir.join("cluster.secret");
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&p).unwrap();
+    f.write_all(b"ha-test-cluster-secret-of-enough-length").unwrap();
+    p
+}
+
+fn client(master: &str, secret: &Path) -> Client {
+    let mut cfg = ClientConfig::new(master);
+    cfg.auth = ClientAuth::Secret(Arc::new(tycho_proto::auth::files::load(secret).unwrap()));
+    cfg.segment_size = 0;
+    cfg.protocol = Protocol::Tcp;
+    Client::connect(cfg).unwrap()
+}
+
+fn value(key: &str, len: usize) -> Vec<u8> {
+    let seed = key.bytes().fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+}
+
+/// An etcd, a shared secret, and the flags of masters of one cluster on them.
+struct Cluster {
+    etcd: EtcdServer,
+    _home: TempDir,
+    secret: PathBuf,
+    name: &'static str,
+}
+
+impl Cluster {
+    fn new(name: &'static str) -> Cluster {
+        let etcd = EtcdServer::start_new().expect("etcd starts (scripts/test installs it)");
+        let home = TempDir::new("tycho-ha").unwrap();
+        let secret = secret_file(home.path());
+        Cluster { etcd, _home: home, secret, name }
+    }
+
+    /// Starts a master of the cluster and waits until it prints `role`.
+    fn master(&self, role: &str) -> MasterProc {
+        let endpoint = self.etcd.endpoint();
+        let flags = [
+            "--etcd-endpoints",
+            endpoint.as_str(),
+            "--cluster-name",
+            self.name,
+            "--ha-lease-ttl",
+            "2",
+            "--client-ttl",
+            "60",
+            "--secret-file",
+            self.secret.to_str().unwrap(),
+        ];
+        let mut m = MasterProc::start(TYCHO, &flags);
+        m.proc.wait_line(&format!("tycho master role: {role}"), ROLE_WAIT).unwrap_or_else(|e| panic!("{role}: {e}"));
+        m
+    }
+
+    /// A node of 64 MB registered with `master`, and a client that can put there.
+    fn node_and_writer(&self, master: &MasterProc) -> (NodeProc, Client) {
+        let node =
+            NodeProc::start_env(TYCHO, &master.rpc, "64MB", &["--secret-file", self.secret.to_str().unwrap()], &[]);
+        let writer = client(&master.rpc, &self.secret);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while writer.put("probe", b"x", &Default::default()).is_err() {
+            assert!(Instant::now() < deadline, "the node's segment never became usable");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (node, writer)
+    }
+}
+
+const KEYS: usize = 40;
+
+fn key(i: usize) -> String {
+    format!("ha/{i}")
+}
+
+fn put_all(writer: &Client) {
+    for i in 0..KEYS {
+        writer.put(&key(i), &value(&key(i), 1000 + i * 997), &Default::default()).unwrap();
+    }
+}
+
+/// Every acknowledged object, with its bytes, through a new client of `master`.
+fn check_all(master: &MasterProc, secret: &Path) {
+    let reader = client(&master.rpc, secret);
+    for i in 0..KEYS {
+        assert_eq!(reader.get(&key(i)).unwrap(), value(&key(i), 1000 + i * 997), "{}", key(i));
+    }
+}
+
+/// The first master serves, the second follows its log; SIGKILL of the first: the second takes
+/// over once the first's registration lease has run out (2 s here), and serves every
+/// acknowledged object with its bytes. A client new to it learns the new epoch by itself.
+#[test]
+fn a_standby_takes_over_a_killed_primary_and_serves_everything_acknowledged() {
+    let c = Cluster::new("killed");
+    let mut a = c.master("primary");
+    let mut b = c.master("standby");
+    let (_node, writer) = c.node_and_writer(&a);
+    put_all(&writer);
+    let killed = Instant::now();
+    a.proc.signal(libc::SIGKILL);
+    b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
+    let took = killed.elapsed();
+    println!("the standby served {took:?} after the primary was killed (lease TTL 2 s)");
+    assert!(took < Duration::from_secs(2 + 8), "took {took:?}");
+    check_all(&b, &c.secret);
+}
+
+/// SIGTERM: the primary gives up its registration, and its standby takes over at once rather
+/// than after the lease's TTL.
+#[test]
+fn a_stopped_primary_hands_over_at_once() {
+    let c = Cluster::new("stopped");
+    let mut a = c.master("primary");
+    let mut b = c.master("standby");
+    let (_node, writer) = c.node_and_writer(&a);
+    put_all(&writer);
+    let stopped = Instant::now();
+    a.proc.signal(libc::SIGTERM);
+    b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
+    println!("the standby served {:?} after the primary was stopped", stopped.elapsed());
+    check_all(&b, &c.secret);
+}
+
+/// No standby: a master started after the primary died replays the whole log, takes the group
+/// and serves everything acknowledged.
+#[test]
+fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
+    let c = Cluster::new("alone");
+    let mut a = c.master("primary");
+    let (_node, writer) = c.node_and_writer(&a);
+    put_all(&writer);
+    a.proc.signal(libc::SIGKILL);
+    let started = Instant::now();
+    let later = c.master("primary");
+    println!("a new master served {:?} after it started", started.elapsed());
+    check_all(&later, &c.secret);
+}
