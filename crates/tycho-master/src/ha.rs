@@ -32,8 +32,8 @@ use tycho_meta::{LeaseKeeper, MetaStore, WatchRequest};
 use crate::master::Master;
 use crate::oplog::{Fence, FollowError, LogError, LogFollower, OpLogWriter, WriterConfig};
 use crate::ownership::{
-    change_group, change_standbys, create_group, decide, masters, read_group, register, ClusterKeys, Decision,
-    GroupRecord, MasterRegistration, OwnershipError, Role,
+    change_group, change_standbys, create_group, decide, masters, read_group, ClusterKeys, Decision, GroupRecord,
+    MasterRegistration, OwnershipError, Role,
 };
 use crate::standby::{apply_to, log_keys, promote, PromoteError, Promotion};
 
@@ -148,8 +148,9 @@ pub async fn run(
         role: Role::Idle,
         registered_at_ms: tycho_proto::auth::capability::unix_ms(),
     };
-    register(&*store, &keys, &reg, keeper.id()).await?;
+    register_alone(&*store, &keys, &reg, &keeper, &mut stop).await?;
     tracing::info!(id = %cfg.id, cluster = %cfg.cluster, "registered");
+    let watchdog = tokio::spawn(fence_at_deadline(master.clone(), keeper.subscribe()));
     let mut role = Roles { follower: None, log: None };
     let result = loop {
         match step(&master, &store, &cfg, &keys, &keeper, &mut role, &status, &mut stop).await {
@@ -169,6 +170,7 @@ pub async fn run(
     };
     // Leaving: serve nothing more, end the log, give up the registration (a standby takes
     // over now rather than after the lease's TTL).
+    watchdog.abort();
     master.stand_by(RANK);
     if let Some(log) = &role.log {
         log.close();
@@ -181,6 +183,57 @@ pub async fn run(
         Err(e) => status.send_replace(HaStatus::Failed(e.to_string())),
     };
     result
+}
+
+/// Registers `reg` under the keeper's lease, only if no live process holds the same id (a
+/// process restarted quickly waits for its predecessor's registration to run out; a second
+/// process given the same id waits for the first to go).
+async fn register_alone(
+    store: &dyn MetaStore,
+    keys: &ClusterKeys,
+    reg: &MasterRegistration,
+    keeper: &LeaseKeeper,
+    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> Result<(), HaError> {
+    let key = keys.master(&reg.id);
+    let mut warned = false;
+    loop {
+        check_lease(keeper)?;
+        let mut gone = store.watch(WatchRequest::key(key.clone())).await.map_err(|e| HaError::Store(e.to_string()))?;
+        match store.create_if_absent(&key, &reg.encode(), Some(keeper.id())).await {
+            Ok(_) => return Ok(()),
+            Err(tycho_meta::MetaError::CompareFailed { .. }) => {
+                if !warned {
+                    tracing::warn!(id = %reg.id, "a live master is registered with this id; waiting for its registration to end");
+                    warned = true;
+                }
+                tokio::select! {
+                    _ = stop.as_mut() => return Err(HaError::Store("stopped before registering".into())),
+                    _ = gone.next() => {}
+                    _ = tokio::time::sleep(keeper.ttl()) => {}
+                }
+            }
+            Err(e) => return Err(HaError::Store(e.to_string())),
+        }
+    }
+}
+
+/// Stops `master` serving the group once the lease's local deadline passes without a renewal,
+/// whatever else the master is doing then (a store call may take longer than the deadline).
+async fn fence_at_deadline(master: Arc<Master>, mut lease: watch::Receiver<tycho_meta::LeaseState>) {
+    loop {
+        let Some(deadline) = lease.borrow().deadline() else { break };
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline.into()) => {
+                if !lease.borrow().is_valid_at(std::time::Instant::now()) {
+                    break;
+                }
+            }
+            changed = lease.changed() => if changed.is_err() { break },
+        }
+    }
+    tracing::error!("registration lease can no longer be relied on: no longer serving");
+    master.stand_by(RANK);
 }
 
 /// What this master holds of the group.
@@ -214,6 +267,11 @@ async fn step(
     let holds_state = role.follower.is_some() || role.log.is_some();
     let decision = decide(&cfg.id, &live, group.as_ref().map(|(g, _)| g), holds_state);
     tracing::debug!(?decision, "role decision");
+    if role.log.is_some() && decision != Decision::Serve {
+        // The record names another primary: whatever this master holds is stale from now on.
+        master.stand_by(RANK);
+        return Err(HaError::Fenced(LogError::Fenced("the group record no longer names this master primary".into())));
+    }
     match (decision, group) {
         (Decision::Create, _) => match create_group(&**store, keys, RANK, &cfg.id).await {
             Ok(created) => {
@@ -318,6 +376,11 @@ async fn promote_here(
         }
         // Someone else changed the record first: decide again.
         Err(PromoteError::Lost(OwnershipError::Conflict(_))) => Ok(()),
+        // The store failed on the way: decide again once it answers (a record this master
+        // already raised names it primary, and the next promotion raises it again).
+        Err(PromoteError::Lost(OwnershipError::Store(e))) | Err(PromoteError::CatchUp(FollowError::Store(e))) => {
+            Err(HaError::Store(e))
+        }
         Err(e) => Err(e.into()),
     }
 }
@@ -350,6 +413,15 @@ fn check_lease(keeper: &LeaseKeeper) -> Result<(), HaError> {
         Ok(())
     } else {
         Err(HaError::Lease(format!("{:?}", keeper.state())))
+    }
+}
+
+/// Whether a watch event is a change of what it watches (a lost or resumed connection is not:
+/// the watch resumes where it stopped and reports what happened meanwhile).
+fn is_change(e: tycho_meta::MetaResult<tycho_meta::WatchEvent>) -> Result<bool, HaError> {
+    match e.map_err(|e| HaError::Store(e.to_string()))? {
+        tycho_meta::WatchEvent::Put(_) | tycho_meta::WatchEvent::Delete(_) => Ok(true),
+        tycho_meta::WatchEvent::Disconnected { .. } | tycho_meta::WatchEvent::Resumed { .. } => Ok(false),
     }
 }
 
@@ -390,8 +462,8 @@ impl Changes {
                     }
                     check_lease(keeper)?;
                 }
-                e = self.masters.next() => { e.map_err(|e| HaError::Store(e.to_string()))?; return Ok(true) }
-                e = self.group.next() => { e.map_err(|e| HaError::Store(e.to_string()))?; return Ok(true) }
+                e = self.masters.next() => if is_change(e)? { return Ok(true) },
+                e = self.group.next() => if is_change(e)? { return Ok(true) },
                 _ = &mut also => return Ok(true),
             }
         }

@@ -169,7 +169,7 @@ pub struct HaArgs {
     #[arg(long = "master-id", value_name = "ID")]
     pub master_id: Option<String>,
     /// Address clients reach this master at, published in etcd (default: the RPC address, with
-    /// 127.0.0.1 for an unspecified one).
+    /// the host's name for an unspecified one).
     #[arg(long = "advertise-address", value_name = "HOST:PORT")]
     pub advertise_address: Option<String>,
     /// TTL of the master's registration in etcd: seconds or a duration. A primary that stops
@@ -353,6 +353,18 @@ pub fn run_master(args: MasterArgs) -> i32 {
     })
 }
 
+/// This host's name, as `gethostname` gives it.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; the result is NUL-terminated on success.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
+    match ok && end > 0 {
+        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
+        false => "localhost".into(),
+    }
+}
+
 /// Runs the master's part in an HA cluster until a signal (it then hands its role over at
 /// once) or until it must leave; `/readyz` follows its role. Returns the exit code.
 async fn run_ha(
@@ -370,9 +382,11 @@ async fn run_ha(
             return 1;
         }
     };
-    let address = ha.advertise_address.clone().unwrap_or_else(|| {
-        let ip = if rpc.ip().is_unspecified() { std::net::Ipv4Addr::LOCALHOST.into() } else { rpc.ip() };
-        SocketAddr::new(ip, rpc.port()).to_string()
+    // An unspecified bind address is advertised under the host's name: 127.0.0.1 would reach no
+    // client elsewhere, and would give masters on different hosts the same default id.
+    let address = ha.advertise_address.clone().unwrap_or_else(|| match rpc.ip().is_unspecified() {
+        true => format!("{}:{}", host_name(), rpc.port()),
+        false => rpc.to_string(),
     });
     let cfg = HaConfig {
         cluster: ha.cluster_name.clone(),
