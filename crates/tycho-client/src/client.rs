@@ -89,7 +89,9 @@ struct Inner {
     cfg: ClientConfig,
     id: ClientId,
     hostname: String,
-    master: BlockingClient,
+    /// One connection pool per master address; `current` is the one in use.
+    masters: Vec<BlockingClient>,
+    current: std::sync::atomic::AtomicUsize,
     engine: TransferEngine,
     registry: Arc<SegmentRegistry>,
     segments: Mutex<Vec<Segment>>,
@@ -163,7 +165,7 @@ fn shut_down(
     for s in &segments {
         let req = Request::UnmountSegment { client: inner.id, segment: s.desc.id };
         let r = if quick {
-            match inner.master.call::<Request, Response>(&req, QUICK_CLOSE_TIMEOUT) {
+            match inner.master().call::<Request, Response>(&req, QUICK_CLOSE_TIMEOUT) {
                 Ok(Response::Error(e)) => Err(e),
                 Ok(_) => Ok(()),
                 Err(e) => Err(e.code()),
@@ -205,26 +207,49 @@ impl Client {
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
         let registry = Arc::new(SegmentRegistry::default());
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
-        let first = BlockingClient::new(
-            &cfg.master_addr,
-            RpcConfig { spin: cfg.rpc_spin, auth: cfg.auth.clone(), ..RpcConfig::default() },
-        );
-        first.check().map_err(|e| {
-            tracing::error!(master = %cfg.master_addr, error = %e, "cannot reach the master");
-            e.code()
-        })?;
+        let addrs = cfg.master_addrs();
+        if addrs.is_empty() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let plain = RpcConfig { spin: cfg.rpc_spin, auth: cfg.auth.clone(), ..RpcConfig::default() };
+        // The first master that answers and serves; with one address, that one as before.
+        let (at, first, registered) = {
+            let mut last = ErrorCode::RPC_FAIL;
+            let mut found = None;
+            for (i, addr) in addrs.iter().enumerate() {
+                let c = BlockingClient::new(addr, plain.clone());
+                if let Err(e) = c.check() {
+                    tracing::warn!(master = %addr, error = %e, "cannot reach the master");
+                    last = e.code();
+                    continue;
+                }
+                let registered = match c.secret() {
+                    None => None,
+                    Some(_) => {
+                        match call_with_retry(&c, &Request::Register { tenant: cfg.tenant.clone() }, cfg.rpc_timeout) {
+                            Ok(Response::Registered { client, credential }) => Some((client, credential)),
+                            Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
+                            Err(e) if addrs.len() > 1 => {
+                                tracing::warn!(master = %addr, error = %e, "the master does not serve");
+                                last = e;
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                };
+                found = Some((i, c, registered));
+                break;
+            }
+            found.ok_or(last)?
+        };
         // Peers prove the secret the master accepted (none if the master asks for none).
         let secret = first.secret();
         // With a secret, the master issues this client's id and credential, and every later
-        // connection proves them; without one, the client picks its id.
-        let (id, master) = match &secret {
-            None => (ClientId(rand::random()), first),
-            Some(s) => {
-                let Response::Registered { client, credential } =
-                    call_with_retry(&first, &Request::Register { tenant: cfg.tenant.clone() }, cfg.rpc_timeout)?
-                else {
-                    return Err(ErrorCode::INTERNAL_ERROR);
-                };
+        // connection proves them (to every master of the cluster: they share the secret);
+        // without one, the client picks its id.
+        let (id, masters) = match (&secret, registered) {
+            (Some(s), Some((client, credential))) => {
                 let identity = Identity::Client { client: client.0, tenant: cfg.tenant.clone(), credential };
                 let rpc = RpcConfig {
                     spin: cfg.rpc_spin,
@@ -232,9 +257,15 @@ impl Client {
                     identity: Some(identity),
                     ..RpcConfig::default()
                 };
-                let master = BlockingClient::new(&cfg.master_addr, rpc);
-                master.check().map_err(|e| e.code())?;
-                (client, master)
+                let masters: Vec<BlockingClient> = addrs.iter().map(|a| BlockingClient::new(a, rpc.clone())).collect();
+                masters[at].check().map_err(|e| e.code())?;
+                (client, masters)
+            }
+            _ => {
+                let mut masters: Vec<BlockingClient> =
+                    addrs.iter().map(|a| BlockingClient::new(a, plain.clone())).collect();
+                masters[at] = first;
+                (ClientId(rand::random()), masters)
             }
         };
         let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone());
@@ -263,7 +294,8 @@ impl Client {
             cfg,
             id,
             hostname,
-            master,
+            masters,
+            current: std::sync::atomic::AtomicUsize::new(at),
             engine,
             registry,
             segments: Mutex::new(segments),
@@ -1133,15 +1165,65 @@ fn epoch_of(t: &RouteTable, partition_id: u16) -> u64 {
     t.epochs.get(rank as usize).copied().filter(|&e| e > 0).unwrap_or(tycho_routing::INITIAL_GROUP_EPOCH)
 }
 
+/// How long a client keeps looking for a serving master among its addresses (a failover
+/// takes the old primary's lease TTL, 5 s by default, plus the standby's catch-up).
+const FAILOVER_WAIT: Duration = Duration::from_secs(15);
+
+/// Whether `code` says the master in use does not serve (any more): try the next address.
+fn elsewhere(code: ErrorCode) -> bool {
+    matches!(code, ErrorCode::KVPT_NOT_OWNED | ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)
+}
+
 impl Inner {
+    /// The master connection in use.
+    fn master(&self) -> &BlockingClient {
+        &self.masters[self.current.load(Ordering::Acquire) % self.masters.len()]
+    }
+
+    /// Calls the master in use; when it does not serve (a standby, a dead or stopped primary),
+    /// moves through the other addresses, with back-off, for up to [`FAILOVER_WAIT`]. With one
+    /// address it waits the same way while that address answers KVPT_NOT_OWNED (a standby
+    /// behind a name that service discovery moves). Requests whose repetition is not harmless
+    /// are not sent again after a lost answer.
     fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
-        match call_with_retry(&self.master, req, self.cfg.rpc_timeout) {
+        let deadline = Instant::now() + FAILOVER_WAIT;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let used = self.current.load(Ordering::Acquire);
+            match self.call_here(req) {
+                // A standby's refusal always; a lost connection only with other addresses to try
+                // (a single master that is down fails as fast as before), and only for requests
+                // that may be sent twice.
+                Err(code)
+                    if elsewhere(code)
+                        && (code == ErrorCode::KVPT_NOT_OWNED
+                            || (self.masters.len() > 1 && crate::retry::is_idempotent(req))) =>
+                {
+                    if Instant::now() >= deadline {
+                        return Err(code);
+                    }
+                    let next = (used + 1) % self.masters.len();
+                    if self.current.compare_exchange(used, next, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                        tracing::info!(from = self.masters[used].addr(), to = self.masters[next].addr(), error = ?code, "trying another master");
+                    }
+                    if next == 0 || self.masters.len() == 1 {
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn call_here(&self, req: &Request) -> Result<Response, ErrorCode> {
+        match call_with_retry(self.master(), req, self.cfg.rpc_timeout) {
             // The master forgot us (it restarted, or expired us while we were paused): register
             // again with every segment, then retry once, instead of waiting for the heartbeat.
             Err(ErrorCode::CLIENT_NOT_FOUND) if !matches!(req, Request::ReMountSegment { .. }) => {
                 self.engine.forget_mappings();
                 self.remount()?;
-                call_with_retry(&self.master, req, self.cfg.rpc_timeout)
+                call_with_retry(self.master(), req, self.cfg.rpc_timeout)
             }
             // A group changed owner (a failover): learn the epochs, route again, retry once.
             // A batch says so per key (with one group, for every key, and nothing was done).
@@ -1153,7 +1235,7 @@ impl Inner {
                 for r in again.routes_mut() {
                     r.epoch = epoch_of(&routes, r.partition_id);
                 }
-                call_with_retry(&self.master, &again, self.cfg.rpc_timeout)
+                call_with_retry(self.master(), &again, self.cfg.rpc_timeout)
             }
             r => r,
         }
@@ -1161,7 +1243,7 @@ impl Inner {
 
     /// Asks the master for the groups' epochs.
     fn refresh_routes(&self) -> Result<(), ErrorCode> {
-        match call_with_retry(&self.master, &Request::Routes, self.cfg.rpc_timeout)? {
+        match call_with_retry(self.master(), &Request::Routes, self.cfg.rpc_timeout)? {
             Response::Routes(t) => {
                 tracing::info!(epochs = ?t.epochs, "routes refreshed");
                 *self.routes.write() = t;

@@ -29,7 +29,9 @@ impl std::str::FromStr for Protocol {
 /// Everything a client needs to start.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// Master RPC address (`host:port`).
+    /// Master RPC address (`host:port`), or the addresses of an HA cluster's masters separated
+    /// by commas: the client uses the one that serves and moves on when it stops serving (a
+    /// failover).
     pub master_addr: String,
     /// Where this client's transfer server listens: `host:port`, or `host` alone to pick a
     /// free port in [12300, 14300] (Mooncake's rule).
@@ -65,6 +67,11 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
+    /// The master addresses `master_addr` names, in order.
+    pub fn master_addrs(&self) -> Vec<String> {
+        self.master_addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect()
+    }
+
     /// Defaults for a client of the master at `master_addr`.
     pub fn new(master_addr: &str) -> ClientConfig {
         ClientConfig {

@@ -39,8 +39,8 @@ pub fn call_with_retry(master: &BlockingClient, req: &Request, timeout: Duration
             // The same request would meet the same route: the caller refreshes it (see the
             // client's `call`).
             RetryClass::RefreshRoute => false,
-            // With one master address there is no other owner to go to; retry at once.
-            RetryClass::Redirect => true,
+            // Another master may own it: the caller moves on (see the client's `call`).
+            RetryClass::Redirect => false,
             RetryClass::RetrySame => !transport || is_idempotent(req),
         };
         if !retry || attempt >= MAX_ATTEMPTS {

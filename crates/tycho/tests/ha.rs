@@ -115,9 +115,14 @@ fn key(i: usize) -> String {
     format!("ha/{i}")
 }
 
+/// Size of the value of key `i`: 1,000 to about 40,000 bytes.
+fn size(i: usize) -> usize {
+    1000 + (i % KEYS) * 997
+}
+
 fn put_all(writer: &Client) {
     for i in 0..KEYS {
-        writer.put(&key(i), &value(&key(i), 1000 + i * 997), &Default::default()).unwrap();
+        writer.put(&key(i), &value(&key(i), size(i)), &Default::default()).unwrap();
     }
 }
 
@@ -125,28 +130,66 @@ fn put_all(writer: &Client) {
 fn check_all(master: &MasterProc, secret: &Path) {
     let reader = client(&master.rpc, secret);
     for i in 0..KEYS {
-        assert_eq!(reader.get(&key(i)).unwrap(), value(&key(i), 1000 + i * 997), "{}", key(i));
+        assert_eq!(reader.get(&key(i)).unwrap(), value(&key(i), size(i)), "{}", key(i));
     }
 }
 
-/// The first master serves, the second follows its log; SIGKILL of the first: the second takes
-/// over once the first's registration lease has run out (2 s here), and serves every
-/// acknowledged object with its bytes. A client new to it learns the new epoch by itself.
+/// The first master serves, the second follows its log; SIGKILL of the first under a steady
+/// put load: the second takes over once the first's registration lease has run out (2 s here),
+/// the writer and the node, given both addresses, move to it by themselves, puts resume, and
+/// every acknowledged object is read back with its bytes.
 #[test]
 fn a_standby_takes_over_a_killed_primary_and_serves_everything_acknowledged() {
     let _one = serial();
     let c = Cluster::new("killed");
     let mut a = c.master("primary");
     let mut b = c.master("standby");
-    let (_node, writer) = c.node_and_writer(&a);
-    put_all(&writer);
-    let killed = Instant::now();
-    a.proc.signal(libc::SIGKILL);
-    b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
-    let took = killed.elapsed();
-    println!("the standby served {took:?} after the primary was killed (lease TTL 2 s)");
-    assert!(took < Duration::from_secs(2 + 8), "took {took:?}");
-    check_all(&b, &c.secret);
+    let both = format!("{},{}", a.rpc, b.rpc);
+    let node = NodeProc::start_env(TYCHO, &both, "64MB", &["--secret-file", c.secret.to_str().unwrap()], &[]);
+    let writer = client(&both, &c.secret);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while writer.put("probe", b"x", &Default::default()).is_err() {
+        assert!(Instant::now() < deadline, "the node's segment never became usable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let acked = std::sync::Mutex::new(Vec::new());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let count = || acked.lock().unwrap().len();
+    let wait_for = |n: usize, what: &str| {
+        let deadline = Instant::now() + ROLE_WAIT;
+        while count() < n {
+            assert!(Instant::now() < deadline, "{what}: {} puts acknowledged", count());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if writer.put(&key(i), &value(&key(i), size(i)), &Default::default()).is_ok() {
+                    acked.lock().unwrap().push(i);
+                }
+                i += 1;
+            }
+        });
+        wait_for(KEYS, "before the kill");
+        let killed = Instant::now();
+        a.proc.signal(libc::SIGKILL);
+        b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
+        let took = killed.elapsed();
+        println!("the standby served {took:?} after the primary was killed (lease TTL 2 s)");
+        assert!(took < Duration::from_secs(2 + 8), "took {took:?}");
+        let before = count();
+        wait_for(before + KEYS, "after the takeover");
+        println!("puts resumed through the new primary: {} acknowledged in all", count());
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let reader = client(&both, &c.secret);
+    let acked = acked.into_inner().unwrap();
+    for &i in &acked {
+        assert_eq!(reader.get(&key(i)).unwrap(), value(&key(i), size(i)), "{}", key(i));
+    }
+    drop(node);
 }
 
 /// SIGTERM: the primary gives up its registration, and its standby takes over at once rather
