@@ -55,6 +55,12 @@ pub struct BenchArgs {
 /// Bytes written per size: enough objects to average over, bounded for big values.
 const BYTES_PER_SIZE: usize = 256 << 20;
 
+/// Objects of 1 MiB the multi-client phase reads. Their 256 MiB are many times any last-level
+/// cache: with 64 (twice this VM's 32 MiB L3) the phase measured 22 or 31 GB/s depending on
+/// where the node's memory happened to land, the same for every phase of one node and random
+/// from node to node, in both modes.
+const MULTI_OBJECTS: usize = 256;
+
 struct Measured {
     ops: u64,
     bytes: u64,
@@ -123,6 +129,12 @@ fn worker(w: &[String]) -> Result<Measured, String> {
         _ => client.get_into(&format!("{prefix}/0"), &mut buf).map(|_| ()),
     }
     .map_err(|e| format!("warm-up: {e}"))?;
+    // Say so and wait for the word to start: the readers of the multi-client phase measure the
+    // same window, not one stretched by the others' start-up (process, handshakes, mappings).
+    println!("{READY}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).map_err(|e| format!("waiting for the start: {e}"))?;
     let mut lat = Vec::new();
     let mut bytes = 0u64;
     let start = Instant::now();
@@ -179,21 +191,50 @@ fn worker(w: &[String]) -> Result<Measured, String> {
     Ok(Measured::from_latencies(lat, bytes, secs))
 }
 
-fn spawn_worker(args: &[String]) -> Result<std::process::Child, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    Command::new(exe)
-        .arg("bench")
-        .arg("--worker")
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot start a worker: {e}"))
-}
+/// What a worker prints once warmed up; it then waits for a line on its standard input.
+const READY: &str = "READY";
 
-fn collect(child: std::process::Child) -> Result<Measured, String> {
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines().find_map(Measured::parse).ok_or_else(|| format!("worker failed: {text}"))
+/// Worker processes started together: each warms up, then all are told to start at once.
+fn run_workers(all: &[Vec<String>]) -> Result<Vec<Measured>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut children = Vec::new();
+    for args in all {
+        let child = Command::new(&exe)
+            .arg("bench")
+            .arg("--worker")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start a worker: {e}"))?;
+        children.push(ChildGuard(child));
+    }
+    let mut outputs = Vec::new();
+    for child in &mut children {
+        let stdout = child.0.stdout.take().expect("piped");
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let mut seen = Vec::new();
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l == READY => break,
+                Some(Ok(l)) => seen.push(l),
+                _ => return Err(format!("worker failed before starting: {}", seen.join("\n"))),
+            }
+        }
+        outputs.push(lines);
+    }
+    for child in &mut children {
+        let mut stdin = child.0.stdin.take().expect("piped");
+        stdin.write_all(b"go\n").map_err(|e| format!("cannot start a worker: {e}"))?;
+    }
+    let mut measured = Vec::new();
+    for (child, lines) in children.iter_mut().zip(outputs) {
+        let text: Vec<String> = lines.map_while(Result::ok).collect();
+        let _ = child.0.wait();
+        let m = text.iter().find_map(|l| Measured::parse(l));
+        measured.push(m.ok_or_else(|| format!("worker failed: {}", text.join("\n")))?);
+    }
+    Ok(measured)
 }
 
 fn run_phase(
@@ -208,7 +249,7 @@ fn run_phase(
     let args: Vec<String> = [role, master, protocol, prefix, &size.to_string(), &count.to_string(), &secs.to_string()]
         .map(String::from)
         .to_vec();
-    collect(spawn_worker(&args)?)
+    Ok(run_workers(&[args])?.remove(0))
 }
 
 fn human(size: usize) -> String {
@@ -309,7 +350,7 @@ fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
     // for reasons of placement, not of the data path; keeping the phases apart keeps the rows
     // comparable from run to run and with earlier versions.)
     let all: usize = args.sizes.iter().map(|&s| (BYTES_PER_SIZE / s).clamp(4, 2000) * s + s).sum();
-    let held = all * args.protocols.len() + (128 << 20);
+    let held = all * args.protocols.len() + (MULTI_OBJECTS + 64) * (1 << 20);
     let node_bytes = (held + held / 4).to_string();
     let _n = ChildGuard(
         Command::new(&exe)
@@ -382,22 +423,17 @@ fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
     // Several reader processes at once against one stream.
     let size = 1 << 20;
     let prefix = "bench/multi";
-    let count = 64;
+    let count = MULTI_OBJECTS;
     progress("multi-client: put");
     run_phase("put", &master, "auto", prefix, size, count, 0.0)?;
     progress("multi-client: 1 reader");
     let one = run_phase("get", &master, "auto", prefix, size, count, args.duration)?;
     progress(&format!("multi-client: {} readers", args.clients));
-    let children: Vec<_> = (0..args.clients)
-        .map(|_| {
-            let a: Vec<String> =
-                ["get", &master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
-                    .map(String::from)
-                    .to_vec();
-            spawn_worker(&a)
-        })
-        .collect::<Result<_, _>>()?;
-    let many: Vec<Measured> = children.into_iter().map(collect).collect::<Result<_, _>>()?;
+    let reader: Vec<String> =
+        ["get", &master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
+            .map(String::from)
+            .to_vec();
+    let many = run_workers(&vec![reader; args.clients])?;
     eprint!("\r\x1b[2K");
     let aggregate: f64 = many.iter().map(Measured::gbps).sum();
     println!(
