@@ -207,7 +207,7 @@ impl Client {
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
         let registry = Arc::new(SegmentRegistry::default());
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
-        let addrs = cfg.master_addrs();
+        let addrs = cfg.master_addrs()?;
         if addrs.is_empty() {
             return Err(ErrorCode::INVALID_PARAMS);
         }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tycho_proto::ErrorCode;
+
 pub use tycho_proto::auth::ClientAuth;
 
 /// How replicas are reached.
@@ -29,9 +31,10 @@ impl std::str::FromStr for Protocol {
 /// Everything a client needs to start.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// Master RPC address (`host:port`), or the addresses of an HA cluster's masters separated
+    /// Master RPC address (`host:port`); or the addresses of an HA cluster's masters separated
     /// by commas: the client uses the one that serves and moves on when it stops serving (a
-    /// failover).
+    /// failover); or `etcd://host:port[,host:port...][/CLUSTER]`, where the client reads the
+    /// cluster's masters from etcd once (see `discover.rs`).
     pub master_addr: String,
     /// Where this client's transfer server listens: `host:port`, or `host` alone to pick a
     /// free port in [12300, 14300] (Mooncake's rule).
@@ -67,9 +70,21 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// The master addresses `master_addr` names, in order.
-    pub fn master_addrs(&self) -> Vec<String> {
-        self.master_addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect()
+    /// The master addresses `master_addr` names, in order (for an `etcd://` address, those
+    /// registered in etcd now, primaries first). Fails for an `etcd://` address that does not
+    /// parse (INVALID_PARAMS), whose etcd does not answer (ETCD_OPERATION_ERROR) or where no
+    /// master is registered (ETCD_KEY_NOT_EXIST).
+    pub fn master_addrs(&self) -> Result<Vec<String>, ErrorCode> {
+        match crate::discover::EtcdAddress::parse(&self.master_addr) {
+            Some(Ok(etcd)) => etcd.masters(),
+            Some(Err(why)) => {
+                tracing::error!(address = %self.master_addr, "{why}");
+                Err(ErrorCode::INVALID_PARAMS)
+            }
+            None => {
+                Ok(self.master_addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect())
+            }
+        }
     }
 
     /// Defaults for a client of the master at `master_addr`.

@@ -4,8 +4,10 @@
 
 mod client;
 mod config;
+mod discover;
 mod retry;
 
 pub use client::{Client, Lookup, WriteMode};
 pub use config::{default_host_id, parse_size, ClientAuth, ClientConfig, Protocol};
+pub use discover::{EtcdAddress, CLUSTER_ENV, ETCD_SCHEME};
 pub use retry::{call_with_retry, is_idempotent, MAX_ATTEMPTS};

@@ -545,7 +545,67 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         let _ = writeln!(out, "tycho_master_rpc_duration_seconds_sum{{rpc=\"{}\"}} {}", r.name, r.sum_seconds);
         let _ = writeln!(out, "tycho_master_rpc_duration_seconds_count{{rpc=\"{}\"}} {}", r.name, r.requests);
     }
+    group_metrics(&mut out, &s.master);
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// Per KVPT group: its epoch, whether this master serves it, and how its OpLog goes here.
+fn group_metrics(out: &mut String, master: &Master) {
+    /// A group's rank, epoch, whether it is served here, and its log's figures.
+    type Row = (u32, u64, bool, crate::oplog::LogFigures);
+    let groups: Vec<Row> =
+        master.groups().map(|g| (g.rank(), g.epoch(), g.is_serving(), g.log_stats().figures())).collect();
+    /// A series: name, type, help, and its value for a group.
+    type Series = (&'static str, &'static str, &'static str, fn(&Row) -> f64);
+    let gauges: [Series; 10] = [
+        ("tycho_master_group_epoch", "gauge", "The ownership epoch this master holds the group at.", |g| g.1 as f64),
+        ("tycho_master_group_serving", "gauge", "1 while this master answers the group's requests.", |g| {
+            g.2 as u8 as f64
+        }),
+        ("tycho_oplog_appended_seq", "gauge", "Last record appended to the group's log here (primary).", |g| {
+            g.3.appended as f64
+        }),
+        ("tycho_oplog_durable_seq", "gauge", "Last record of the group's log known durable.", |g| g.3.durable as f64),
+        ("tycho_oplog_applied_seq", "gauge", "Last record of the group's log applied here.", |g| g.3.applied as f64),
+        ("tycho_oplog_queued_records", "gauge", "Records appended but not yet durable (primary).", |g| {
+            g.3.queued_records as f64
+        }),
+        ("tycho_oplog_lag_records", "gauge", "Records durable but not yet applied here (standby).", |g| {
+            g.3.lag_records as f64
+        }),
+        (
+            "tycho_oplog_lag_seconds",
+            "gauge",
+            "How long this standby has been behind the durable prefix (0 when caught up).",
+            |g| g.3.lag_seconds,
+        ),
+        ("tycho_oplog_batches_total", "counter", "Log batches committed by this master.", |g| g.3.batches as f64),
+        (
+            "tycho_oplog_batch_records_total",
+            "counter",
+            "Records in those batches (divided by the batches: the mean batch size).",
+            |g| g.3.batch_records as f64,
+        ),
+    ];
+    for (name, kind, help, value) in gauges {
+        family(out, name, kind, help);
+        for g in &groups {
+            let _ = writeln!(out, "{name}{{group=\"{}\"}} {}", g.0, value(g));
+        }
+    }
+    family(out, "tycho_oplog_fenced_total", "counter", "Times a log writer of the group was fenced here.");
+    for g in &groups {
+        let _ = writeln!(out, "tycho_oplog_fenced_total{{group=\"{}\"}} {}", g.0, g.3.fenced);
+    }
+    family(out, "tycho_oplog_commit_seconds", "histogram", "Time to commit one log batch (one etcd transaction).");
+    for (rank, _, _, f) in &groups {
+        for (le, n) in LATENCY_BUCKETS.iter().zip(&f.commit_cumulative) {
+            let _ = writeln!(out, "tycho_oplog_commit_seconds_bucket{{group=\"{rank}\",le=\"{le}\"}} {n}");
+        }
+        let _ = writeln!(out, "tycho_oplog_commit_seconds_bucket{{group=\"{rank}\",le=\"+Inf\"}} {}", f.batches);
+        let _ = writeln!(out, "tycho_oplog_commit_seconds_sum{{group=\"{rank}\"}} {}", f.commit_seconds);
+        let _ = writeln!(out, "tycho_oplog_commit_seconds_count{{group=\"{rank}\"}} {}", f.batches);
+    }
 }
 
 #[cfg(test)]

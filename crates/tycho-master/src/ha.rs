@@ -77,6 +77,8 @@ pub enum HaStatus {
     Standby,
     /// Waiting for a role.
     Idle,
+    /// Gave its role up when told to stop (SIGTERM).
+    Stopped,
     /// Stopped for good, with the reason.
     Failed(String),
 }
@@ -94,6 +96,7 @@ impl HaStatus {
             HaStatus::Primary { epoch } => format!("primary of the group at epoch {epoch}"),
             HaStatus::Standby => "standby: replaying the primary's log".into(),
             HaStatus::Idle => "idle: waiting for a role".into(),
+            HaStatus::Stopped => "stopped: told to stop; the role was handed over".into(),
             HaStatus::Failed(why) => format!("stopped: {why}"),
         }
     }
@@ -105,9 +108,12 @@ pub enum HaError {
     /// Its registration lease can no longer be relied on.
     #[error("registration lease lost ({0})")]
     Lease(String),
-    /// The coordination store failed.
+    /// The coordination store failed (retried while the lease holds).
     #[error("coordination store: {0}")]
     Store(String),
+    /// A record in the store cannot be read as this build writes it: nothing to retry.
+    #[error("unreadable cluster record: {0}")]
+    Corrupt(String),
     /// A promotion failed (the group stays unserved here).
     #[error("promotion failed: {0}")]
     Promote(#[from] PromoteError),
@@ -121,7 +127,10 @@ pub enum HaError {
 
 impl From<OwnershipError> for HaError {
     fn from(e: OwnershipError) -> HaError {
-        HaError::Store(e.to_string())
+        match e {
+            OwnershipError::Corrupt(why) => HaError::Corrupt(why),
+            e => HaError::Store(e.to_string()),
+        }
     }
 }
 
@@ -179,7 +188,7 @@ pub async fn run(
         tracing::warn!(error = %e, "could not revoke the registration lease; it expires by itself");
     }
     match &result {
-        Ok(()) => status.send_replace(HaStatus::Failed("stopped".into())),
+        Ok(()) => status.send_replace(HaStatus::Stopped),
         Err(e) => status.send_replace(HaStatus::Failed(e.to_string())),
     };
     result
@@ -313,9 +322,7 @@ async fn step(
         }
         (Decision::Follow, _) => {
             status.send_replace(HaStatus::Standby);
-            let follower = role
-                .follower
-                .get_or_insert_with(|| LogFollower::new(store.clone(), log_keys(keys, RANK), RANK, 0, FOLLOW_PAGE));
+            let follower = role.follower.get_or_insert_with(|| new_follower(master, store, keys));
             let mut apply = apply_to(master, RANK);
             let mut stopped = false;
             follower
@@ -354,9 +361,7 @@ async fn promote_here(
     status: &watch::Sender<HaStatus>,
     read: (GroupRecord, tycho_meta::Revision),
 ) -> Result<(), HaError> {
-    let follower = role
-        .follower
-        .get_or_insert_with(|| LogFollower::new(store.clone(), log_keys(keys, RANK), RANK, 0, FOLLOW_PAGE));
+    let follower = role.follower.get_or_insert_with(|| new_follower(master, store, keys));
     let started = std::time::Instant::now();
     let promotion = Promotion {
         store: store.clone(),
@@ -364,7 +369,7 @@ async fn promote_here(
         me: &cfg.id,
         read,
         catch_up_deadline: cfg.catch_up_deadline,
-        writer: cfg.writer.clone(),
+        writer: writer_config(master, cfg),
     };
     match promote(master, follower, promotion).await {
         Ok((record, log)) => {
@@ -396,15 +401,34 @@ async fn open_as_primary(
 ) -> Result<Arc<OpLogWriter>, HaError> {
     let (record, revision) = created;
     let fence = Fence { key: keys.group(RANK), mod_revision: *revision, owner: Some((cfg.id.clone(), record.epoch)) };
-    let log = OpLogWriter::open(store.clone(), log_keys(keys, RANK), fence, RANK, record.epoch, cfg.writer.clone())
-        .await
-        .map_err(HaError::Fenced)?;
+    let log =
+        OpLogWriter::open(store.clone(), log_keys(keys, RANK), fence, RANK, record.epoch, writer_config(master, cfg))
+            .await
+            .map_err(HaError::Fenced)?;
     let log = Arc::new(log);
     master.stop_serving_when_log_ends(&log, RANK);
     if !master.set_record_sink(log.clone()) {
         return Err(HaError::Fenced(LogError::Refused("the master already had a record sink".into())));
     }
     Ok(log)
+}
+
+/// A follower of the group's log from its start, reporting to the group's figures.
+fn new_follower(master: &Master, store: &Arc<dyn MetaStore>, keys: &ClusterKeys) -> LogFollower {
+    let follower = LogFollower::new(store.clone(), log_keys(keys, RANK), RANK, 0, FOLLOW_PAGE);
+    match master.group(RANK) {
+        Some(g) => follower.with_stats(g.log_stats().clone()),
+        None => follower,
+    }
+}
+
+/// The log writer's settings, reporting to the group's figures.
+fn writer_config(master: &Master, cfg: &HaConfig) -> WriterConfig {
+    let mut w = cfg.writer.clone();
+    if let Some(g) = master.group(RANK) {
+        w.stats = g.log_stats().clone();
+    }
+    w
 }
 
 /// Fails once the registration lease can no longer be relied on.

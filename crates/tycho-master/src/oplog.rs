@@ -23,8 +23,9 @@
 //! is in flight form the next batch.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
@@ -33,6 +34,116 @@ use tycho_proto::envelope::{self, RecordKind};
 use tycho_proto::ErrorCode;
 
 use crate::record::{Record, RecordBatch, MAX_BATCH_RECORDS};
+
+/// Figures of one group's log on this master, for `/metrics`: what a primary appended and
+/// committed and how its commits went, and how far a standby is behind the log.
+#[derive(Debug, Default)]
+pub struct LogStats {
+    /// Primary: the last record number appended.
+    appended: AtomicU64,
+    /// Primary: the last record committed. Standby: the durable prefix it last read.
+    durable: AtomicU64,
+    /// Standby: the last record applied.
+    applied: AtomicU64,
+    /// Standby: Unix ms since when it has been behind the durable prefix (0: caught up).
+    behind_since_ms: AtomicU64,
+    batches: AtomicU64,
+    batch_records: AtomicU64,
+    commit_ns: AtomicU64,
+    commit_buckets: [AtomicU64; crate::metrics::LATENCY_BUCKETS.len()],
+    fenced: AtomicU64,
+}
+
+/// A snapshot of [`LogStats`].
+#[derive(Debug, Clone, Default)]
+pub struct LogFigures {
+    /// The last record appended (primary).
+    pub appended: u64,
+    /// The last record known durable.
+    pub durable: u64,
+    /// The last record applied (standby).
+    pub applied: u64,
+    /// Records appended but not yet durable (primary).
+    pub queued_records: u64,
+    /// Records durable but not yet applied (standby).
+    pub lag_records: u64,
+    /// How long the standby has been behind the durable prefix (0 when caught up).
+    pub lag_seconds: f64,
+    /// Batches committed.
+    pub batches: u64,
+    /// Records in those batches.
+    pub batch_records: u64,
+    /// Sum of commit latencies, seconds.
+    pub commit_seconds: f64,
+    /// Cumulative commit counts per bucket of [`crate::LATENCY_BUCKETS`].
+    pub commit_cumulative: Vec<u64>,
+    /// Times a writer of this group was fenced.
+    pub fenced: u64,
+}
+
+impl LogStats {
+    fn appended(&self, seq: u64) {
+        self.appended.fetch_max(seq, Ordering::Relaxed);
+    }
+
+    fn committed(&self, last: u64, records: usize, took: Duration) {
+        // A primary has applied what it commits.
+        self.durable.fetch_max(last, Ordering::Relaxed);
+        self.applied.fetch_max(last, Ordering::Relaxed);
+        self.behind_since_ms.store(0, Ordering::Relaxed);
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.batch_records.fetch_add(records as u64, Ordering::Relaxed);
+        self.commit_ns.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        if let Some(i) = crate::metrics::LATENCY_BUCKETS.iter().position(|&b| secs <= b) {
+            self.commit_buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A standby read the durable prefix `durable` having applied up to `applied`.
+    fn seen(&self, durable: u64, applied: u64) {
+        self.durable.store(durable, Ordering::Relaxed);
+        self.applied.store(applied, Ordering::Relaxed);
+        if durable <= applied {
+            self.behind_since_ms.store(0, Ordering::Relaxed);
+        } else if self.behind_since_ms.load(Ordering::Relaxed) == 0 {
+            self.behind_since_ms.store(tycho_proto::auth::capability::unix_ms().max(1), Ordering::Relaxed);
+        }
+    }
+
+    /// The figures now.
+    pub fn figures(&self) -> LogFigures {
+        let appended = self.appended.load(Ordering::Relaxed);
+        let durable = self.durable.load(Ordering::Relaxed);
+        let applied = self.applied.load(Ordering::Relaxed);
+        let since = self.behind_since_ms.load(Ordering::Relaxed);
+        let mut total = 0;
+        let commit_cumulative = self
+            .commit_buckets
+            .iter()
+            .map(|b| {
+                total += b.load(Ordering::Relaxed);
+                total
+            })
+            .collect();
+        LogFigures {
+            appended,
+            durable,
+            applied,
+            queued_records: appended.saturating_sub(durable),
+            lag_records: durable.saturating_sub(applied),
+            lag_seconds: match since {
+                0 => 0.0,
+                t => tycho_proto::auth::capability::unix_ms().saturating_sub(t) as f64 / 1e3,
+            },
+            batches: self.batches.load(Ordering::Relaxed),
+            batch_records: self.batch_records.load(Ordering::Relaxed),
+            commit_seconds: self.commit_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            commit_cumulative,
+            fenced: self.fenced.load(Ordering::Relaxed),
+        }
+    }
+}
 
 /// Layout version of the durable-prefix record.
 const PREFIX_VERSION: u16 = 1;
@@ -102,6 +213,8 @@ pub struct WriterConfig {
     pub max_queued_records: usize,
     /// Pause before retrying a transaction whose outcome was unknown.
     pub retry_backoff: Duration,
+    /// Where the writer reports its figures (the group's, for `/metrics`).
+    pub stats: Arc<LogStats>,
 }
 
 impl Default for WriterConfig {
@@ -111,6 +224,7 @@ impl Default for WriterConfig {
             max_batch_bytes: 1 << 20,
             max_queued_records: 64 * 1024,
             retry_backoff: Duration::from_millis(50),
+            stats: Arc::default(),
         }
     }
 }
@@ -139,8 +253,10 @@ impl LogError {
     /// The code a client is answered with.
     pub fn code(&self) -> ErrorCode {
         match self {
-            LogError::Fenced(_) => ErrorCode::KVPT_NOT_OWNED,
-            LogError::Busy | LogError::Closed => ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS,
+            // A closed log is one this master stopped writing because it gives the group up
+            // (a hand-over, a lost lease): the mutation belongs with the next owner.
+            LogError::Fenced(_) | LogError::Closed => ErrorCode::KVPT_NOT_OWNED,
+            LogError::Busy => ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS,
             LogError::Corrupt(_) | LogError::Refused(_) => ErrorCode::INTERNAL_ERROR,
         }
     }
@@ -232,6 +348,7 @@ impl OpLogWriter {
         q.next_seq += 1;
         q.waiting.push_back((seq, rec, size));
         drop(q);
+        self.shared.cfg.stats.appended(seq);
         self.shared.wake.notify_one();
         Ok(seq)
     }
@@ -417,12 +534,17 @@ impl Committer {
                 }
                 Err(_) => return,
             };
+            let started = Instant::now();
             match self.commit(&batch).await {
                 Ok(()) => {
                     let last = batch.last_seq();
+                    self.shared.cfg.stats.committed(last, batch.records.len(), started.elapsed());
                     self.shared.progress.send_modify(|p| p.durable = last);
                 }
                 Err(e) => {
+                    if matches!(e, LogError::Fenced(_)) {
+                        self.shared.cfg.stats.fenced.fetch_add(1, Ordering::Relaxed);
+                    }
                     tracing::error!(group = self.group, error = %e, "OpLog writer stopped");
                     end(&self.shared, e);
                     return;
@@ -629,13 +751,21 @@ pub struct LogFollower {
     /// it. False until the first catch-up when the follower starts from a snapshot, which may
     /// end inside a batch.
     aligned: bool,
+    /// Where the follower reports how far behind it is.
+    stats: Option<Arc<LogStats>>,
 }
 
 impl LogFollower {
     /// A follower of `keys` (group `group`) that has applied every record up to `applied` and
     /// reads at most `page` batches per request.
     pub fn new(store: Arc<dyn MetaStore>, keys: LogKeys, group: u32, applied: u64, page: usize) -> LogFollower {
-        LogFollower { store, keys, group, applied, page: page.max(1), aligned: applied == 0 }
+        LogFollower { store, keys, group, applied, page: page.max(1), aligned: applied == 0, stats: None }
+    }
+
+    /// Reports the follower's lag to `stats` (the group's, for `/metrics`).
+    pub fn with_stats(mut self, stats: Arc<LogStats>) -> LogFollower {
+        self.stats = Some(stats);
+        self
     }
 
     /// The sequence number of the last record applied.
@@ -655,6 +785,9 @@ impl LogFollower {
         };
         if durable < self.applied {
             return Err(FollowError::Regression { applied: self.applied, durable });
+        }
+        if let Some(s) = &self.stats {
+            s.seen(durable, self.applied);
         }
         if durable == self.applied {
             return Ok(durable);
@@ -709,6 +842,9 @@ impl LogFollower {
         }
         if self.applied != durable {
             return Err(FollowError::Gap { expected: self.applied + 1, found: 0 });
+        }
+        if let Some(s) = &self.stats {
+            s.seen(durable, self.applied);
         }
         Ok(durable)
     }

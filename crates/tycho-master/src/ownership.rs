@@ -20,8 +20,7 @@ use thiserror::Error;
 use tycho_meta::{LeaseId, MetaError, MetaStore, RangeRequest, Revision};
 use tycho_proto::envelope::{self, RecordKind};
 
-/// Layout version of [`GroupRecord`] and [`MasterRegistration`].
-pub const OWNERSHIP_VERSION: u16 = 1;
+pub use tycho_proto::cluster::OWNERSHIP_VERSION;
 
 /// Where a cluster's records live.
 #[derive(Debug, Clone)]
@@ -42,7 +41,7 @@ impl ClusterKeys {
 
     /// Every master registration.
     pub fn masters(&self) -> Vec<u8> {
-        format!("{}masters/", self.root).into_bytes()
+        tycho_proto::cluster::masters_prefix(self.cluster()).into_bytes()
     }
 
     /// Master `id`'s registration.
@@ -84,29 +83,7 @@ pub struct GroupRecord {
     pub epoch: u64,
 }
 
-/// A master's role in a group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Role {
-    /// Serves the group.
-    Primary,
-    /// Replays the group's log.
-    Standby,
-    /// Waits for a role.
-    Idle,
-}
-
-/// A master's leased registration.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MasterRegistration {
-    /// Its id.
-    pub id: String,
-    /// Where clients reach it.
-    pub address: String,
-    /// What it does now.
-    pub role: Role,
-    /// When it registered (Unix ms).
-    pub registered_at_ms: u64,
-}
+pub use tycho_proto::cluster::{MasterRegistration, Role};
 
 /// Why an ownership call failed.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -140,18 +117,6 @@ impl GroupRecord {
 
     /// Reads a stored record.
     pub fn decode(bytes: &[u8]) -> Result<GroupRecord, OwnershipError> {
-        open(bytes)
-    }
-}
-
-impl MasterRegistration {
-    /// The registration as stored.
-    pub fn encode(&self) -> Vec<u8> {
-        seal(self)
-    }
-
-    /// Reads a stored registration.
-    pub fn decode(bytes: &[u8]) -> Result<MasterRegistration, OwnershipError> {
         open(bytes)
     }
 }
@@ -257,7 +222,8 @@ pub async fn masters(
     loop {
         let page = store.range(req.clone()).await.map_err(store_error)?;
         for kv in &page.kvs {
-            out.push((MasterRegistration::decode(&kv.value)?, kv.create_revision));
+            let reg = MasterRegistration::decode(&kv.value).map_err(|e| OwnershipError::Corrupt(e.to_string()))?;
+            out.push((reg, kv.create_revision));
         }
         match req.next_page(&page) {
             Some(next) => req = next,

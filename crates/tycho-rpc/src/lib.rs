@@ -23,4 +23,6 @@ pub use blocking::BlockingClient;
 pub use client::{ClientConfig, RpcClient, DEFAULT_SPIN};
 pub use error::RpcError;
 pub use pool::RpcPool;
-pub use server::{serve, Reply, ServerConfig, ServerHandle, Service, DEFAULT_MAX_CONNECTIONS, FRAME_DEADLINE};
+pub use server::{
+    serve, Reply, ServerConfig, ServerHandle, Service, DEFAULT_MAX_CONNECTIONS, DRAIN_GRACE, FRAME_DEADLINE,
+};

@@ -62,11 +62,17 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// peer cannot hold a connection's buffer with a frame it never finishes.
 pub const FRAME_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// On shutdown, how long a connection waits for the answers of requests it already took, so
+/// that a master giving up its role tells their callers so instead of dropping them.
+pub const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A running server.
 pub struct ServerHandle {
     local_addr: SocketAddr,
     stop: watch::Sender<bool>,
     connections: Arc<AtomicU64>,
+    /// Told whenever a connection ends.
+    ended: Arc<tokio::sync::Notify>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -81,10 +87,23 @@ impl ServerHandle {
         self.connections.load(Ordering::Relaxed)
     }
 
-    /// Stops accepting and closes every connection.
+    /// Stops accepting and reading requests, and closes every connection once the answers of
+    /// the requests it took are written (waiting for them at most [`DRAIN_GRACE`]).
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
+        let deadline = tokio::time::Instant::now() + DRAIN_GRACE + std::time::Duration::from_millis(500);
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if self.connections.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                return;
+            }
+        }
     }
 }
 
@@ -98,6 +117,8 @@ pub fn serve<S: Service>(
     let (stop, stop_rx) = watch::channel(false);
     let connections = Arc::new(AtomicU64::new(0));
     let open = connections.clone();
+    let ended = Arc::new(tokio::sync::Notify::new());
+    let notify = ended.clone();
     let task = tokio::spawn(async move {
         let mut stop_rx = stop_rx;
         let mut refused = 0u64;
@@ -119,6 +140,7 @@ pub fn serve<S: Service>(
                         let cfg = config.clone();
                         let stop = stop_rx.clone();
                         let open = open.clone();
+                        let notify = notify.clone();
                         open.fetch_add(1, Ordering::Relaxed);
                         tokio::spawn(async move {
                             match serve_connection(stream, svc, cfg, stop).await {
@@ -126,7 +148,8 @@ pub fn serve<S: Service>(
                                 Err(e) => tracing::debug!(%peer, error = %e, "connection closed"),
                                 Ok(()) => {}
                             }
-                            open.fetch_sub(1, Ordering::Relaxed);
+                            open.fetch_sub(1, Ordering::AcqRel);
+                            notify.notify_waiters();
                         });
                     }
                     Err(e) => {
@@ -139,7 +162,7 @@ pub fn serve<S: Service>(
             }
         }
     });
-    Ok(ServerHandle { local_addr, stop, connections, task })
+    Ok(ServerHandle { local_addr, stop, connections, ended, task })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +190,8 @@ async fn serve_connection<S: Service>(
     let mut wbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
     // When the unfinished frame at the front of `rbuf` began to arrive.
     let mut partial_since: Option<tokio::time::Instant> = None;
+    // Requests taken whose answers have not come back from their spawned handlers yet.
+    let mut pending = 0usize;
     loop {
         // Handle every whole frame already buffered, then write all their answers at once.
         let mut used = 0;
@@ -182,11 +207,10 @@ async fn serve_connection<S: Service>(
             };
             match reply {
                 Reply::Ready(resp) => encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?,
-                Reply::Later(fut) => {
-                    if let Some(resp) = poll_once(fut, &done_tx, id) {
-                        encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
-                    }
-                }
+                Reply::Later(fut) => match poll_once(fut, &done_tx, id) {
+                    Some(resp) => encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?,
+                    None => pending += 1,
+                },
             }
         }
         rbuf.drain(..used);
@@ -196,6 +220,7 @@ async fn serve_connection<S: Service>(
             (false, false) => partial_since.or_else(|| Some(tokio::time::Instant::now())),
         };
         while let Ok((id, resp)) = done_rx.try_recv() {
+            pending -= 1;
             encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
         }
         if !wbuf.is_empty() {
@@ -216,12 +241,29 @@ async fn serve_connection<S: Service>(
                 }
             }
             Some((id, resp)) = done_rx.recv() => {
+                pending -= 1;
                 encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
             }
             _ = tokio::time::sleep_until(partial_since.map_or_else(tokio::time::Instant::now, |t| t + FRAME_DEADLINE)), if partial_since.is_some() => {
                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "a frame did not complete in time").into());
             }
-            _ = stop.changed() => return Ok(()),
+            _ = stop.changed() => {
+                // Read nothing more; answer what was taken, within the grace.
+                let grace = tokio::time::sleep(DRAIN_GRACE);
+                tokio::pin!(grace);
+                while pending > 0 {
+                    tokio::select! {
+                        Some((id, resp)) = done_rx.recv() => {
+                            pending -= 1;
+                            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+                            wr.write_all(&wbuf).await?;
+                            wbuf.clear();
+                        }
+                        _ = &mut grace => break,
+                    }
+                }
+                return Ok(());
+            }
         }
     }
 }

@@ -20,6 +20,8 @@ pub struct Group {
     serving: AtomicBool,
     /// Sequence number of the last record of the group's log applied here (0: none).
     applied: AtomicU64,
+    /// How the group's log goes on this master (`/metrics`).
+    log_stats: std::sync::Arc<crate::oplog::LogStats>,
     pub(super) shards: Shards,
     /// Per shard: the ranges of leased objects removed by force, until their lease ends (see
     /// `Master::commit`). Lock order: the shard's lock, then this one.
@@ -34,6 +36,7 @@ impl Group {
             epoch: AtomicU64::new(epoch),
             serving: AtomicBool::new(true),
             applied: AtomicU64::new(0),
+            log_stats: Default::default(),
             shards: Shards::default(),
             tombstones: (0..SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
         }
@@ -72,6 +75,11 @@ impl Group {
     /// Notes that the group's log record `seq` has been applied.
     pub fn note_applied(&self, seq: u64) {
         self.applied.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// Where the group's log writer and follower report their figures.
+    pub fn log_stats(&self) -> &std::sync::Arc<crate::oplog::LogStats> {
+        &self.log_stats
     }
 
     /// The metadata shards (for health checks and tests).
