@@ -71,7 +71,7 @@ pub struct ClientConfig {
 
 impl ClientConfig {
     /// The master addresses `master_addr` names, in order (for an `etcd://` address, those
-    /// registered in etcd now, primaries first). Fails for an `etcd://` address that does not
+    /// registered in etcd now, in registration order). Fails for an `etcd://` address that does not
     /// parse (INVALID_PARAMS), whose etcd does not answer (ETCD_OPERATION_ERROR) or where no
     /// master is registered (ETCD_KEY_NOT_EXIST).
     pub fn master_addrs(&self) -> Result<Vec<String>, ErrorCode> {

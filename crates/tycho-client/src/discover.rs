@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-use tycho_proto::cluster::{masters_prefix, MasterRegistration, Role, DEFAULT_CLUSTER};
+use tycho_proto::cluster::{masters_prefix, MasterRegistration, DEFAULT_CLUSTER};
 use tycho_proto::ErrorCode;
 
 /// The scheme of a master address that names the coordination store instead.
@@ -63,8 +63,8 @@ impl EtcdAddress {
         Some(Ok(EtcdAddress { endpoints, cluster }))
     }
 
-    /// The addresses of the cluster's live masters, primaries first, then standbys, then the
-    /// idle, each group oldest first. Asks each endpoint in turn until one answers.
+    /// The addresses of the cluster's live masters, in the order they registered (the client
+    /// then uses the first that serves). Asks each endpoint in turn until one answers.
     pub fn masters(&self) -> Result<Vec<String>, ErrorCode> {
         let prefix = masters_prefix(&self.cluster).into_bytes();
         let body =
@@ -77,13 +77,8 @@ impl EtcdAddress {
                         tracing::error!(cluster = %self.cluster, etcd = %endpoint, "no master is registered in this cluster");
                         return Err(ErrorCode::ETCD_KEY_NOT_EXIST);
                     }
-                    let rank = |r: &MasterRegistration| match r.role {
-                        Role::Primary => 0,
-                        Role::Standby => 1,
-                        Role::Idle => 2,
-                    };
-                    regs.sort_by_key(|r| (rank(r), r.registered_at_ms));
-                    return Ok(regs.into_iter().map(|r| r.address).collect());
+                    regs.sort_by_key(|(created, _)| *created);
+                    return Ok(regs.into_iter().map(|(_, r)| r.address).collect());
                 }
                 Err(e) => {
                     tracing::warn!(etcd = %endpoint, error = %e, "cannot read the masters from etcd");
@@ -136,7 +131,7 @@ fn post(endpoint: &str, path: &str, body: &str) -> Result<Vec<u8>, String> {
         return Err(format!("etcd answered {}", head.lines().next().unwrap_or("")));
     }
     let body = answer[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head.to_ascii_lowercase().replace(' ', "").contains("transfer-encoding:chunked") {
         return unchunk(&body);
     }
     Ok(body)
@@ -154,7 +149,7 @@ fn unchunk(mut body: &[u8]) -> Result<Vec<u8>, String> {
         if size == 0 {
             return Ok(out);
         }
-        if body.len() < size + 2 {
+        if size.checked_add(2).is_none_or(|end| body.len() < end) {
             return Err("truncated chunk".into());
         }
         out.extend_from_slice(&body[..size]);
@@ -162,8 +157,8 @@ fn unchunk(mut body: &[u8]) -> Result<Vec<u8>, String> {
     }
 }
 
-/// The registrations in a range answer of etcd's JSON gateway.
-fn registrations(answer: &[u8]) -> Result<Vec<MasterRegistration>, String> {
+/// The registrations in a range answer of etcd's JSON gateway, with their create revisions.
+fn registrations(answer: &[u8]) -> Result<Vec<(u64, MasterRegistration)>, String> {
     let v: serde_json::Value = serde_json::from_slice(answer).map_err(|e| format!("not JSON: {e}"))?;
     let Some(kvs) = v.get("kvs") else { return Ok(Vec::new()) };
     let kvs = kvs.as_array().ok_or("kvs is not a list")?;
@@ -171,8 +166,10 @@ fn registrations(answer: &[u8]) -> Result<Vec<MasterRegistration>, String> {
     for kv in kvs {
         let value = kv.get("value").and_then(|v| v.as_str()).ok_or("a key without a value")?;
         let bytes = base64_decode(value).ok_or("a value that is not base64")?;
+        // int64 fields come as strings in etcd's JSON.
+        let created = kv.get("create_revision").and_then(|v| v.as_str()).and_then(|v| v.parse().ok()).unwrap_or(0);
         match MasterRegistration::decode(&bytes) {
-            Ok(r) => out.push(r),
+            Ok(r) => out.push((created, r)),
             // A registration of a newer build: skip it rather than guess.
             Err(e) => tracing::warn!(error = %e, "skipping a master registration this build cannot read"),
         }
@@ -247,15 +244,21 @@ mod tests {
 
     #[test]
     fn a_range_answer_yields_its_registrations() {
-        let r = MasterRegistration { id: "a".into(), address: "h:1".into(), role: Role::Primary, registered_at_ms: 3 };
+        let r = MasterRegistration {
+            id: "a".into(),
+            address: "h:1".into(),
+            role: tycho_proto::cluster::Role::Primary,
+            registered_at_ms: 3,
+        };
         let answer = format!(
-            r#"{{"header":{{}},"kvs":[{{"key":"eA==","value":"{}"}}],"count":"1"}}"#,
+            r#"{{"header":{{}},"kvs":[{{"key":"eA==","create_revision":"12","value":"{}"}}],"count":"1"}}"#,
             base64_encode(&r.encode())
         );
-        assert_eq!(registrations(answer.as_bytes()).unwrap(), vec![r]);
+        assert_eq!(registrations(answer.as_bytes()).unwrap(), vec![(12, r)]);
         assert_eq!(registrations(br#"{"header":{}}"#).unwrap(), vec![]);
         assert!(registrations(b"garbage").is_err());
         assert_eq!(unchunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap(), b"abcde");
+        assert!(unchunk(b"ffffffffffffffff\r\nabc").is_err());
         assert_eq!(prefix_end(b"ab"), b"ac");
     }
 }

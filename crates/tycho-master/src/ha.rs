@@ -43,6 +43,9 @@ pub const RANK: u32 = 0;
 /// Batches a standby reads per request.
 const FOLLOW_PAGE: usize = 64;
 
+/// Longest a master leaving its role waits for its log to commit what waits.
+const LOG_DRAIN: Duration = Duration::from_secs(2);
+
 /// Pause before deciding again after a failed store call.
 const STORE_RETRY: Duration = Duration::from_millis(200);
 
@@ -96,7 +99,7 @@ impl HaStatus {
             HaStatus::Primary { epoch } => format!("primary of the group at epoch {epoch}"),
             HaStatus::Standby => "standby: replaying the primary's log".into(),
             HaStatus::Idle => "idle: waiting for a role".into(),
-            HaStatus::Stopped => "stopped: told to stop; the role was handed over".into(),
+            HaStatus::Stopped => "stopped: told to stop; gave its registration up".into(),
             HaStatus::Failed(why) => format!("stopped: {why}"),
         }
     }
@@ -182,7 +185,8 @@ pub async fn run(
     watchdog.abort();
     master.stand_by(RANK);
     if let Some(log) = &role.log {
-        log.close();
+        // Commit what waits (bounded), so that its writers get their answers.
+        log.finish(LOG_DRAIN).await;
     }
     if let Err(e) = keeper.revoke().await {
         tracing::warn!(error = %e, "could not revoke the registration lease; it expires by itself");

@@ -100,9 +100,11 @@ impl LogStats {
         }
     }
 
-    /// A standby read the durable prefix `durable` having applied up to `applied`.
+    /// A standby learnt of the durable prefix `durable` (from the store or a watch event)
+    /// having applied up to `applied`. It counts as behind until it applied the highest
+    /// prefix it learnt of.
     fn seen(&self, durable: u64, applied: u64) {
-        self.durable.store(durable, Ordering::Relaxed);
+        let durable = self.durable.fetch_max(durable, Ordering::Relaxed).max(durable);
         self.applied.store(applied, Ordering::Relaxed);
         if durable <= applied {
             self.behind_since_ms.store(0, Ordering::Relaxed);
@@ -244,6 +246,10 @@ pub enum LogError {
     /// The writer was closed.
     #[error("the OpLog writer is closed")]
     Closed,
+    /// The writer was stopped while the record's batch was being committed: whether it is in
+    /// the log is unknown (the new owner's log says).
+    #[error("the OpLog writer stopped while this record's batch was being committed: its outcome is unknown")]
+    Interrupted,
     /// The store refused the request itself (too large, invalid): a bug, not a transient.
     #[error("the store refused a log batch: {0}")]
     Refused(String),
@@ -257,7 +263,8 @@ impl LogError {
             // (a hand-over, a lost lease): the mutation belongs with the next owner.
             LogError::Fenced(_) | LogError::Closed => ErrorCode::KVPT_NOT_OWNED,
             LogError::Busy => ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS,
-            LogError::Corrupt(_) | LogError::Refused(_) => ErrorCode::INTERNAL_ERROR,
+            // Like a lost answer: not a code a client resends on (the write may have landed).
+            LogError::Interrupted | LogError::Corrupt(_) | LogError::Refused(_) => ErrorCode::INTERNAL_ERROR,
         }
     }
 }
@@ -266,10 +273,14 @@ impl LogError {
 #[derive(Debug, Clone, Default)]
 struct Progress {
     durable: u64,
+    /// The last record handed to a transaction (at most one batch past `durable`).
+    sending: u64,
     failed: Option<LogError>,
 }
 
 struct Queue {
+    /// Set by [`OpLogWriter::finish`]: nothing more is taken, what waits is still committed.
+    draining: bool,
     next_seq: u64,
     waiting: VecDeque<(u64, Record, usize)>,
     closed: Option<LogError>,
@@ -305,12 +316,13 @@ impl OpLogWriter {
     ) -> Result<OpLogWriter, LogError> {
         let (durable, durable_rev) = read_prefix(&*store, &keys).await?;
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue { next_seq: durable + 1, waiting: VecDeque::new(), closed: None }),
+            queue: Mutex::new(Queue { draining: false, next_seq: durable + 1, waiting: VecDeque::new(), closed: None }),
             on_end: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
-            progress: tokio::sync::watch::Sender::new(Progress { durable, failed: None }),
+            progress: tokio::sync::watch::Sender::new(Progress { durable, sending: durable, failed: None }),
             cfg,
         });
+        shared.cfg.stats.appended(durable);
         let committer = Committer { store, keys, fence, group, epoch, durable, durable_rev, shared: shared.clone() };
         let task = tokio::spawn(committer.run());
         Ok(OpLogWriter { shared, task })
@@ -330,6 +342,9 @@ impl OpLogWriter {
         if let Some(e) = &q.closed {
             return Err(e.clone());
         }
+        if q.draining {
+            return Err(LogError::Closed);
+        }
         if q.waiting.len() >= self.shared.cfg.max_queued_records {
             return Err(LogError::Busy);
         }
@@ -343,6 +358,9 @@ impl OpLogWriter {
         let mut q = self.shared.queue.lock();
         if let Some(e) = &q.closed {
             return Err(e.clone());
+        }
+        if q.draining {
+            return Err(LogError::Closed);
         }
         let seq = q.next_seq;
         q.next_seq += 1;
@@ -397,7 +415,22 @@ impl OpLogWriter {
         }
     }
 
-    /// Stops the writer: queued records that are not durable yet fail with `Closed`.
+    /// Stops the writer after committing what waits, for at most `grace` (then as
+    /// [`OpLogWriter::close`]): a master giving its role up acknowledges what it can. Records
+    /// appended meanwhile are refused with `Closed`.
+    pub async fn finish(&self, grace: Duration) {
+        self.shared.queue.lock().draining = true;
+        self.shared.wake.notify_one();
+        let mut rx = self.shared.progress.subscribe();
+        let ended = rx.wait_for(|p| p.failed.is_some());
+        if tokio::time::timeout(grace, ended).await.is_err() {
+            tracing::warn!("the OpLog did not commit what waited in time; closing it");
+        }
+        self.close();
+    }
+
+    /// Stops the writer: queued records that are not durable yet fail with `Closed`, and those
+    /// of a batch in flight with `Interrupted`.
     pub fn close(&self) {
         end(&self.shared, LogError::Closed);
         self.task.abort();
@@ -421,10 +454,14 @@ async fn wait_for(shared: &Shared, seq: u64) -> Result<(), LogError> {
     let mut rx = shared.progress.subscribe();
     let p = rx.wait_for(|p| p.durable >= seq || p.failed.is_some()).await.map_err(|_| LogError::Closed)?.clone();
     if p.durable >= seq {
-        Ok(())
-    } else {
-        Err(p.failed.unwrap_or(LogError::Closed))
+        return Ok(());
     }
+    Err(match p.failed {
+        // Stopped mid-commit: this record may be in the log.
+        Some(LogError::Closed) if seq <= p.sending => LogError::Interrupted,
+        Some(e) => e,
+        None => LogError::Closed,
+    })
 }
 
 /// A primary's records go to its group's log. A record the log no longer takes (it was fenced
@@ -535,6 +572,12 @@ impl Committer {
                 Err(_) => return,
             };
             let started = Instant::now();
+            let last = batch.last_seq();
+            // No waiter needs waking for this.
+            self.shared.progress.send_if_modified(|p| {
+                p.sending = last;
+                false
+            });
             match self.commit(&batch).await {
                 Ok(()) => {
                     let last = batch.last_seq();
@@ -560,7 +603,9 @@ impl Committer {
         if q.closed.is_some() {
             return Err(());
         }
-        let Some(&(first_seq, _, _)) = q.waiting.front() else { return Ok(None) };
+        let Some(&(first_seq, _, _)) = q.waiting.front() else {
+            return if q.draining { Err(()) } else { Ok(None) };
+        };
         let (mut count, mut bytes) = (0, 0);
         for (_, _, size) in q.waiting.iter() {
             let max_records = self.shared.cfg.max_batch_records.clamp(1, MAX_BATCH_RECORDS);
@@ -866,7 +911,14 @@ impl LogFollower {
                 _ = &mut stop => return Ok(()),
                 event = watch.next() => match event {
                     Ok(tycho_meta::WatchEvent::Disconnected { .. }) => {}
-                    Ok(_) => {
+                    Ok(e) => {
+                        // The lag shows from the moment the prefix moved, whatever the
+                        // catch-up then takes.
+                        if let (Some(s), tycho_meta::WatchEvent::Put(kv)) = (&self.stats, &e) {
+                            if let Ok(durable) = decode_prefix(&kv.value) {
+                                s.seen(durable, self.applied);
+                            }
+                        }
                         self.catch_up(apply).await?;
                     }
                     Err(MetaError::Compacted { .. }) => {

@@ -41,7 +41,7 @@ impl ClusterKeys {
 
     /// Every master registration.
     pub fn masters(&self) -> Vec<u8> {
-        tycho_proto::cluster::masters_prefix(self.cluster()).into_bytes()
+        format!("{}masters/", self.root).into_bytes()
     }
 
     /// Master `id`'s registration.
@@ -222,8 +222,14 @@ pub async fn masters(
     loop {
         let page = store.range(req.clone()).await.map_err(store_error)?;
         for kv in &page.kvs {
-            let reg = MasterRegistration::decode(&kv.value).map_err(|e| OwnershipError::Corrupt(e.to_string()))?;
-            out.push((reg, kv.create_revision));
+            // One unreadable registration (a newer build's, a hand-written key) must not stop
+            // every master: it is not counted as a live master.
+            match MasterRegistration::decode(&kv.value) {
+                Ok(reg) => out.push((reg, kv.create_revision)),
+                Err(e) => {
+                    tracing::warn!(key = %String::from_utf8_lossy(&kv.key), error = %e, "skipping an unreadable master registration")
+                }
+            }
         }
         match req.next_page(&page) {
             Some(next) => req = next,

@@ -187,6 +187,40 @@ async fn a_full_queue_is_busy_and_a_reopened_log_continues_its_numbering() {
     assert_eq!(durable_prefix(&store).await, 5);
 }
 
+#[tokio::test]
+async fn finishing_commits_what_waits_and_then_takes_nothing() {
+    let (store, w, _) = setup(cfg()).await;
+    store.set_txn_fault(TxnFault::Hold);
+    w.append(rec(1)).unwrap();
+    until_txns(&store, 1).await;
+    w.append(rec(2)).unwrap();
+    w.append(rec(3)).unwrap();
+    tokio::join!(w.finish(Duration::from_secs(10)), async {
+        store.set_txn_fault(TxnFault::None);
+        store.release_txns(1);
+    });
+    w.wait(3).await.unwrap();
+    assert_eq!(durable_prefix(&store).await, 3);
+    assert_eq!(w.append(rec(4)).unwrap_err(), LogError::Closed);
+}
+
+#[tokio::test]
+async fn closing_mid_commit_leaves_the_batch_in_flight_unknown_and_the_rest_not_owned() {
+    let (store, w, _) = setup(cfg()).await;
+    store.set_txn_fault(TxnFault::Hold);
+    w.append(rec(1)).unwrap();
+    until_txns(&store, 1).await;
+    w.append(rec(2)).unwrap();
+    w.close();
+    // Record 1 was sent and may land: its writer must not be told to go elsewhere and resend.
+    let unknown = w.wait(1).await.unwrap_err();
+    assert_eq!(unknown, LogError::Interrupted);
+    assert_eq!(unknown.code().retry_class(), tycho_proto::RetryClass::Fail);
+    // Record 2 never left this master: the next owner is the place to ask.
+    let never_sent = w.wait(2).await.unwrap_err();
+    assert_eq!(never_sent.code(), tycho_proto::ErrorCode::KVPT_NOT_OWNED);
+}
+
 // ---- the follower (a standby's reader) -----------------------------------------------------
 
 use tycho_master::oplog::{encode_prefix, FollowError, LogFollower};

@@ -143,13 +143,21 @@ pub fn serve<S: Service>(
                         let notify = notify.clone();
                         open.fetch_add(1, Ordering::Relaxed);
                         tokio::spawn(async move {
+                            // Counts the connection out however its task ends (a panicking
+                            // handler included), so that shutdown does not wait for it.
+                            struct Open(Arc<AtomicU64>, Arc<tokio::sync::Notify>);
+                            impl Drop for Open {
+                                fn drop(&mut self) {
+                                    self.0.fetch_sub(1, Ordering::AcqRel);
+                                    self.1.notify_waiters();
+                                }
+                            }
+                            let _open = Open(open, notify);
                             match serve_connection(stream, svc, cfg, stop).await {
                                 Err(ConnError::Handshake(e)) => tracing::info!(%peer, error = %e, "connection refused"),
                                 Err(e) => tracing::debug!(%peer, error = %e, "connection closed"),
                                 Ok(()) => {}
                             }
-                            open.fetch_sub(1, Ordering::AcqRel);
-                            notify.notify_waiters();
                         });
                     }
                     Err(e) => {
@@ -235,6 +243,25 @@ async fn serve_connection<S: Service>(
         }
         tokio::select! {
             biased;
+            // First, so that a busy connection cannot starve it.
+            _ = stop.changed() => {
+                // Read nothing more; answer what was taken, within the grace.
+                let grace = tokio::time::Instant::now() + DRAIN_GRACE;
+                while pending > 0 {
+                    match tokio::time::timeout_at(grace, done_rx.recv()).await {
+                        Ok(Some((id, resp))) => {
+                            pending -= 1;
+                            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+                            if tokio::time::timeout_at(grace, wr.write_all(&wbuf)).await.is_err() {
+                                break;
+                            }
+                            wbuf.clear();
+                        }
+                        _ => break,
+                    }
+                }
+                return Ok(());
+            }
             read = rd.read_buf(&mut rbuf) => {
                 if read? == 0 {
                     return Ok(());
@@ -246,23 +273,6 @@ async fn serve_connection<S: Service>(
             }
             _ = tokio::time::sleep_until(partial_since.map_or_else(tokio::time::Instant::now, |t| t + FRAME_DEADLINE)), if partial_since.is_some() => {
                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "a frame did not complete in time").into());
-            }
-            _ = stop.changed() => {
-                // Read nothing more; answer what was taken, within the grace.
-                let grace = tokio::time::sleep(DRAIN_GRACE);
-                tokio::pin!(grace);
-                while pending > 0 {
-                    tokio::select! {
-                        Some((id, resp)) = done_rx.recv() => {
-                            pending -= 1;
-                            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
-                            wr.write_all(&wbuf).await?;
-                            wbuf.clear();
-                        }
-                        _ = &mut grace => break,
-                    }
-                }
-                return Ok(());
             }
         }
     }

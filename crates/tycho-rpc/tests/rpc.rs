@@ -347,3 +347,43 @@ async fn blocking_client_refuses_oversized_and_garbage_answers() {
     .await
     .unwrap();
 }
+
+/// Waits (bounded) until the service has taken `n` calls.
+async fn taken(svc: &TestService, n: u64) {
+    let deadline = tokio::time::Instant::now() + T;
+    while svc.calls.load(Ordering::Relaxed) < n {
+        assert!(tokio::time::Instant::now() < deadline, "the call never reached the service");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn shutdown_answers_the_calls_already_taken() {
+    let (h, svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
+    let pending = {
+        let c = c.clone();
+        tokio::spawn(async move { c.call::<_, Resp>(&Req::SleepMs(300, 7), T).await })
+    };
+    taken(&svc, 1).await;
+    h.shutdown().await;
+    assert_eq!(pending.await.unwrap().unwrap(), Resp::Echo(7));
+    // Nothing more is taken.
+    assert!(c.call::<_, Resp>(&Req::Echo(1), Duration::from_millis(500)).await.is_err());
+}
+
+#[tokio::test]
+async fn shutdown_waits_for_a_stuck_call_no_longer_than_its_grace() {
+    let (h, svc, addr) = start(1 << 20).await;
+    let c = RpcClient::connect(&addr, &cfg()).await.unwrap();
+    let stuck = {
+        let c = c.clone();
+        tokio::spawn(async move { c.call::<_, Resp>(&Req::SleepMs(60_000, 1), Duration::from_secs(30)).await })
+    };
+    taken(&svc, 1).await;
+    let started = std::time::Instant::now();
+    h.shutdown().await;
+    let took = started.elapsed();
+    assert!(took < tycho_rpc::DRAIN_GRACE + Duration::from_secs(2), "shutdown took {took:?}");
+    assert!(stuck.await.unwrap().is_err(), "the stuck call cannot have been answered");
+}

@@ -69,6 +69,11 @@ pub struct BenchMasterArgs {
     /// comparison's own noise (its ratios should straddle 1).
     #[arg(long, requires = "compare_insecure")]
     control: bool,
+    /// PutStart+PutEnd against a master logging to etcd (HA, on an etcd the bench starts) and
+    /// one without, in alternating rounds, next to etcd's own rate of sequential puts from one
+    /// client, measured between them. Both masters run `--insecure`.
+    #[arg(long)]
+    oplog: bool,
 }
 
 const VALUE_SIZE: u64 = 4096;
@@ -179,6 +184,9 @@ fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
     }
     if args.compare_insecure {
         return compare_insecure(&args);
+    }
+    if args.oplog {
+        return oplog_compare(&args);
     }
     let ttl = if args.expire_during { 2 } else { 10 };
     let (child, addr) = match &args.master {
@@ -720,6 +728,118 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
     })?;
     println!("lowest median ratio: {worst:.3}");
     alive.store(false, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Mounts the fake segments of a new client of `addr`, waiting (bounded) until the master
+/// serves (an HA master serves once it has created or taken its group), and keeps it alive.
+async fn serving_owner(addr: &str, alive: &Arc<AtomicBool>) -> Result<ClientId, String> {
+    let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+    let owner = ClientId(rand::random());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Err(e) = mount_fake(&c, owner, 0).await {
+        if Instant::now() > deadline {
+            return Err(format!("the master at {addr} does not serve: {e}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for s in 1..FAKE_SEGMENTS {
+        mount_fake(&c, owner, s).await?;
+    }
+    keep_alive(c, owner, alive.clone());
+    Ok(owner)
+}
+
+/// Sequential puts of small values from one client to etcd for `secs`: puts per second.
+async fn etcd_put_rate(store: &tycho_meta::EtcdStore, round: usize, secs: f64) -> Result<f64, String> {
+    use tycho_meta::MetaStore;
+    let value = [0x5au8; 128];
+    let (start, mut n) = (Instant::now(), 0u64);
+    while start.elapsed().as_secs_f64() < secs {
+        store
+            .put(format!("/bench-etcd/{round}/{n:010}").as_bytes(), &value, None)
+            .await
+            .map_err(|e| format!("etcd put: {e}"))?;
+        n += 1;
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+/// `--oplog`: what logging every mutation to etcd costs a master, and whether group commit
+/// lifts its write rate well above etcd's own single-client put rate.
+fn oplog_compare(args: &BenchMasterArgs) -> Result<(), String> {
+    let etcd = tycho_testkit::EtcdServer::start_new()
+        .map_err(|e| format!("cannot start etcd (install etcd-server or set TYCHO_ETCD_BIN): {e}"))?;
+    let endpoint = etcd.endpoint();
+    let (_off, off_addr) = start_master(10, &["--insecure"])?;
+    // A long registration lease: the load saturates the machine, and a master whose renewals
+    // starve would stand down in the middle of a round.
+    let ha = ["--insecure", "--etcd-endpoints", &endpoint, "--cluster-name", "bench-oplog", "--ha-lease-ttl", "30"];
+    let (on_guard, on_addr) = start_master(10, &ha)?;
+    println!(
+        "oplog on/off: PutStart+PutEnd, {} connections x {} in flight, {}s rounds, {} rounds each; etcd {endpoint}",
+        args.connections, args.inflight, args.duration, args.rounds
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let alive = Arc::new(AtomicBool::new(true));
+    let keys: Rc<Vec<KeyRef>> = Rc::new(Vec::new());
+    let verdict = rt.block_on(async {
+        let store = tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new([endpoint.clone()]))
+            .await
+            .map_err(|e| format!("etcd: {e}"))?;
+        let on_owner = serving_owner(&on_addr, &alive).await?;
+        let off_owner = serving_owner(&off_addr, &alive).await?;
+        let (mut on, mut off, mut etcd_rates) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut on_p99, mut off_p99) = (Vec::new(), Vec::new());
+        for round in 0..args.rounds {
+            let with = |keys| measure(&on_addr, "put", args, on_owner, keys, Some(on_guard.0.id()));
+            let without = |keys| measure(&off_addr, "put", args, off_owner, keys, None);
+            let (a, b) = if round % 2 == 0 {
+                let a = with(keys.clone()).await?;
+                (a, without(keys.clone()).await?)
+            } else {
+                let b = without(keys.clone()).await?;
+                (with(keys.clone()).await?, b)
+            };
+            let e = etcd_put_rate(&store, round, args.duration).await?;
+            eprintln!(
+                "  round {}: oplog on {:.0} puts/s (p99 {} us), off {:.0} puts/s (p99 {} us); etcd one client {e:.0} puts/s",
+                round + 1,
+                a.ops_per_sec(),
+                a.pct(0.99),
+                b.ops_per_sec(),
+                b.pct(0.99)
+            );
+            on.push(a.ops_per_sec());
+            off.push(b.ops_per_sec());
+            on_p99.push(a.pct(0.99) as f64);
+            off_p99.push(b.pct(0.99) as f64);
+            etcd_rates.push(e);
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (on, off, e) = (med(&mut on), med(&mut off), med(&mut etcd_rates));
+        println!(
+            "put (start+end)  oplog on {on:>9.0} puts/s (p99 {:.0} us)   off {off:>9.0} puts/s (p99 {:.0} us)   on/off {:.3}",
+            med(&mut on_p99),
+            med(&mut off_p99),
+            on / off
+        );
+        println!("etcd, one client, sequential puts: {e:.0} puts/s; oplog on / etcd = {:.2}", on / e);
+        Ok::<bool, String>(on >= 3.0 * e)
+    })?;
+    alive.store(false, Ordering::Relaxed);
+    println!(
+        "group commit: {}",
+        if verdict {
+            "the master logs puts at least 3x faster than one etcd client puts"
+        } else {
+            "BELOW 3x etcd's single-client put rate"
+        }
+    );
+    drop(etcd);
     Ok(())
 }
 

@@ -225,7 +225,9 @@ impl Load {
             let _stop = StopOnDrop(&load.stop);
             during(&load);
         });
-        println!("{} reads of acknowledged keys returned their bytes", load.reads.load(Ordering::Relaxed));
+        let reads = load.reads.load(Ordering::Relaxed);
+        println!("{reads} reads of acknowledged keys returned their bytes");
+        assert!(reads > 0, "no read of an acknowledged key succeeded");
         load.acked.into_inner().unwrap()
     }
 
@@ -294,12 +296,15 @@ fn a_standby_takes_over_a_killed_primary_and_serves_everything_acknowledged() {
 #[test]
 fn a_stopped_primary_hands_over_at_once() {
     let _one = serial();
-    let c = Cluster::new("stopped", "2");
+    // A lease long enough that a hand-over that waited for it could not pass for a quick one.
+    let c = Cluster::new("stopped", "10");
     let mut a = c.master("primary");
     let mut b = c.master("standby");
     let both = format!("{},{}", a.rpc, b.rpc);
     let (_node, writer) = c.node_and_writer(&both);
-    let reader = client(&format!("etcd://{}/{}", c.etcd.endpoint(), c.name), &c.secret);
+    let etcd_address = format!("etcd://{}/{}", c.etcd.endpoint(), c.name);
+    assert_eq!(ClientConfig::new(&etcd_address).master_addrs().unwrap(), vec![a.rpc.clone(), b.rpc.clone()]);
+    let reader = client(&etcd_address, &c.secret);
     let mut stopped = Instant::now();
     let acked = Load::run(&writer, &reader, |load| {
         load.wait_for(KEYS, "before the stop");
@@ -308,13 +313,13 @@ fn a_stopped_primary_hands_over_at_once() {
         b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
         let took = stopped.elapsed();
         println!("the standby served {took:?} after the primary was stopped");
-        assert!(took < Duration::from_secs(2), "{took:?}: not sooner than the lease's TTL");
+        assert!(took < Duration::from_secs(5), "{took:?}: not well under the lease's TTL");
         let before = load.count();
         load.wait_for(before + KEYS, "after the hand-over");
     });
     let paused = longest_pause(&acked, stopped);
-    println!("writes paused for {paused:?} at most across the hand-over (lease TTL 2 s)");
-    assert!(paused < Duration::from_secs(2), "writes paused {paused:?}");
+    println!("writes paused for {paused:?} at most across the hand-over (lease TTL 10 s)");
+    assert!(paused < Duration::from_secs(5), "writes paused {paused:?}");
     check_acked(&client(&b.rpc, &c.secret), &acked);
 }
 
@@ -366,7 +371,12 @@ fn a_paused_primary_that_lost_its_group_commits_nothing_after_resuming() {
     a.proc.signal(libc::SIGSTOP);
     b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
     // A write of the new epoch reaches the node; the old master's grant is refused from then on.
-    client(&b.rpc, &c.secret).put("after", b"fresh", &Default::default()).unwrap();
+    let fresh = client(&b.rpc, &c.secret);
+    let deadline = Instant::now() + ROLE_WAIT;
+    while let Err(e) = fresh.put("after", b"fresh", &Default::default()) {
+        assert!(Instant::now() < deadline, "no put through the new primary: {e:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let refused = stale.write(&grants[0], 0, &[0xa5; 4096]).expect_err("a stale write grant is refused");
     assert_eq!(refused.code(), ErrorCode::STALE_EPOCH, "{refused}");
     // The PutEnd goes to the stopped master (its connection is open); it is answered once the
@@ -391,7 +401,6 @@ fn a_paused_primary_that_lost_its_group_commits_nothing_after_resuming() {
     // takeover on carries the new epoch, and the object was never committed.
     let batches = c.log_batches();
     assert!(batches.iter().all(|b| b.first_seq <= durable_before || b.epoch > epoch), "{batches:?}");
-    let fresh = client(&b.rpc, &c.secret);
     // (The new primary holds the replayed reservation until the discard timeout: never complete.)
     let never = fresh.get("late").unwrap_err();
     assert!(matches!(never, ErrorCode::REPLICA_IS_NOT_READY | ErrorCode::OBJECT_NOT_FOUND), "{never:?}");
