@@ -771,7 +771,7 @@ fn oplog_compare(args: &BenchMasterArgs) -> Result<(), String> {
     let etcd = tycho_testkit::EtcdServer::start_new()
         .map_err(|e| format!("cannot start etcd (install etcd-server or set TYCHO_ETCD_BIN): {e}"))?;
     let endpoint = etcd.endpoint();
-    let (_off, off_addr) = start_master(10, &["--insecure"])?;
+    let (off_guard, off_addr) = start_master(10, &["--insecure"])?;
     // A long registration lease: the load saturates the machine, and a master whose renewals
     // starve would stand down in the middle of a round.
     let ha = ["--insecure", "--etcd-endpoints", &endpoint, "--cluster-name", "bench-oplog", "--ha-lease-ttl", "30"];
@@ -839,6 +839,8 @@ fn oplog_compare(args: &BenchMasterArgs) -> Result<(), String> {
             "BELOW 3x etcd's single-client put rate"
         }
     );
+    // The masters before their etcd.
+    drop((on_guard, off_guard));
     drop(etcd);
     Ok(())
 }
