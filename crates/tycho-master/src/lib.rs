@@ -18,6 +18,7 @@ pub mod ownership;
 pub mod record;
 mod rpc;
 mod segment;
+pub mod snapshot;
 pub mod standby;
 
 use std::sync::atomic::{AtomicBool, Ordering};
