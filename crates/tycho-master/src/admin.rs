@@ -557,7 +557,7 @@ fn group_metrics(out: &mut String, master: &Master) {
         master.groups().map(|g| (g.rank(), g.epoch(), g.is_serving(), g.log_stats().figures())).collect();
     /// A series: name, type, help, and its value for a group.
     type Series = (&'static str, &'static str, &'static str, fn(&Row) -> f64);
-    let gauges: [Series; 10] = [
+    let gauges: [Series; 12] = [
         ("tycho_master_group_epoch", "gauge", "The ownership epoch this master holds the group at.", |g| g.1 as f64),
         ("tycho_master_group_serving", "gauge", "1 while this master answers the group's requests.", |g| {
             g.2 as u8 as f64
@@ -586,11 +586,28 @@ fn group_metrics(out: &mut String, master: &Master) {
             "Records in those batches (divided by the batches: the mean batch size).",
             |g| g.3.batch_records as f64,
         ),
+        ("tycho_snapshot_applied_seq", "gauge", "Log position of the last snapshot this master published.", |g| {
+            g.3.snapshot_applied as f64
+        }),
+        ("tycho_snapshot_rebootstraps_total", "counter", "Times this master started over from a snapshot.", |g| {
+            g.3.rebootstraps as f64
+        }),
     ];
     for (name, kind, help, value) in gauges {
         family(out, name, kind, help);
         for g in &groups {
             let _ = writeln!(out, "{name}{{group=\"{}\"}} {}", g.0, value(g));
+        }
+    }
+    family(
+        out,
+        "tycho_snapshot_age_seconds",
+        "gauge",
+        "Seconds since this master last published a snapshot of the group (absent: never).",
+    );
+    for g in &groups {
+        if let Some(age) = g.3.snapshot_age_seconds {
+            let _ = writeln!(out, "tycho_snapshot_age_seconds{{group=\"{}\"}} {age}", g.0);
         }
     }
     family(out, "tycho_oplog_fenced_total", "counter", "Times a log writer of the group was fenced here.");

@@ -181,6 +181,11 @@ impl RangeAllocator {
         }
     }
 
+    /// The held ranges: offset, bytes, until when.
+    pub fn held_ranges(&self) -> Vec<(u64, u64, u64)> {
+        self.held.iter().map(|(&o, h)| (o, h.len, h.until)).collect()
+    }
+
     /// Bytes held for their tenants.
     #[cfg(test)]
     pub fn held_bytes(&self) -> u64 {

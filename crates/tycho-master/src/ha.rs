@@ -29,12 +29,14 @@ use thiserror::Error;
 use tokio::sync::watch;
 use tycho_meta::{LeaseKeeper, MetaStore, WatchRequest};
 
+use crate::compaction::{read_pointers, CompactionError, Snapshots};
 use crate::master::Master;
 use crate::oplog::{Fence, FollowError, LogError, LogFollower, OpLogWriter, WriterConfig};
 use crate::ownership::{
     change_group, change_standbys, create_group, decide, masters, read_group, ClusterKeys, Decision, GroupRecord,
     MasterRegistration, OwnershipError, Role,
 };
+use crate::snapshot::{SnapshotId, SnapshotStore};
 use crate::standby::{apply_to, log_keys, promote, PromoteError, Promotion};
 
 /// The group an HA pair serves (one group until the partitioned plane).
@@ -48,6 +50,9 @@ const LOG_DRAIN: Duration = Duration::from_secs(2);
 
 /// Pause before deciding again after a failed store call.
 const STORE_RETRY: Duration = Duration::from_millis(200);
+
+/// Pause before trying again after a snapshot failed.
+const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
 
 /// How a master takes part in a cluster.
 #[derive(Debug, Clone)]
@@ -64,6 +69,24 @@ pub struct HaConfig {
     pub catch_up_deadline: Duration,
     /// Bounds of the log writer when primary.
     pub writer: WriterConfig,
+    /// Where the group's snapshots go and how often; `None`: no snapshots, and the log is
+    /// never shortened.
+    pub snapshots: Option<SnapshotConfig>,
+}
+
+/// Snapshot settings of an HA master.
+#[derive(Clone)]
+pub struct SnapshotConfig {
+    /// The store the cluster's masters share.
+    pub files: Arc<dyn SnapshotStore>,
+    /// A snapshot is taken once the log has grown by this many records since the latest.
+    pub every_records: u64,
+}
+
+impl std::fmt::Debug for SnapshotConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotConfig").field("every_records", &self.every_records).finish_non_exhaustive()
+    }
 }
 
 /// What the master does now, published for `/readyz` and logs.
@@ -126,6 +149,18 @@ pub enum HaError {
     /// The log could not be followed (a gap, damage, compaction): this standby starts over.
     #[error("cannot follow the group's log: {0}")]
     Follow(#[from] FollowError),
+    /// The group's state could not be rebuilt from its snapshots and log.
+    #[error("cannot rebuild the group from its snapshots: {0}")]
+    Snapshot(CompactionError),
+}
+
+impl From<CompactionError> for HaError {
+    fn from(e: CompactionError) -> HaError {
+        match e {
+            CompactionError::Store(why) | CompactionError::Follow(FollowError::Store(why)) => HaError::Store(why),
+            e => HaError::Snapshot(e),
+        }
+    }
 }
 
 impl From<OwnershipError> for HaError {
@@ -150,40 +185,84 @@ pub async fn run(
     tokio::pin!(stop);
     master.stand_by(RANK);
     status.send_replace(HaStatus::Starting);
-    let keeper = LeaseKeeper::grant(store.clone(), cfg.lease_ttl, Arc::new(tycho_meta::SystemClock))
-        .await
-        .map_err(|e| HaError::Store(e.to_string()))?;
     let keys = ClusterKeys::new(&cfg.cluster);
-    let reg = MasterRegistration {
-        id: cfg.id.clone(),
-        address: cfg.address.clone(),
-        role: Role::Idle,
-        registered_at_ms: tycho_proto::auth::capability::unix_ms(),
-    };
-    register_alone(&*store, &keys, &reg, &keeper, &mut stop).await?;
-    tracing::info!(id = %cfg.id, cluster = %cfg.cluster, "registered");
-    let watchdog = tokio::spawn(fence_at_deadline(master.clone(), keeper.subscribe()));
-    let mut role = Roles { follower: None, log: None };
-    let result = loop {
-        match step(&master, &store, &cfg, &keys, &keeper, &mut role, &status, &mut stop).await {
-            Ok(true) => {}
-            Ok(false) => break Ok(()),
-            // The store is unreachable for a moment: keep the role while the lease holds
-            // (`step` checks it first) and try again.
-            Err(HaError::Store(e)) => {
-                tracing::warn!(error = %e, "coordination store call failed; retrying");
+    let snaps =
+        cfg.snapshots.as_ref().map(|s| Snapshots::new(store.clone(), s.files.clone(), keys.clone(), s.every_records));
+    let mut role = Roles::default();
+    let mut registered_before = false;
+    let (result, keeper) = loop {
+        let registered = async {
+            let keeper = LeaseKeeper::grant(store.clone(), cfg.lease_ttl, Arc::new(tycho_meta::SystemClock))
+                .await
+                .map_err(|e| HaError::Store(e.to_string()))?;
+            let reg = MasterRegistration {
+                id: cfg.id.clone(),
+                address: cfg.address.clone(),
+                role: Role::Idle,
+                registered_at_ms: tycho_proto::auth::capability::unix_ms(),
+            };
+            let done = register_alone(&*store, &keys, &reg, &keeper, &mut stop).await?;
+            Ok::<_, HaError>(done.then_some(keeper))
+        };
+        let keeper = match registered.await {
+            Ok(Some(k)) => k,
+            Ok(None) => {
+                status.send_replace(HaStatus::Stopped);
+                return Ok(());
+            }
+            // Registering again after a lost lease: the store is likely unwell; keep trying.
+            Err(HaError::Store(e) | HaError::Lease(e)) if registered_before => {
+                tracing::warn!(error = %e, "could not register again; retrying");
                 tokio::select! {
-                    _ = stop.as_mut() => break Ok(()),
-                    _ = tokio::time::sleep(STORE_RETRY) => {}
+                    _ = stop.as_mut() => {
+                        status.send_replace(HaStatus::Stopped);
+                        return Ok(());
+                    }
+                    _ = tokio::time::sleep(STORE_RETRY) => continue,
                 }
             }
-            Err(e) => break Err(e),
+            Err(e) => return Err(e),
+        };
+        registered_before = true;
+        tracing::info!(id = %cfg.id, cluster = %cfg.cluster, "registered");
+        let watchdog = tokio::spawn(fence_at_deadline(master.clone(), keeper.subscribe()));
+        let ctx =
+            Ctx { master: &master, store: &store, cfg: &cfg, keys: &keys, keeper: &keeper, snaps: snaps.as_ref() };
+        let result = loop {
+            match step(&ctx, &mut role, &status, &mut stop).await {
+                Ok(true) => {}
+                Ok(false) => break Ok(()),
+                // The store is unreachable for a moment: keep the role while the lease holds
+                // (`step` checks it first) and try again.
+                Err(HaError::Store(e)) => {
+                    tracing::warn!(error = %e, "coordination store call failed; retrying");
+                    tokio::select! {
+                        _ = stop.as_mut() => break Ok(()),
+                        _ = tokio::time::sleep(STORE_RETRY) => {}
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        watchdog.abort();
+        match result {
+            // A master that serves nothing loses nothing with its lease: it registers again
+            // and goes on (a standby keeps its place in the log, and finds out there whether
+            // the log still holds what it needs). A primary's state is stale: it leaves.
+            Err(HaError::Lease(why)) if role.log.is_none() => {
+                tracing::warn!(%why, "registration lease lost while not serving; registering again");
+                status.send_replace(HaStatus::Starting);
+                let _ = keeper.revoke().await;
+            }
+            result => break (result, keeper),
         }
     };
     // Leaving: serve nothing more, end the log, give up the registration (a standby takes
     // over now rather than after the lease's TTL).
-    watchdog.abort();
     master.stand_by(RANK);
+    if let Some(task) = role.snapshotting.take() {
+        task.abort();
+    }
     if let Some(log) = &role.log {
         // Commit what waits (bounded), so that its writers get their answers.
         log.finish(LOG_DRAIN).await;
@@ -200,28 +279,28 @@ pub async fn run(
 
 /// Registers `reg` under the keeper's lease, only if no live process holds the same id (a
 /// process restarted quickly waits for its predecessor's registration to run out; a second
-/// process given the same id waits for the first to go).
+/// process given the same id waits for the first to go). False if `stop` completed first.
 async fn register_alone(
     store: &dyn MetaStore,
     keys: &ClusterKeys,
     reg: &MasterRegistration,
     keeper: &LeaseKeeper,
     stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-) -> Result<(), HaError> {
+) -> Result<bool, HaError> {
     let key = keys.master(&reg.id);
     let mut warned = false;
     loop {
         check_lease(keeper)?;
         let mut gone = store.watch(WatchRequest::key(key.clone())).await.map_err(|e| HaError::Store(e.to_string()))?;
         match store.create_if_absent(&key, &reg.encode(), Some(keeper.id())).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => return Ok(true),
             Err(tycho_meta::MetaError::CompareFailed { .. }) => {
                 if !warned {
                     tracing::warn!(id = %reg.id, "a live master is registered with this id; waiting for its registration to end");
                     warned = true;
                 }
                 tokio::select! {
-                    _ = stop.as_mut() => return Err(HaError::Store("stopped before registering".into())),
+                    _ = stop.as_mut() => return Ok(false),
                     _ = gone.next() => {}
                     _ = tokio::time::sleep(keeper.ttl()) => {}
                 }
@@ -249,26 +328,35 @@ async fn fence_at_deadline(master: Arc<Master>, mut lease: watch::Receiver<tycho
     master.stand_by(RANK);
 }
 
+/// What one master brings to each decision.
+struct Ctx<'a> {
+    master: &'a Arc<Master>,
+    store: &'a Arc<dyn MetaStore>,
+    cfg: &'a HaConfig,
+    keys: &'a ClusterKeys,
+    keeper: &'a LeaseKeeper,
+    snaps: Option<&'a Snapshots>,
+}
+
 /// What this master holds of the group.
+#[derive(Default)]
 struct Roles {
     /// As standby: its position in the log.
     follower: Option<LogFollower>,
     /// As primary: the log it writes.
     log: Option<Arc<OpLogWriter>>,
+    /// As primary without a standby: the snapshot being taken.
+    snapshotting: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// One decision and its action. `Ok(false)` when `stop` completed.
-#[allow(clippy::too_many_arguments)]
 async fn step(
-    master: &Arc<Master>,
-    store: &Arc<dyn MetaStore>,
-    cfg: &HaConfig,
-    keys: &ClusterKeys,
-    keeper: &LeaseKeeper,
+    ctx: &Ctx<'_>,
     role: &mut Roles,
     status: &watch::Sender<HaStatus>,
     stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> Result<bool, HaError> {
+    let Ctx { master, store, cfg, keys, keeper, .. } = *ctx;
     check_lease(keeper)?;
     if let Some(e) = role.log.as_ref().and_then(|l| l.failed()) {
         return Err(HaError::Fenced(e));
@@ -299,11 +387,53 @@ async fn step(
         },
         (Decision::Serve, Some(read)) if role.log.is_none() => {
             // Named primary by a restarted primary that handed the group over: take it.
-            promote_here(master, store, cfg, keys, role, status, read).await?;
+            if !promote_here(ctx, role, status, read, stop).await? {
+                return Ok(false);
+            }
         }
-        (Decision::Serve, _) => {
+        (Decision::Serve, group) => {
             let log = role.log.clone().expect("a serving primary has its log");
-            return changes.wait(keeper, stop, async move { drop(log.ended().await) }).await;
+            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+                role.snapshotting = None;
+            }
+            // Without a live standby to snapshot the group, the primary does, off its own state.
+            let standby_alive = group
+                .as_ref()
+                .is_some_and(|(g, _)| g.standbys.iter().any(|s| *s != cfg.id && live.iter().any(|(r, _)| r.id == *s)));
+            let mut due_at = None;
+            if let (Some(snaps), false, None) = (ctx.snaps, standby_alive, &role.snapshotting) {
+                let (pointers, _) = snaps.pointers(RANK).await?;
+                let at = pointers.latest.map_or(0, |l| l.applied) + snaps.every_records;
+                if log.durable() >= at {
+                    let epoch = group.as_ref().map_or(0, |(g, _)| g.epoch);
+                    role.snapshotting = Some(tokio::spawn(snapshot_as_primary(snaps.clone(), master.clone(), epoch)));
+                } else {
+                    due_at = Some(at);
+                }
+            }
+            let snapshotting = &mut role.snapshotting;
+            let wake = async {
+                tokio::select! {
+                    _ = log.ended() => {}
+                    _ = async {
+                        match snapshotting.as_mut() {
+                            Some(task) => drop(task.await),
+                            None => std::future::pending().await,
+                        }
+                    } => {}
+                    _ = async {
+                        match due_at {
+                            Some(at) => drop(log.wait(at).await),
+                            None => std::future::pending().await,
+                        }
+                    } => {}
+                }
+            };
+            let r = changes.wait(keeper, stop, wake).await;
+            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+                role.snapshotting = None;
+            }
+            return r;
         }
         (Decision::HandTo(heir), Some(read)) => {
             tracing::info!(%heir, "restarted without the group's state: handing it to its standby");
@@ -324,25 +454,92 @@ async fn step(
                 Err(e) => return Err(e.into()),
             }
         }
-        (Decision::Follow, _) => {
+        (Decision::Follow, Some((g, _))) => {
             status.send_replace(HaStatus::Standby);
-            let follower = role.follower.get_or_insert_with(|| new_follower(master, store, keys));
-            let mut apply = apply_to(master, RANK);
-            let mut stopped = false;
-            follower
+            if role.follower.is_none() {
+                role.follower = Some(bootstrap(ctx).await?);
+            }
+            let follower = role.follower.as_mut().expect("set above");
+            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+                role.snapshotting = None;
+            }
+            // A snapshot is due once the log reaches this record (one at a time).
+            let due_at = match ctx.snaps.filter(|_| role.snapshotting.is_none()) {
+                Some(snaps) => {
+                    let (pointers, _) = snaps.pointers(RANK).await?;
+                    Some(pointers.latest.map_or(0, |l| l.applied) + snaps.every_records)
+                }
+                None => None,
+            };
+            let due = tokio::sync::Notify::new();
+            let mut replay = apply_to(master, RANK);
+            let mut apply = |seq: u64, rec: &crate::record::Record| {
+                replay(seq, rec)?;
+                if due_at.is_some_and(|at| seq >= at) {
+                    due.notify_one();
+                }
+                Ok(())
+            };
+            let (mut stopped, mut snapshot) = (false, false);
+            let saving = &mut role.snapshotting;
+            let followed = follower
                 .follow(&mut apply, async {
-                    stopped = !changes.wait(keeper, stop, std::future::pending()).await.unwrap_or(true);
+                    tokio::select! {
+                        r = changes.wait(keeper, stop, std::future::pending()) => stopped = !r.unwrap_or(true),
+                        _ = due.notified() => snapshot = true,
+                        // A snapshot written meanwhile was published (or not): decide again.
+                        _ = async {
+                            match saving.as_mut() {
+                                Some(task) => drop(task.await),
+                                None => std::future::pending().await,
+                            }
+                        } => {}
+                    }
                 })
-                .await
-                .map_err(|e| match e {
-                    // The follower keeps its place: the next step follows on from it.
-                    FollowError::Store(why) => HaError::Store(why),
-                    e => HaError::Follow(e),
-                })?;
+                .await;
+            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+                role.snapshotting = None;
+            }
+            match followed {
+                Ok(()) => {}
+                // The follower keeps its place: the next step follows on from it. A compacted
+                // read raced a compaction of the store's history: it reads again.
+                Err(FollowError::Store(why)) => return Err(HaError::Store(why)),
+                Err(FollowError::Compacted) => return Err(HaError::Store("history compacted under a read".into())),
+                Err(e) => {
+                    rebootstrap(master, role, &e);
+                    tokio::select! {
+                        _ = stop.as_mut() => return Ok(false),
+                        _ = tokio::time::sleep(SNAPSHOT_RETRY) => {}
+                    }
+                    return Ok(true);
+                }
+            }
+            if snapshot {
+                let snaps = ctx.snaps.expect("a snapshot is due only with snapshots configured").clone();
+                let applied = follower.applied();
+                // The follower applies nothing meanwhile: the export is of one log position.
+                // Writing and publishing it goes on in the background while the log is followed.
+                let entries = master.export_group(RANK).unwrap_or_default();
+                let id = SnapshotId::new(RANK, applied, g.epoch);
+                let m = master.clone();
+                role.snapshotting = Some(tokio::spawn(async move {
+                    match snaps.save(id, entries).await {
+                        Ok(Some(_)) => note_snapshot(&m, applied),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not take a snapshot; the standby goes on");
+                            tokio::time::sleep(SNAPSHOT_RETRY).await;
+                        }
+                    }
+                }));
+            }
             return Ok(!stopped);
         }
         (Decision::TakeOver, Some(read)) => {
-            promote_here(master, store, cfg, keys, role, status, read).await?;
+            if !promote_here(ctx, role, status, read, stop).await? {
+                return Ok(false);
+            }
         }
         _ => {
             if !status.borrow().serves() {
@@ -354,18 +551,105 @@ async fn step(
     Ok(true)
 }
 
+/// Drops what this master replayed of the group, which may not be what the log says (`why`):
+/// the next step starts over from the newest snapshot.
+fn rebootstrap(master: &Master, role: &mut Roles, why: &FollowError) {
+    tracing::error!(error = %why, "cannot follow the group's log: starting over from the latest snapshot");
+    master.reset();
+    role.follower = None;
+    if let Some(g) = master.group(RANK) {
+        g.log_stats().note_rebootstrap();
+    }
+}
+
+/// A primary without a standby snapshots its group: from a scratch master rebuilt from the
+/// latest snapshot and the log, never from the state it serves.
+async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, epoch: u64) {
+    // Replaying and exporting the scratch copy is long work: on a thread of its own, so that the
+    // runtime's workers keep serving.
+    let handle = tokio::runtime::Handle::current();
+    let work = tokio::task::spawn_blocking(move || {
+        handle.block_on(async move {
+            let started = std::time::Instant::now();
+            let (entries, applied) = match snaps.rebuild(&master, RANK).await {
+                Ok((scratch, applied)) => (scratch.export_group(RANK).unwrap_or_default(), applied),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not rebuild the group to snapshot it");
+                    return false;
+                }
+            };
+            match snaps.save(SnapshotId::new(RANK, applied, epoch), entries).await {
+                Ok(published) => {
+                    if published.is_some() {
+                        note_snapshot(&master, applied);
+                    }
+                    tracing::debug!(applied, took = ?started.elapsed(), "primary snapshot done");
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not take a snapshot");
+                    false
+                }
+            }
+        })
+    });
+    if !work.await.unwrap_or(false) {
+        tokio::time::sleep(SNAPSHOT_RETRY).await;
+    }
+}
+
+/// Notes in the group's figures that a snapshot at `applied` was published.
+fn note_snapshot(master: &Master, applied: u64) {
+    if let Some(g) = master.group(RANK) {
+        g.log_stats().note_snapshot(applied, tycho_proto::auth::capability::unix_ms());
+    }
+}
+
+/// A follower of the group's log for a master that holds nothing of it: from the newest
+/// snapshot when there is one (its state imported into the master), else from the log's
+/// start.
+async fn bootstrap(ctx: &Ctx<'_>) -> Result<LogFollower, HaError> {
+    let master = ctx.master;
+    master.reset();
+    let from = match ctx.snaps {
+        Some(snaps) => snaps.restore(master, RANK).await?,
+        None => {
+            let (pointers, _) = read_pointers(&**ctx.store, ctx.keys, RANK).await?;
+            if pointers.floor > 0 {
+                return Err(HaError::Snapshot(CompactionError::NoBase {
+                    floor: pointers.floor,
+                    why: "this master has no snapshot store (--snapshot-dir)".into(),
+                }));
+            }
+            0
+        }
+    };
+    let follower = LogFollower::new(ctx.store.clone(), log_keys(ctx.keys, RANK), RANK, from, FOLLOW_PAGE);
+    Ok(match master.group(RANK) {
+        Some(g) => follower.with_stats(g.log_stats().clone()),
+        None => follower,
+    })
+}
+
 /// Promotes this master from the group record `read` (replaying the log from where it
-/// stands, or from its start when it followed nothing).
+/// stands, or from the newest snapshot when it followed nothing). `Ok(false)` when `stop`
+/// completed first: the promotion is abandoned (the group is not served here, and the next
+/// master takes it over once this one's registration is gone).
 async fn promote_here(
-    master: &Arc<Master>,
-    store: &Arc<dyn MetaStore>,
-    cfg: &HaConfig,
-    keys: &ClusterKeys,
+    ctx: &Ctx<'_>,
     role: &mut Roles,
     status: &watch::Sender<HaStatus>,
     read: (GroupRecord, tycho_meta::Revision),
-) -> Result<(), HaError> {
-    let follower = role.follower.get_or_insert_with(|| new_follower(master, store, keys));
+    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> Result<bool, HaError> {
+    let Ctx { master, store, cfg, keys, .. } = *ctx;
+    if role.follower.is_none() {
+        tokio::select! {
+            _ = stop.as_mut() => return Ok(false),
+            f = bootstrap(ctx) => role.follower = Some(f?),
+        }
+    }
+    let follower = role.follower.as_mut().expect("set above");
     let started = std::time::Instant::now();
     let promotion = Promotion {
         store: store.clone(),
@@ -375,20 +659,38 @@ async fn promote_here(
         catch_up_deadline: cfg.catch_up_deadline,
         writer: writer_config(master, cfg),
     };
-    match promote(master, follower, promotion).await {
+    let promoted = tokio::select! {
+        _ = stop.as_mut() => {
+            tracing::warn!("told to stop during a promotion: abandoning it, the group is not served here");
+            master.stand_by(RANK);
+            return Ok(false);
+        }
+        p = promote(master, follower, promotion) => p,
+    };
+    match promoted {
         Ok((record, log)) => {
             tracing::info!(epoch = record.epoch, took = ?started.elapsed(), "took the group over");
             status.send_replace(HaStatus::Primary { epoch: record.epoch });
             role.follower = None;
             role.log = Some(log);
-            Ok(())
+            Ok(true)
         }
         // Someone else changed the record first: decide again.
-        Err(PromoteError::Lost(OwnershipError::Conflict(_))) => Ok(()),
+        Err(PromoteError::Lost(OwnershipError::Conflict(_))) => Ok(true),
         // The store failed on the way: decide again once it answers (a record this master
         // already raised names it primary, and the next promotion raises it again).
         Err(PromoteError::Lost(OwnershipError::Store(e))) | Err(PromoteError::CatchUp(FollowError::Store(e))) => {
             Err(HaError::Store(e))
+        }
+        Err(PromoteError::CatchUp(FollowError::Compacted)) => {
+            Err(HaError::Store("history compacted under a read".into()))
+        }
+        // What this master replayed cannot reach the log's end (it fell behind the floor, or
+        // the log does not apply to it): it starts over from the newest snapshot, and the next
+        // step promotes again (the record names it primary already).
+        Err(PromoteError::CatchUp(e)) => {
+            rebootstrap(master, role, &e);
+            Ok(true)
         }
         Err(e) => Err(e.into()),
     }
@@ -415,15 +717,6 @@ async fn open_as_primary(
         return Err(HaError::Fenced(LogError::Refused("the master already had a record sink".into())));
     }
     Ok(log)
-}
-
-/// A follower of the group's log from its start, reporting to the group's figures.
-fn new_follower(master: &Master, store: &Arc<dyn MetaStore>, keys: &ClusterKeys) -> LogFollower {
-    let follower = LogFollower::new(store.clone(), log_keys(keys, RANK), RANK, 0, FOLLOW_PAGE);
-    match master.group(RANK) {
-        Some(g) => follower.with_stats(g.log_stats().clone()),
-        None => follower,
-    }
 }
 
 /// The log writer's settings, reporting to the group's figures.

@@ -6,6 +6,7 @@
 mod admin;
 mod alloc;
 mod clock;
+pub mod compaction;
 mod config;
 mod evict;
 pub mod ha;

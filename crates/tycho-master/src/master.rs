@@ -21,6 +21,7 @@ use crate::segment::{Grant, Placement, Replica, SegmentTable};
 use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
 
 mod apply;
+mod export;
 mod group;
 pub use apply::ReplayError;
 pub use group::Group;
@@ -156,6 +157,12 @@ impl Master {
             serving_groups: std::sync::atomic::AtomicUsize::new(groups),
             counters: Counters::default(),
         }
+    }
+
+    /// An empty master with this one's settings and clock (one a primary fills from a snapshot
+    /// and the log to snapshot it, off the state it serves).
+    pub fn scratch(&self) -> Master {
+        Master::new(self.cfg.clone(), self.clock.clone())
     }
 
     /// The settings in force.

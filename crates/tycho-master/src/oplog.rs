@@ -52,6 +52,12 @@ pub struct LogStats {
     commit_ns: AtomicU64,
     commit_buckets: [AtomicU64; crate::metrics::LATENCY_BUCKETS.len()],
     fenced: AtomicU64,
+    /// The log position of the last snapshot this master published (0: none).
+    snapshot_applied: AtomicU64,
+    /// When it published it (Unix ms; 0: never).
+    snapshot_at_ms: AtomicU64,
+    /// Times this master dropped its replayed state and started over from a snapshot.
+    rebootstraps: AtomicU64,
 }
 
 /// A snapshot of [`LogStats`].
@@ -79,6 +85,12 @@ pub struct LogFigures {
     pub commit_cumulative: Vec<u64>,
     /// Times a writer of this group was fenced.
     pub fenced: u64,
+    /// The log position of the last snapshot this master published (0: none).
+    pub snapshot_applied: u64,
+    /// Seconds since it published it (`None`: never).
+    pub snapshot_age_seconds: Option<f64>,
+    /// Times this master started over from a snapshot.
+    pub rebootstraps: u64,
 }
 
 impl LogStats {
@@ -113,6 +125,17 @@ impl LogStats {
         }
     }
 
+    /// This master published a snapshot at `applied`, at `at_ms` (Unix ms).
+    pub fn note_snapshot(&self, applied: u64, at_ms: u64) {
+        self.snapshot_applied.fetch_max(applied, Ordering::Relaxed);
+        self.snapshot_at_ms.store(at_ms.max(1), Ordering::Relaxed);
+    }
+
+    /// This master dropped its replayed state to start over from a snapshot.
+    pub fn note_rebootstrap(&self) {
+        self.rebootstraps.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The figures now.
     pub fn figures(&self) -> LogFigures {
         let appended = self.appended.load(Ordering::Relaxed);
@@ -143,6 +166,12 @@ impl LogStats {
             commit_seconds: self.commit_ns.load(Ordering::Relaxed) as f64 / 1e9,
             commit_cumulative,
             fenced: self.fenced.load(Ordering::Relaxed),
+            snapshot_applied: self.snapshot_applied.load(Ordering::Relaxed),
+            snapshot_age_seconds: match self.snapshot_at_ms.load(Ordering::Relaxed) {
+                0 => None,
+                t => Some(tycho_proto::auth::capability::unix_ms().saturating_sub(t) as f64 / 1e3),
+            },
+            rebootstraps: self.rebootstraps.load(Ordering::Relaxed),
         }
     }
 }
@@ -824,9 +853,13 @@ impl LogFollower {
         &mut self,
         apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
     ) -> Result<u64, FollowError> {
-        let (durable, revision) = match self.store.get(&self.keys.durable()).await.map_err(store_error)?.kv {
-            None => (0, 0),
-            Some(kv) => (decode_prefix(&kv.value)?, kv.mod_revision),
+        // Pages are read at the revision of this read (not the prefix's own, which may be older
+        // than a compaction of the store's history), so they agree with the prefix read.
+        let read = self.store.get(&self.keys.durable()).await.map_err(store_error)?;
+        let revision = read.revision;
+        let durable = match read.kv {
+            None => 0,
+            Some(kv) => decode_prefix(&kv.value)?,
         };
         if durable < self.applied {
             return Err(FollowError::Regression { applied: self.applied, durable });
@@ -849,6 +882,7 @@ impl LogFollower {
             start: Some(self.keys.batch(from)),
             limit: self.page,
             revision: Some(revision),
+            keys_only: false,
         };
         loop {
             let page = self.store.range(req.clone()).await.map_err(store_error)?;

@@ -49,6 +49,11 @@ impl ClusterKeys {
         format!("{}masters/{id}", self.root).into_bytes()
     }
 
+    /// Group `rank`'s snapshot pointers.
+    pub fn snapshots(&self, rank: u32) -> Vec<u8> {
+        format!("{}snapshots/{rank:05}", self.root).into_bytes()
+    }
+
     /// The cluster's name as it appears in keys.
     pub fn cluster(&self) -> &str {
         self.root.trim_start_matches("/tycho/").trim_end_matches('/')

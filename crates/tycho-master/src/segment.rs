@@ -144,6 +144,22 @@ impl MountedSegment {
         self.stored.load(Ordering::Relaxed)
     }
 
+    /// The generation the next allocation here gets.
+    pub fn next_gen(&self) -> u32 {
+        self.next_gen.load(Ordering::Relaxed)
+    }
+
+    /// Makes later allocations here take generations from `gen` on (an import restoring where
+    /// the primary's allocations had got to, so that no reader's generation is reused).
+    pub fn raise_next_gen(&self, gen: u32) {
+        self.next_gen.fetch_max(gen, Ordering::Relaxed);
+    }
+
+    /// Freed ranges held for their tenants: offset, bytes, until (Unix ms).
+    pub fn held_ranges(&self) -> Vec<(u64, u64, u64)> {
+        self.alloc.lock().held_ranges()
+    }
+
     /// Free fraction of the segment.
     fn free_ratio(&self) -> f64 {
         1.0 - self.used() as f64 / self.desc.size.max(1) as f64
@@ -479,6 +495,15 @@ impl SegmentTable {
         self.retired.lock().insert(id);
         self.publish(&by_id);
         Some(seg)
+    }
+
+    /// Forgets every segment, which dies with its replicas (a standby starting over).
+    pub fn clear(&self) {
+        let mut by_id = self.by_id.write();
+        by_id.values().for_each(|s| s.alive.store(false, Ordering::Release));
+        by_id.clear();
+        self.retired.lock().clear();
+        self.publish(&by_id);
     }
 
     /// Whether a segment with this id was unmounted before.

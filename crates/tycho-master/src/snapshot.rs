@@ -3,8 +3,8 @@
 //! the log), sealed in chunks, in a store that the cluster's masters share.
 //!
 //! ```text
-//! {root}/{cluster}/g{rank:05}/{applied:020}-e{epoch}/chunk-{index:06}   sealed SnapshotChunk
-//! {root}/{cluster}/g{rank:05}/{applied:020}-e{epoch}/manifest          sealed Manifest (last)
+//! {root}/{cluster}/g{rank:05}/{applied:020}-e{epoch}-w{writer:016x}/chunk-{index:06}   sealed SnapshotChunk
+//! {root}/{cluster}/g{rank:05}/{applied:020}-e{epoch}-w{writer:016x}/manifest          sealed Manifest (last)
 //! ```
 //!
 //! Each chunk and the manifest are sealed in the versioned, checksummed envelope; the manifest
@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tycho_proto::envelope::{self, EnvelopeError, RecordKind};
+
+use tycho_proto::SegmentId;
 
 use crate::record::Record;
 
@@ -37,6 +39,16 @@ pub struct SnapshotId {
     pub applied: u64,
     /// The group's epoch when it was taken.
     pub epoch: u64,
+    /// Chosen at random by the master that writes it: two masters that snapshot the same
+    /// position never write into each other's files.
+    pub writer: u64,
+}
+
+impl SnapshotId {
+    /// A new snapshot of group `group` at `applied` under `epoch`, by this writer.
+    pub fn new(group: u32, applied: u64, epoch: u64) -> SnapshotId {
+        SnapshotId { group, applied, epoch, writer: rand::random() }
+    }
 }
 
 /// What a complete snapshot holds, written after its chunks.
@@ -50,11 +62,37 @@ pub struct Manifest {
     pub records: u64,
 }
 
+/// One entry of a snapshot: together, in order, they rebuild the group's state on a master
+/// that holds nothing of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Entry {
+    /// An apply-path record, replayed as the log's records are.
+    Record(Record),
+    /// Where a mounted segment's generations had got to: later allocations must not reuse a
+    /// generation a reader may still hold for a range freed before the snapshot.
+    NextGen {
+        /// The segment.
+        segment: SegmentId,
+        /// Its incarnation.
+        incarnation: u32,
+        /// The generation its next allocation takes.
+        next_gen: u32,
+    },
+    /// Ranges of unfinished writes on a segment that went away (offset, bytes, until Unix
+    /// ms): they stay reserved if its owner mounts it again before then.
+    Orphans {
+        /// The segment.
+        segment: SegmentId,
+        /// The ranges.
+        ranges: Vec<(u64, u64, u64)>,
+    },
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct Chunk {
     id: SnapshotId,
     index: u32,
-    records: Vec<Record>,
+    records: Vec<Entry>,
 }
 
 /// Why a snapshot could not be written or read.
@@ -105,7 +143,7 @@ impl DirSnapshotStore {
     }
 
     fn dir(&self, id: &SnapshotId) -> PathBuf {
-        self.group_dir(id.group).join(format!("{:020}-e{}", id.applied, id.epoch))
+        self.group_dir(id.group).join(format!("{:020}-e{}-w{:016x}", id.applied, id.epoch, id.writer))
     }
 }
 
@@ -141,9 +179,13 @@ impl SnapshotStore for DirSnapshotStore {
         for entry in entries {
             let name = entry?.file_name();
             // Names this module did not write are not snapshots.
-            let Some((applied, epoch)) = name.to_str().and_then(|n| n.split_once("-e")) else { continue };
-            if let (Ok(applied), Ok(epoch)) = (applied.parse(), epoch.parse()) {
-                out.push(SnapshotId { group, applied, epoch });
+            let parts = name.to_str().and_then(|n| {
+                let (applied, rest) = n.split_once("-e")?;
+                let (epoch, writer) = rest.split_once("-w")?;
+                Some((applied.parse().ok()?, epoch.parse().ok()?, u64::from_str_radix(writer, 16).ok()?))
+            });
+            if let Some((applied, epoch, writer)) = parts {
+                out.push(SnapshotId { group, applied, epoch, writer });
             }
         }
         out.sort();
@@ -179,23 +221,23 @@ fn open<T: for<'de> Deserialize<'de>>(id: &SnapshotId, bytes: &[u8]) -> Result<T
     postcard::from_bytes(payload).map_err(|e| corrupt(e.to_string()))
 }
 
-/// Writes snapshot `id` of `records` in chunks of about `chunk_bytes` encoded bytes, then its
+/// Writes snapshot `id` of `entries` in chunks of about `chunk_bytes` encoded bytes, then its
 /// manifest. Returns the manifest.
 pub fn write(
     store: &dyn SnapshotStore,
     id: SnapshotId,
-    records: impl IntoIterator<Item = Record>,
+    entries: impl IntoIterator<Item = Entry>,
     chunk_bytes: usize,
 ) -> Result<Manifest, SnapshotError> {
     let (mut index, mut total) = (0u32, 0u64);
     let (mut pending, mut bytes) = (Vec::new(), 0usize);
-    let flush = |pending: &mut Vec<Record>, index: &mut u32| -> Result<(), SnapshotError> {
+    let flush = |pending: &mut Vec<Entry>, index: &mut u32| -> Result<(), SnapshotError> {
         let chunk = Chunk { id, index: *index, records: std::mem::take(pending) };
         store.put(&id, &chunk_file(*index), &seal(&chunk))?;
         *index += 1;
         Ok(())
     };
-    for rec in records {
+    for rec in entries {
         bytes += postcard::serialize_with_flavor(&rec, postcard::ser_flavors::Size::default()).unwrap_or(0);
         pending.push(rec);
         total += 1;
@@ -213,11 +255,11 @@ pub fn write(
 }
 
 /// Reads complete snapshot `id`, checking its manifest and every chunk (group, position,
-/// numbering, counts), and hands its records to `apply` in order.
+/// numbering, counts), and hands its entries to `apply` in order.
 pub fn read(
     store: &dyn SnapshotStore,
     id: SnapshotId,
-    mut apply: impl FnMut(&Record) -> Result<(), SnapshotError>,
+    mut apply: impl FnMut(&Entry) -> Result<(), SnapshotError>,
 ) -> Result<Manifest, SnapshotError> {
     let corrupt = |why: String| SnapshotError::Corrupt { id, why };
     let Some(bytes) = store.get(&id, MANIFEST)? else { return Err(SnapshotError::Incomplete(id)) };
@@ -248,8 +290,12 @@ mod tests {
     use super::*;
     use tycho_proto::ClientId;
 
-    fn rec(i: u64) -> Record {
-        Record::WriteRevoke { key: format!("key/{i}").into_bytes(), writer: ClientId(i as u128), write_id: i }
+    fn rec(i: u64) -> Entry {
+        Entry::Record(Record::WriteRevoke {
+            key: format!("key/{i}").into_bytes(),
+            writer: ClientId(i as u128),
+            write_id: i,
+        })
     }
 
     fn store() -> (tempdir::Dir, DirSnapshotStore) {
@@ -279,7 +325,7 @@ mod tests {
         }
     }
 
-    fn read_all(s: &DirSnapshotStore, id: SnapshotId) -> Result<Vec<Record>, SnapshotError> {
+    fn read_all(s: &DirSnapshotStore, id: SnapshotId) -> Result<Vec<Entry>, SnapshotError> {
         let mut out = Vec::new();
         read(s, id, |r| {
             out.push(r.clone());
@@ -291,13 +337,13 @@ mod tests {
     #[test]
     fn a_snapshot_reads_back_in_order_across_chunks() {
         let (_d, s) = store();
-        let id = SnapshotId { group: 0, applied: 42, epoch: 3 };
-        let records: Vec<Record> = (0..1000).map(rec).collect();
+        let id = SnapshotId { group: 0, applied: 42, epoch: 3, writer: 0 };
+        let records: Vec<Entry> = (0..1000).map(rec).collect();
         let m = write(&s, id, records.clone(), 2048).unwrap();
         assert!(m.chunks > 5, "{m:?}");
         assert_eq!(m.records, 1000);
         assert_eq!(read_all(&s, id).unwrap(), records);
-        let empty = SnapshotId { group: 0, applied: 7, epoch: 1 };
+        let empty = SnapshotId { group: 0, applied: 7, epoch: 1, writer: 0 };
         assert_eq!(write(&s, empty, Vec::new(), 2048).unwrap().chunks, 1);
         assert!(read_all(&s, empty).unwrap().is_empty());
         assert_eq!(s.list(0).unwrap(), vec![empty, id]);
@@ -308,7 +354,7 @@ mod tests {
     #[test]
     fn damaged_missing_or_unfinished_snapshots_are_refused() {
         let (_d, s) = store();
-        let id = SnapshotId { group: 1, applied: 9, epoch: 2 };
+        let id = SnapshotId { group: 1, applied: 9, epoch: 2, writer: 0 };
         write(&s, id, (0..300).map(rec), 1024).unwrap();
         // A flipped byte in a chunk.
         let mut chunk = s.get(&id, &chunk_file(1)).unwrap().unwrap();
@@ -317,7 +363,7 @@ mod tests {
         s.put(&id, &chunk_file(1), &chunk).unwrap();
         assert!(matches!(read_all(&s, id), Err(SnapshotError::Corrupt { .. })));
         // A chunk of another snapshot in its place.
-        let other = SnapshotId { group: 1, applied: 10, epoch: 2 };
+        let other = SnapshotId { group: 1, applied: 10, epoch: 2, writer: 0 };
         write(&s, other, (0..300).map(rec), 1024).unwrap();
         s.put(&id, &chunk_file(1), &s.get(&other, &chunk_file(1)).unwrap().unwrap()).unwrap();
         assert!(matches!(read_all(&s, id), Err(SnapshotError::Corrupt { .. })));
@@ -325,7 +371,7 @@ mod tests {
         std::fs::remove_file(s.dir(&other).join(chunk_file(0))).unwrap();
         assert!(matches!(read_all(&s, other), Err(SnapshotError::Corrupt { .. })));
         // No manifest: never completed.
-        let unfinished = SnapshotId { group: 1, applied: 11, epoch: 2 };
+        let unfinished = SnapshotId { group: 1, applied: 11, epoch: 2, writer: 0 };
         s.put(&unfinished, &chunk_file(0), b"partial").unwrap();
         assert!(matches!(read_all(&s, unfinished), Err(SnapshotError::Incomplete(_))));
         // A newer layout is refused, not guessed at.

@@ -1760,12 +1760,10 @@ fn state(m: &Master) -> (Vec<ObjectState>, Vec<(SegmentId, u64)>) {
     (objects, segments)
 }
 
-#[test]
-fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
-    let primary = Env::new();
-    let log = Arc::new(Recorder::default());
-    assert!(primary.m.set_record_sink(log.clone()));
-    assert!(!primary.m.set_record_sink(log.clone()), "a sink is set once");
+/// A workload on `primary` that makes every kind of record: puts (some with two replicas,
+/// some soft-pinned), an upsert, a revoke, a pre-empted write, removals, a replica clear, an
+/// abandoned write, an eviction, an unmount, and a write left pending.
+fn busy_history(primary: &Env) {
     let m = &primary.m;
     mount(m, A, 1, 4 * MIB);
     mount(m, A, 2, 4 * MIB);
@@ -1797,6 +1795,16 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
     assert!(evicted > 0);
     m.unmount_segment(B, SegmentId(3)).unwrap();
     start(m, A, "pending", 7000).unwrap();
+}
+
+#[test]
+fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
+    let primary = Env::new();
+    let log = Arc::new(Recorder::default());
+    assert!(primary.m.set_record_sink(log.clone()));
+    assert!(!primary.m.set_record_sink(log.clone()), "a sink is set once");
+    busy_history(&primary);
+    let m = &primary.m;
 
     let records = log.0.lock().clone();
     let kinds: BTreeSet<&str> = records
@@ -1854,6 +1862,82 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
         assert!(!taken.iter().any(|t| t.0 == r.segment && t.1 == r.offset), "new range overlaps a replayed one");
         assert!(!taken.iter().any(|t| t.0 == r.segment && t.2 == r.gen), "generation reused");
     }
+}
+
+#[test]
+fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
+    let primary = Env::new();
+    let log = Arc::new(Recorder::default());
+    assert!(primary.m.set_record_sink(log.clone()));
+    busy_history(&primary);
+    let m = &primary.m;
+    // A value written and removed: no live replica carries its generations, which must not be
+    // handed out again.
+    let both = ReplicateConfig { replica_num: 2, ..Default::default() };
+    let gone: Vec<(SegmentId, u32)> =
+        put_cfg(m, A, "gone", 4096, both.clone()).iter().map(|r| (r.segment, r.gen)).collect();
+    assert_eq!(gone.len(), 2);
+    remove(m, "gone", true).unwrap();
+    let exported = m.export_group(0).unwrap();
+    let at = log.0.lock().len();
+    // Through the snapshot container, as a standby would read it.
+    let dir = std::env::temp_dir().join(format!("tycho-export-{}-{}", std::process::id(), rand::random::<u64>()));
+    let files = tycho_master::snapshot::DirSnapshotStore::new(&dir, "t");
+    let id = tycho_master::snapshot::SnapshotId::new(0, at as u64, 1);
+    tycho_master::snapshot::write(&files, id, exported.clone(), 512).unwrap();
+    let imported = Env::new();
+    imported.advance(primary.clock.now_ms() - imported.clock.now_ms());
+    tycho_master::snapshot::read(&files, id, |e| {
+        imported.m.import(e).unwrap_or_else(|err| panic!("{e:?} does not import: {err}"));
+        Ok(())
+    })
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(state(&imported.m), state(m), "the import holds what the primary holds");
+    assert_eq!(imported.m.export_group(0).unwrap(), exported, "and exports it alike");
+    // A master serving from the import gives out generations after every one the primary
+    // gave, live or not.
+    let probe = Env::new();
+    probe.advance(primary.clock.now_ms() - probe.clock.now_ms());
+    exported.iter().for_each(|e| probe.m.import(e).unwrap());
+    let fresh = put_cfg(&probe.m, A, "probe", 4096, both.clone());
+    assert_eq!(fresh.len(), 2);
+    for r in &fresh {
+        let given = gone.iter().find(|g| g.0 == r.segment).unwrap().1;
+        assert!(r.gen > given, "generation {} of {} handed out again (the primary gave {given})", r.gen, r.segment);
+    }
+    // Objects, segments with ranges held back, and a pending write all made it.
+    use tycho_master::record::Record;
+    use tycho_master::snapshot::Entry;
+    let count = |f: &dyn Fn(&Entry) -> bool| exported.iter().filter(|e| f(e)).count();
+    assert!(count(&|e| matches!(e, Entry::Record(Record::WriteEnd { .. }))) > 10);
+    assert_eq!(count(&|e| matches!(e, Entry::Record(Record::Mount { .. }))), 2);
+    assert_eq!(count(&|e| matches!(e, Entry::NextGen { .. })), 2);
+
+    // The log after the snapshot applies to the import as it does to the primary.
+    m.write_finish(&wf(A, "pending"), true).unwrap();
+    put(m, A, "after", 4096);
+    remove(m, "k4", true).unwrap();
+    m.write_start(WriteMode::Upsert, &ws(A, "k5", 6000, ReplicateConfig::default())).unwrap();
+    m.write_finish(&wf(A, "k5"), true).unwrap();
+    start(m, A, "again-pending", 2000).unwrap();
+    let suffix: Vec<Record> = log.0.lock()[at..].to_vec();
+    assert!(suffix.len() >= 6, "{suffix:?}");
+    for r in &suffix {
+        imported.m.replay(r).unwrap_or_else(|e| panic!("{r:?} does not replay on the import: {e}"));
+    }
+    assert_eq!(state(&imported.m), state(m));
+    // Serving from the import allocates neither a taken range nor a used generation.
+    let taken: Vec<(SegmentId, u64, u32)> =
+        state(&imported.m).0.iter().flat_map(|o| o.6.iter().map(|r| (r.0, r.1, r.3))).collect();
+    for r in &put(&imported.m, A, "fresh", 4096) {
+        assert!(!taken.iter().any(|t| t.0 == r.segment && t.1 == r.offset), "new range overlaps an imported one");
+        assert!(!taken.iter().any(|t| t.0 == r.segment && t.2 == r.gen), "generation reused");
+    }
+    // A reset forgets everything.
+    imported.m.reset();
+    assert!(imported.m.export_group(0).unwrap().is_empty());
+    assert_eq!(imported.m.group(0).unwrap().applied(), 0);
 }
 
 #[test]

@@ -289,6 +289,9 @@ impl MetaStore for EtcdStore {
             if let Some(rev) = req.revision {
                 opts = opts.with_revision(rev);
             }
+            if req.keys_only {
+                opts = opts.with_keys_only();
+            }
             let mut kv = self.kv.clone();
             let resp = match self.call(kv.get(req.start_key(), Some(opts))).await {
                 Ok(resp) => resp,

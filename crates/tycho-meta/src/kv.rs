@@ -55,17 +55,25 @@ pub struct RangeRequest {
     pub limit: usize,
     /// Read at this revision; `None` reads at the current one (and the page reports which).
     pub revision: Option<Revision>,
+    /// Return keys and revisions only: every value comes back empty.
+    pub keys_only: bool,
 }
 
 impl RangeRequest {
     /// The first page of every key under `prefix`, at most `limit` keys, at the current revision.
     pub fn prefix(prefix: impl Into<Vec<u8>>, limit: usize) -> RangeRequest {
-        RangeRequest { prefix: prefix.into(), start: None, limit, revision: None }
+        RangeRequest { prefix: prefix.into(), start: None, limit, revision: None, keys_only: false }
     }
 
     /// The same scan at a fixed revision.
     pub fn at_revision(mut self, revision: Revision) -> RangeRequest {
         self.revision = Some(revision);
+        self
+    }
+
+    /// The same scan returning keys only.
+    pub fn keys_only(mut self) -> RangeRequest {
+        self.keys_only = true;
         self
     }
 
@@ -76,6 +84,7 @@ impl RangeRequest {
             start: Some(next.clone()),
             limit: self.limit,
             revision: Some(page.revision),
+            keys_only: self.keys_only,
         })
     }
 

@@ -373,7 +373,11 @@ impl MetaStore for MemStore {
                     next = kvs.last().map(|last: &KeyValue| key_after(&last.key));
                     break;
                 }
-                kvs.push(kv.clone());
+                let mut kv = kv.clone();
+                if req.keys_only {
+                    kv.value.clear();
+                }
+                kvs.push(kv);
             }
             Ok(RangePage { kvs, revision, next })
         })

@@ -33,6 +33,8 @@ pub enum RecordKind {
     Ownership = 3,
     /// The durable prefix of a group's OpLog (the last committed sequence number).
     LogPrefix = 4,
+    /// A group's snapshot pointers (latest, fallback, compaction floor).
+    SnapshotPointers = 5,
 }
 
 /// Why bytes could not be opened as the record asked for.

@@ -401,9 +401,13 @@ def test_master_takes_mooncake_flags():
 
     bin_ = _tycho_bin()
 
-    for flag in ("--enable_ha=true", "--enable_oplog", "--enable_snapshot=1", "--flagfile=/etc/x"):
+    for flag in ("--enable_oplog", "--enable_snapshot=1", "--flagfile=/etc/x"):
         r = subprocess.run([bin_, "master", "--rpc-port", "0", flag], capture_output=True, text=True, timeout=30)
         assert r.returncode == 2 and "not supported" in r.stderr, (flag, r.stderr)
+    # HA is on with etcd endpoints; asked for without them, the master says what it needs.
+    r = subprocess.run([bin_, "master", "--rpc-port", "0", "--enable_ha=true"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "--etcd-endpoints" in r.stderr, r.stderr
 
 
 def test_a_store_left_open_is_closed_when_its_process_exits():

@@ -180,6 +180,18 @@ pub struct HaArgs {
     /// Longest a promotion may take to replay the log's end: seconds or a duration.
     #[arg(long = "ha-catch-up-deadline", default_value = "30", value_parser = duration_s)]
     pub ha_catch_up_deadline: u64,
+    /// Directory of the group's snapshots, shared by every master of the cluster (a volume
+    /// they all mount). With it the log is cut at each snapshot and a new standby starts from
+    /// the latest; without it the log keeps every record for as long as the cluster lives.
+    #[arg(long = "snapshot-dir", value_name = "DIR")]
+    pub snapshot_dir: Option<std::path::PathBuf>,
+    /// A snapshot is taken each time the log has grown by this many records.
+    #[arg(long = "snapshot-every", default_value = "100000", value_name = "RECORDS")]
+    pub snapshot_every: u64,
+    /// Mooncake's `--enable_ha`: HA is on whenever `--etcd-endpoints` is given; on without
+    /// them, the master refuses to start.
+    #[arg(long = "enable-ha", hide = true, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_ha: bool,
 }
 
 /// etcd endpoints as given.
@@ -301,6 +313,10 @@ fn runtime(threads: usize) -> tokio::runtime::Runtime {
 
 /// Runs a master until SIGINT or SIGTERM. Returns the process exit code.
 pub fn run_master(args: MasterArgs) -> i32 {
+    if args.ha.enable_ha && args.ha.etcd_endpoints.is_empty() {
+        eprintln!("error: --enable_ha needs --etcd-endpoints (Mooncake's --etcd_endpoints): the etcd the masters coordinate through");
+        return 2;
+    }
     let cfg = match args.config() {
         Ok(c) => c,
         Err(e) => {
@@ -395,6 +411,10 @@ async fn run_ha(
         lease_ttl: Duration::from_millis(ha.ha_lease_ttl),
         catch_up_deadline: Duration::from_millis(ha.ha_catch_up_deadline),
         writer: Default::default(),
+        snapshots: ha.snapshot_dir.as_ref().map(|dir| tycho_master::ha::SnapshotConfig {
+            files: Arc::new(tycho_master::snapshot::DirSnapshotStore::new(dir, &ha.cluster_name)),
+            every_records: ha.snapshot_every,
+        }),
     };
     let (status, mut seen) = tokio::sync::watch::channel(HaStatus::Starting);
     let probe = admin.probe().clone();

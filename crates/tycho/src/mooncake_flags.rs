@@ -34,7 +34,9 @@ use Kind::*;
 const HA: &str = "Tycho's master turns HA on with --etcd-endpoints URLS (and --cluster-name, \
                   or Mooncake's --cluster_id); it logs every mutation to etcd whenever it has \
                   them, so drop this flag";
-const SNAPSHOT: &str = "Tycho does not snapshot master metadata yet; it comes with HA (issue 12)";
+const SNAPSHOT: &str = "Tycho snapshots each group's metadata when HA is on and it is given \
+                        --snapshot-dir DIR (a directory every master shares) and, optionally, \
+                        --snapshot-every RECORDS; drop this flag";
 const NO_SSD: &str = "Tycho has no SSD or file tier: objects live in DRAM segments";
 const NO_CXL: &str = "Tycho has no CXL segments";
 const NO_NOF: &str = "Tycho has no NVMe-oF segments";
@@ -64,7 +66,7 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("dynamic_replication_mode", false, Ignored(FANOUT)),
     ("enable_cxl", true, Ignored(NO_CXL)),
     ("enable_disk_eviction", true, Ignored(NO_SSD)),
-    ("enable_ha", true, RefusedWhenOn(HA)),
+    ("enable_ha", true, Native("enable-ha")),
     ("enable_http_metadata_server", true, Ignored(NO_HTTP_META)),
     ("enable_kv_events", true, Ignored(NO_KV_EVENTS)),
     ("enable_metadata_cleanup_on_timeout", true, Ignored(NO_HTTP_META)),
@@ -393,7 +395,7 @@ mod tests {
             "--dynamic_replication_mode",
             "observe",
             "--max_total_pending_tasks=5",
-            "--noenable_ha",
+            "--noenable_oplog",
             "--logtostderr",
             "--client-ttl",
             "2",
@@ -405,7 +407,7 @@ mod tests {
                 ("enable_offload", "true"),
                 ("dynamic_replication_mode", "observe"),
                 ("max_total_pending_tasks", "5"),
-                ("enable_ha", "false"),
+                ("enable_oplog", "false"),
                 ("logtostderr", "true"),
             ]
         );
@@ -413,24 +415,31 @@ mod tests {
     }
 
     #[test]
+    fn enable_ha_is_tychos_own_flag() {
+        let (kept, un) = split(args(&["--enable_ha", "--etcd_endpoints=http://e:2379", "-enable_ha=0"]));
+        assert!(un.is_empty());
+        assert_eq!(kept, args(&["--enable-ha=true", "--etcd-endpoints=http://e:2379", "--enable-ha=false"]));
+    }
+
+    #[test]
     fn durability_flags_are_refused_only_when_on() {
-        for on in ["--enable_ha", "--enable_ha=true", "--enable_oplog=1", "--enable_snapshot", "--flagfile=/x"] {
+        for on in ["--enable_oplog", "--enable_oplog=true", "--enable_oplog=1", "--enable_snapshot", "--flagfile=/x"] {
             let (_, un) = split(args(&[on]));
             let err = check(&un).unwrap_err();
             assert!(err.contains("not supported"), "{on}: {err}");
         }
-        let (_, un) = split(args(&["--enable_ha=false", "--enable_oplog=0", "--config_path="]));
+        let (_, un) = split(args(&["--enable_oplog=false", "--enable_snapshot=0", "--config_path="]));
         assert!(check(&un).is_ok());
-        let (_, un) = split(args(&["--enable_ha=maybe"]));
+        let (_, un) = split(args(&["--enable_oplog=maybe"]));
         assert!(check(&un).unwrap_err().contains("not a boolean"));
         // As gflags: a bare bool is true and leaves the next argument alone...
-        let (kept, un) = split(args(&["--enable_ha", "false"]));
+        let (kept, un) = split(args(&["--enable_oplog", "false"]));
         assert_eq!(kept, args(&["false"]));
         assert!(check(&un).unwrap_err().contains("not supported"));
         // ...the last occurrence wins...
-        let (_, un) = split(args(&["--enable_ha=true", "--enable_ha=false"]));
+        let (_, un) = split(args(&["--enable_oplog=true", "--enable_oplog=false"]));
         assert!(check(&un).is_ok());
-        let (_, un) = split(args(&["--enable_ha=false", "--enable_oplog", "--noenable_oplog"]));
+        let (_, un) = split(args(&["--enable_snapshot=false", "--enable_oplog", "--noenable_oplog"]));
         assert!(check(&un).is_ok());
         // ...and a path is on whatever it says.
         for path in ["--flagfile=0", "--config_path=no"] {

@@ -70,8 +70,13 @@ impl Cluster {
 
     /// Starts a master of the cluster and waits until it prints `role`.
     fn master(&self, role: &str) -> MasterProc {
+        self.master_with(role, &[])
+    }
+
+    /// [`Cluster::master`] with `extra` flags.
+    fn master_with(&self, role: &str, extra: &[&str]) -> MasterProc {
         let endpoint = self.etcd.endpoint();
-        let flags = [
+        let mut flags = vec![
             "--etcd-endpoints",
             endpoint.as_str(),
             "--cluster-name",
@@ -83,6 +88,7 @@ impl Cluster {
             "--secret-file",
             self.secret.to_str().unwrap(),
         ];
+        flags.extend_from_slice(extra);
         let mut m = MasterProc::start(TYCHO, &flags);
         m.proc.wait_line(&format!("tycho master role: {role}"), ROLE_WAIT).unwrap_or_else(|e| panic!("{role}: {e}"));
         m
@@ -131,6 +137,21 @@ impl Cluster {
             assert!(page.next.is_none(), "the log fits one page");
             page.kvs.iter().map(|kv| RecordBatch::decode(&kv.value).unwrap()).collect()
         })
+    }
+
+    /// The first record of the oldest batch the group's log still holds (0: none).
+    fn first_batch(&self) -> u64 {
+        let prefix = self.log_keys().batches();
+        self.with_etcd(async |store| {
+            let page = store.range(RangeRequest::prefix(prefix.clone(), 1).keys_only()).await.unwrap();
+            page.kvs.first().map_or(0, |kv| std::str::from_utf8(&kv.key[prefix.len()..]).unwrap().parse().unwrap())
+        })
+    }
+
+    /// The group's snapshot pointers.
+    fn snapshot_pointers(&self) -> tycho_master::compaction::Pointers {
+        let keys = tycho_master::ownership::ClusterKeys::new(self.name);
+        self.with_etcd(async |store| tycho_master::compaction::read_pointers(store, &keys, 0).await.unwrap().0)
     }
 
     /// A node of 64 MB registered with `masters` (comma-separated), and a client of them that
@@ -466,4 +487,102 @@ fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
     let later = c.master("primary");
     println!("a new master served {:?} after it started", started.elapsed());
     check_all(&later, &c.secret);
+}
+
+/// The same with snapshots: the primary, alone, snapshots its group every 20 records and cuts
+/// the log behind them; a master started after it was killed restores the latest snapshot and
+/// the log's suffix (the log alone no longer holds the group) and serves everything.
+#[test]
+fn without_a_standby_a_later_master_restores_the_group_from_a_snapshot_and_the_log() {
+    let _one = serial();
+    let c = Cluster::new("alone-snap", "2");
+    let snapshots = TempDir::new("tycho-ha-snapshots").unwrap();
+    let extra = ["--snapshot-dir", snapshots.path().to_str().unwrap(), "--snapshot-every", "20"];
+    let mut a = c.master_with("primary", &extra);
+    let (_node, writer) = c.node_and_writer(&a.rpc);
+    put_all(&writer);
+    // Once the log was cut, a master must start from a snapshot.
+    eventually(
+        || format!("the log was never cut: {:?}", c.snapshot_pointers()),
+        || c.snapshot_pointers().floor > 0 && c.first_batch() > 1,
+    );
+    a.proc.signal(libc::SIGKILL);
+    c.wait_unregistered(&a);
+    let later = c.master_with("primary", &extra);
+    let latest = c.snapshot_pointers().latest.expect("a snapshot");
+    println!("log cut below {}; a new master restored from {latest:?}", c.first_batch());
+    check_all(&later, &c.secret);
+}
+
+/// Waits (bounded by [`ROLE_WAIT`]) until `done` holds; `what` says what did not happen.
+fn eventually(what: impl Fn() -> String, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + ROLE_WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "{}", what());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A figure of `master`'s `/metrics` for group 0.
+fn metric(master: &MasterProc, name: &str) -> f64 {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(&master.http).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let series = format!("{name}{{group=\"0\"}} ");
+    let value = out.lines().find_map(|l| l.strip_prefix(series.as_str()));
+    value.and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("no figure {series:?} in /metrics:\n{out}"))
+}
+
+/// Snapshots bound the log. With a shared snapshot directory and a snapshot every 100 records,
+/// a standby SIGSTOPped until its registration ran out leaves its primary without a live
+/// standby, so the primary snapshots (from a scratch rebuild, off the state it serves) and the
+/// batches below the compaction floor are deleted — past the record the standby needs next.
+/// Resumed, the standby registers again, finds the gap, starts over from the latest snapshot,
+/// and, when the primary is then killed, takes over with every acknowledged object.
+#[test]
+fn a_standby_behind_the_compaction_floor_rebootstraps_from_a_snapshot() {
+    let _one = serial();
+    let c = Cluster::new("floor", "2");
+    let snapshots = TempDir::new("tycho-ha-snapshots").unwrap();
+    let extra = ["--snapshot-dir", snapshots.path().to_str().unwrap(), "--snapshot-every", "100"];
+    let mut a = c.master_with("primary", &extra);
+    let mut b = c.master_with("standby", &extra);
+    let both = format!("{},{}", a.rpc, b.rpc);
+    let (node, writer) = c.node_and_writer(&both);
+    let reader = client(&both, &c.secret);
+    let acked = Load::run(&writer, &reader, |load| {
+        load.wait_for(KEYS, "before the pause");
+        b.proc.signal(libc::SIGSTOP);
+        let paused_at = c.durable_prefix();
+        c.wait_unregistered(&b);
+        eventually(
+            || format!("the log was never cut past {paused_at}: {:?}", c.snapshot_pointers()),
+            || c.first_batch() > paused_at + 1,
+        );
+        let pointers = c.snapshot_pointers();
+        println!("standby paused at record {paused_at}; the log now starts at {}: {pointers:?}", c.first_batch());
+        assert!(pointers.floor > paused_at, "{pointers:?}");
+        assert!(metric(&a, "tycho_snapshot_applied_seq") > paused_at as f64);
+        b.proc.signal(libc::SIGCONT);
+        eventually(
+            || "the resumed standby never started over".into(),
+            || metric(&b, "tycho_snapshot_rebootstraps_total") >= 1.0,
+        );
+        let resumed = c.durable_prefix();
+        eventually(
+            || format!("the rebootstrapped standby never caught up to {resumed}"),
+            || metric(&b, "tycho_oplog_applied_seq") as u64 >= resumed,
+        );
+        let before = load.count();
+        load.wait_for(before + KEYS, "after the standby came back");
+        a.proc.signal(libc::SIGKILL);
+        b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the rebootstrapped standby takes over");
+        let before = load.count();
+        load.wait_for(before + KEYS, "after the takeover");
+    });
+    check_acked(&client(&b.rpc, &c.secret), &acked);
+    drop(node);
 }

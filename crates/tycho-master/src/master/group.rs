@@ -77,6 +77,11 @@ impl Group {
         self.applied.fetch_max(seq, Ordering::AcqRel);
     }
 
+    /// Forgets the log position (the group's state was dropped to start over).
+    pub(super) fn reset_applied(&self) {
+        self.applied.store(0, Ordering::Release);
+    }
+
     /// Where the group's log writer and follower report their figures.
     pub fn log_stats(&self) -> &std::sync::Arc<crate::oplog::LogStats> {
         &self.log_stats

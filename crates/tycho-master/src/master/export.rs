@@ -1,0 +1,160 @@
+//! A group's state as snapshot entries, and back: the export a snapshot is written from, the
+//! import a standby or a restoring master starts from, and the reset before a standby starts
+//! over.
+//!
+//! An export is a list of [`Entry`]s that, imported in order into a master holding nothing,
+//! rebuild what the log's records had built: every mounted segment (a `Mount` record whose
+//! reserved ranges are the ranges still held back on it — released writes, ranges freed while
+//! a grant may still reach them — and where its generations had got to), the unfinished writes
+//! of segments that went away, and every object (its committed value as a `WriteStart` and a
+//! `WriteEnd` at exactly its ranges and generations, then its unfinished write, if any, as a
+//! `WriteStart`). Soft state is left out, as the log leaves it out: read leases and client
+//! liveness (a promotion grants both afresh) and the grants a primary minted (a master that
+//! only replays holds every range it frees for as long as such a grant may last).
+//!
+//! Held ranges come back reserved for everyone until their time, rather than for their tenant
+//! alone: stricter, and counted as used until then.
+//!
+//! The export must see one position of the log: the caller stops applying records while it
+//! runs (a standby exports between two records; a primary exports a scratch master it filled
+//! from the last snapshot and the log).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use tycho_proto::SegmentId;
+
+use super::apply::range_rec;
+use super::{Master, ReplayError};
+use crate::record::{PinsRec, Record};
+use crate::snapshot::Entry;
+
+impl Master {
+    /// The state of group `rank` as snapshot entries (`None` if this master does not hold it).
+    /// Segments are master-wide until the partitioned plane gives each group its ranges: every
+    /// group's export carries them all.
+    pub fn export_group(&self, rank: u32) -> Option<Vec<Entry>> {
+        let group = self.group(rank)?;
+        let live = self.segments.live();
+        // Ranges whose time is up are free, whether or not housekeeping got to them.
+        let (now, unix_now) = (self.now(), self.clock.unix_now_ms());
+        // Ranges held back, by segment: on a live segment they become its mount's reserved
+        // ranges; on one that went away, orphans.
+        let mut reserved: BTreeMap<SegmentId, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        let mut orphans: BTreeMap<SegmentId, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        for (id, list) in self.orphaned.lock().iter() {
+            let unix = list.iter().filter(|r| r.2 > now).map(|&(o, l, until)| (o, l, self.unix_time(until)));
+            orphans.entry(*id).or_default().extend(unix);
+        }
+        orphans.retain(|_, l| !l.is_empty());
+        for d in self.deferred.lock().iter().filter(|d| d.release_at > now) {
+            for r in &d.replicas {
+                let range = (r.alloc.offset, r.alloc.reserved, self.unix_time(d.release_at));
+                let to = if r.seg.is_alive() { &mut reserved } else { &mut orphans };
+                to.entry(r.seg.desc.id).or_default().push(range);
+            }
+        }
+        let mut out = Vec::new();
+        for seg in live.iter() {
+            let mut held = reserved.remove(&seg.desc.id).unwrap_or_default();
+            held.extend(seg.held_ranges().into_iter().filter(|h| h.2 > unix_now));
+            held.sort_unstable();
+            out.push(Entry::Record(Record::Mount { client: seg.client, desc: seg.desc.clone(), reserved: held }));
+            out.push(Entry::NextGen {
+                segment: seg.desc.id,
+                incarnation: seg.desc.incarnation,
+                next_gen: seg.next_gen(),
+            });
+        }
+        out.extend(orphans.into_iter().map(|(segment, ranges)| Entry::Orphans { segment, ranges }));
+        let now = self.unix_time(now);
+        for shard in group.shards.iter() {
+            let map = shard.read();
+            // In key order, so that one state always makes the same snapshot.
+            let mut objects: Vec<_> = map.iter().collect();
+            objects.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (key, obj) in objects {
+                if obj.is_complete() {
+                    // A soft pin is restored as a zero TTL counted from its end.
+                    let (at_ms, soft_pin_ttl_ms) = match obj.soft_pin_until {
+                        0 => (now, None),
+                        until => (self.unix_time(until), Some(0)),
+                    };
+                    out.push(Entry::Record(Record::WriteStart {
+                        key: key.to_vec(),
+                        upsert: false,
+                        writer: obj.writer,
+                        write_id: obj.version,
+                        started_ms: now,
+                        size: obj.size,
+                        pins: PinsRec { soft_pin_ttl_ms, preserve_soft_pin: false, hard_pin: obj.hard_pin },
+                        replicas: obj.replicas.iter().map(range_rec).collect(),
+                    }));
+                    out.push(Entry::Record(Record::WriteEnd {
+                        key: key.to_vec(),
+                        writer: obj.writer,
+                        write_id: obj.version,
+                        at_ms,
+                        dropped: Vec::new(),
+                    }));
+                }
+                if let Some(p) = &obj.pending {
+                    out.push(Entry::Record(Record::WriteStart {
+                        key: key.to_vec(),
+                        upsert: obj.is_complete(),
+                        writer: p.writer,
+                        write_id: p.write_id,
+                        started_ms: self.unix_time(p.started_ms),
+                        size: p.size,
+                        pins: p.pins.into(),
+                        replicas: p.replicas.iter().map(range_rec).collect(),
+                    }));
+                }
+            }
+        }
+        Some(out)
+    }
+
+    /// Imports one snapshot entry (in the order the export made them).
+    pub fn import(&self, entry: &Entry) -> Result<(), ReplayError> {
+        match entry {
+            Entry::Record(rec) => self.replay(rec),
+            Entry::NextGen { segment, incarnation, next_gen } => {
+                match self.segments.get(*segment) {
+                    Some(seg) if seg.desc.incarnation == *incarnation => seg.raise_next_gen(*next_gen),
+                    _ => {
+                        return Err(ReplayError::Range {
+                            segment: *segment,
+                            offset: 0,
+                            why: "generation of a segment not mounted",
+                        })
+                    }
+                }
+                Ok(())
+            }
+            Entry::Orphans { segment, ranges } => {
+                let local = ranges.iter().map(|&(o, l, until)| (o, l, until.saturating_sub(self.unix_offset)));
+                self.orphaned.lock().entry(*segment).or_default().extend(local);
+                Ok(())
+            }
+        }
+    }
+
+    /// Forgets everything: objects, segments, clients, held ranges, and the log position of
+    /// every group. For a master that does not serve (a standby about to start over from a
+    /// snapshot): anything it held may have diverged from the log.
+    pub fn reset(&self) {
+        for g in self.groups() {
+            for shard in g.shards.iter() {
+                shard.write().clear();
+            }
+            g.tombstones.iter().for_each(|t| t.lock().clear());
+            g.reset_applied();
+        }
+        self.deferred.lock().clear();
+        self.orphaned.lock().clear();
+        self.segments.clear();
+        self.clients.write().clear();
+        self.last_abandon_scan.store(0, Ordering::Relaxed);
+    }
+}
