@@ -101,7 +101,7 @@ pub fn run(args: BenchArgs) -> i32 {
     let result = match (&args.worker, args.compare_insecure) {
         (Some(w), _) => worker(w).map(|m| println!("{}", m.line())),
         (None, Some(rounds)) => compare_insecure(&args, rounds.max(1)),
-        (None, None) => orchestrate(&args).map(drop),
+        (None, None) => orchestrate(&args, &[Mode { label: "", insecure: args.insecure }]).map(drop),
     };
     match result {
         Ok(()) => 0,
@@ -195,11 +195,17 @@ fn worker(w: &[String]) -> Result<Measured, String> {
 const READY: &str = "READY";
 
 /// Worker processes started together: each warms up, then all are told to start at once.
-fn run_workers(all: &[Vec<String>]) -> Result<Vec<Measured>, String> {
+/// `insecure`: they run without authentication (for a cluster started `--insecure`).
+fn run_workers(all: &[Vec<String>], insecure: bool) -> Result<Vec<Measured>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Vec::new();
     for args in all {
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        match insecure {
+            true => cmd.env(tycho_proto::auth::INSECURE_ENV, "1"),
+            false => cmd.env_remove(tycho_proto::auth::INSECURE_ENV),
+        };
+        let child = cmd
             .arg("bench")
             .arg("--worker")
             .args(args)
@@ -239,17 +245,18 @@ fn run_workers(all: &[Vec<String>]) -> Result<Vec<Measured>, String> {
 
 fn run_phase(
     role: &str,
-    master: &str,
+    cluster: &Cluster,
     protocol: &str,
     prefix: &str,
     size: usize,
     count: usize,
     secs: f64,
 ) -> Result<Measured, String> {
-    let args: Vec<String> = [role, master, protocol, prefix, &size.to_string(), &count.to_string(), &secs.to_string()]
-        .map(String::from)
-        .to_vec();
-    Ok(run_workers(&[args])?.remove(0))
+    let args: Vec<String> =
+        [role, &cluster.master, protocol, prefix, &size.to_string(), &count.to_string(), &secs.to_string()]
+            .map(String::from)
+            .to_vec();
+    Ok(run_workers(&[args], cluster.insecure)?.remove(0))
 }
 
 fn human(size: usize) -> String {
@@ -268,39 +275,28 @@ fn progress(msg: &str) {
 /// One run's rows: name and ops/s (GB/s for the multi-reader rows).
 type Rows = Vec<(String, f64)>;
 
-/// Runs [`orchestrate`] `rounds` times with authentication and as often without, alternating,
-/// and prints the median ratio of every row (ops/s, secure over insecure) with its spread.
+/// Runs the benchmark `rounds` times against two clusters at once, one with authentication
+/// and capabilities and one `--insecure` (both `--insecure` with `--control`), each phase on
+/// one cluster right after the other (which goes first alternates by round), and prints the
+/// median ratio of every row (ops/s, secure over insecure) with its spread. Pairing phase by
+/// phase, seconds apart, keeps slow drift of a shared machine out of the ratios.
 fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
     let mut pairs: Vec<(Rows, Rows)> = Vec::new();
+    let first_label = if args.control { "control (--insecure)" } else { "secure" };
     for round in 0..rounds {
-        let one = |insecure: bool| -> Result<Rows, String> {
-            let label = match (insecure, args.control) {
-                (true, _) => "--insecure",
-                (false, false) => "secure",
-                (false, true) => "control (--insecure)",
-            };
-            println!("== round {} of {rounds}, {label}", round + 1);
-            let a = BenchArgs {
-                insecure: insecure || args.control,
-                compare_insecure: None,
-                control: false,
-                worker: None,
-                ..args.clone()
-            };
-            orchestrate(&a)
-        };
-        // Alternate which mode goes first, so that drift over the run hits both alike.
-        let (secure, insecure) = if round % 2 == 0 {
-            let s = one(false)?;
-            (s, one(true)?)
-        } else {
-            let i = one(true)?;
-            (one(false)?, i)
-        };
-        pairs.push((secure, insecure));
+        // Alternate which mode goes first, so that what the first run of a phase pays (or
+        // leaves behind) hits both alike.
+        let secure_first = round % 2 == 0;
+        let order = if secure_first { [first_label, "--insecure"] } else { ["--insecure", first_label] };
+        println!("== round {} of {rounds}: {} first", round + 1, order[0]);
+        let secure = Mode { label: first_label, insecure: args.control };
+        let open = Mode { label: "--insecure", insecure: true };
+        let modes = if secure_first { [secure, open] } else { [open, secure] };
+        let mut rows = orchestrate(args, &modes)?;
+        let (s, i) = if secure_first { (rows.remove(0), rows.remove(0)) } else { (rows.remove(1), rows.remove(0)) };
+        pairs.push((s, i));
     }
-    let first = if args.control { "control (--insecure)" } else { "secure" };
-    println!("\n{first} vs --insecure, {rounds} alternating rounds (ratio of ops/s; median, then min..max):");
+    println!("\n{first_label} vs --insecure, {rounds} rounds, phases paired (ratio of ops/s; median, then min..max):");
     let names: Vec<String> = pairs[0].0.iter().map(|(n, _)| n.clone()).collect();
     let mut worst = f64::INFINITY;
     for name in names {
@@ -323,100 +319,137 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
-    let port = free_port();
-    let master = format!("127.0.0.1:{port}");
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    // Workers and the admin client below read it: every process of the run is insecure.
-    if args.insecure {
-        std::env::set_var(tycho_proto::auth::INSECURE_ENV, "1");
-    } else {
-        std::env::remove_var(tycho_proto::auth::INSECURE_ENV);
-    }
-    let insecure: &[&str] = if args.insecure { &["--insecure"] } else { &[] };
-    let _m = ChildGuard(
-        Command::new(&exe)
-            .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
-            .args(insecure)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| e.to_string())?,
-    );
-    wait_for_port(port, "master")?;
-    // The node holds every phase's objects at once, with room to stay under the eviction mark:
-    // each phase writes into memory no earlier phase used. (Reading back space that an
-    // earlier phase had just used and freed measured up to 40 % slower on the development VM,
-    // for reasons of placement, not of the data path; keeping the phases apart keeps the rows
-    // comparable from run to run and with earlier versions.)
-    let all: usize = args.sizes.iter().map(|&s| (BYTES_PER_SIZE / s).clamp(4, 2000) * s + s).sum();
-    let held = all * args.protocols.len() + (MULTI_OBJECTS + 64) * (1 << 20);
-    let node_bytes = (held + held / 4).to_string();
-    let _n = ChildGuard(
-        Command::new(&exe)
-            .args(["node", "--master", &master, "--segment-size", &node_bytes])
-            .args(insecure)
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| e.to_string())?,
-    );
-    let admin = Client::connect(ClientConfig::new(&master)).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while admin.call(&tycho_proto::Request::ListSegments).ok().and_then(|r| match r {
-        tycho_proto::Response::Segments(s) => Some(s.len()),
-        _ => None,
-    }) != Some(1)
-    {
-        if Instant::now() > deadline {
-            return Err("the node did not mount its segment".into());
+/// One cluster of a run: whether it runs without authentication, and its name in the output.
+#[derive(Clone, Copy)]
+struct Mode {
+    label: &'static str,
+    insecure: bool,
+}
+
+/// A master and one node holding the data, started for one [`Mode`].
+struct Cluster {
+    master: String,
+    insecure: bool,
+    admin: Client,
+    _master: ChildGuard,
+    _node: ChildGuard,
+}
+
+impl Cluster {
+    fn start(args: &BenchArgs, insecure: bool) -> Result<Cluster, String> {
+        let port = free_port();
+        let master = format!("127.0.0.1:{port}");
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let flag: &[&str] = if insecure { &["--insecure"] } else { &[] };
+        let master_proc = ChildGuard(
+            Command::new(&exe)
+                .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
+                .args(flag)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| e.to_string())?,
+        );
+        wait_for_port(port, "master")?;
+        // The node holds every phase's objects at once, with room to stay under the eviction
+        // mark: each phase writes into memory no earlier phase used. (Reading back space that
+        // an earlier phase had just used and freed measured up to 40 % slower on the
+        // development VM, for reasons of placement, not of the data path; keeping the phases
+        // apart keeps the rows comparable from run to run and with earlier versions.)
+        let all: usize = args.sizes.iter().map(|&s| (BYTES_PER_SIZE / s).clamp(4, 2000) * s + s).sum();
+        let held = all * args.protocols.len() + (MULTI_OBJECTS + 64) * (1 << 20);
+        let node_bytes = (held + held / 4).to_string();
+        let node = ChildGuard(
+            Command::new(&exe)
+                .args(["node", "--master", &master, "--segment-size", &node_bytes])
+                .args(flag)
+                .stdout(Stdio::null())
+                .spawn()
+                .map_err(|e| e.to_string())?,
+        );
+        // The admin client authenticates as the cluster does (the variable is read at connect).
+        match insecure {
+            true => std::env::set_var(tycho_proto::auth::INSECURE_ENV, "1"),
+            false => std::env::remove_var(tycho_proto::auth::INSECURE_ENV),
         }
-        std::thread::sleep(Duration::from_millis(50));
+        let admin = Client::connect(ClientConfig::new(&master)).map_err(|e| e.to_string());
+        std::env::remove_var(tycho_proto::auth::INSECURE_ENV);
+        let admin = admin?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while admin.call(&tycho_proto::Request::ListSegments).ok().and_then(|r| match r {
+            tycho_proto::Response::Segments(s) => Some(s.len()),
+            _ => None,
+        }) != Some(1)
+        {
+            if Instant::now() > deadline {
+                return Err("the node did not mount its segment".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!(
+            "tycho bench: master {master}, one node of {node_bytes} bytes; writer and reader are separate processes"
+        );
+        Ok(Cluster { master, insecure, admin, _master: master_proc, _node: node })
     }
-    println!("tycho bench: master {master}, one node of {node_bytes} bytes; writer and reader are separate processes");
-    println!("{:<6} {:<8} {:<6} {:>10} {:>9} {:>9} {:>9}", "proto", "size", "op", "ops/s", "GB/s", "p50 us", "p99 us");
-    let mut rows: Vec<(String, usize, String, Measured)> = Vec::new();
+}
+
+/// Runs every phase on one cluster per mode, each phase on every cluster in `modes`' order
+/// before the next phase; returns each mode's rows, in that order.
+fn orchestrate(args: &BenchArgs, modes: &[Mode]) -> Result<Vec<Rows>, String> {
+    let clusters = modes.iter().map(|m| Cluster::start(args, m.insecure)).collect::<Result<Vec<_>, _>>()?;
+    // Each phase once on every cluster, in order.
+    let each = |phase: &dyn Fn(&Cluster) -> Result<Measured, String>| -> Result<Vec<Measured>, String> {
+        clusters.iter().map(phase).collect()
+    };
+    let label = |i: usize| if modes.len() > 1 { format!("{:<12} ", modes[i].label) } else { String::new() };
+    println!(
+        "{}{:<6} {:<8} {:<6} {:>10} {:>9} {:>9} {:>9}",
+        if modes.len() > 1 { format!("{:<12} ", "mode") } else { String::new() },
+        "proto",
+        "size",
+        "op",
+        "ops/s",
+        "GB/s",
+        "p50 us",
+        "p99 us"
+    );
+    // Per mode: protocol, size, op and what was measured.
+    let mut rows: Vec<Vec<(String, usize, String, Measured)>> = modes.iter().map(|_| Vec::new()).collect();
+    let mut record = |proto: &str, size: usize, op: &str, measured: Vec<Measured>, note: &str| {
+        for (i, m) in measured.into_iter().enumerate() {
+            println!(
+                "{}{:<6} {:<8} {:<6} {:>10.0} {:>9.2} {:>9} {:>9}{note}",
+                label(i),
+                proto,
+                human(size),
+                op,
+                m.ops_s(),
+                m.gbps(),
+                m.p50_us,
+                m.p99_us
+            );
+            rows[i].push((proto.to_string(), size, op.to_string(), m));
+        }
+    };
     for proto in &args.protocols {
         proto.parse::<Protocol>()?;
         for &size in &args.sizes {
             let count = (BYTES_PER_SIZE / size).clamp(4, 2000);
             let prefix = format!("bench/{proto}/{size}");
-            progress(&format!("{proto} {}: put {count} objects for {}s", human(size), args.duration));
-            let put = run_phase("put", &master, proto, &prefix, size, count, args.duration)?;
-            progress(&format!("{proto} {}: get for {}s", human(size), args.duration));
-            let get = run_phase("get", &master, proto, &prefix, size, count, args.duration)?;
-            progress(&format!("{proto} {}: exist for {}s", human(size), args.duration / 2.0));
-            let exist = run_phase("exist", &master, proto, &prefix, size, count, args.duration / 2.0)?;
-            eprint!("\r\x1b[2K");
-            for (op, m) in [("put", put), ("get", get), ("exist", exist)] {
-                println!(
-                    "{:<6} {:<8} {:<6} {:>10.0} {:>9.2} {:>9} {:>9}",
-                    proto,
-                    human(size),
-                    op,
-                    m.ops_s(),
-                    m.gbps(),
-                    m.p50_us,
-                    m.p99_us
-                );
-                rows.push((proto.clone(), size, op.to_string(), m));
+            let (d, h) = (args.duration, human(size));
+            for (op, secs) in [("put", d), ("get", d), ("exist", d / 2.0)] {
+                progress(&format!("{proto} {h}: {op} for {secs}s"));
+                let measured = each(&|c| run_phase(op, c, proto, &prefix, size, count, secs))?;
+                eprint!("\r\x1b[2K");
+                record(proto, size, op, measured, "");
             }
             if proto == "auto" && size == 4 << 20 && args.baseline {
                 // The same object over and over: source and destination stay in cache, as in
                 // the warm memcpy it is compared with.
                 progress("auto 4 MiB: get of one hot object");
-                let hot = run_phase("get", &master, proto, &prefix, size, 1, args.duration)?;
+                let hot = each(&|c| run_phase("get", c, proto, &prefix, size, 1, d))?;
                 eprint!("\r\x1b[2K");
-                println!(
-                    "{:<6} {:<8} {:<6} {:>10.0} {:>9.2} {:>9} {:>9}  (one hot object)",
-                    proto,
-                    human(size),
-                    "get",
-                    hot.ops_s(),
-                    hot.gbps(),
-                    hot.p50_us,
-                    hot.p99_us
-                );
-                rows.push(("auto-hot".into(), size, "get".into(), hot));
+                record("auto-hot", size, "get", hot, "  (one hot object)");
             }
         }
     }
@@ -425,32 +458,40 @@ fn orchestrate(args: &BenchArgs) -> Result<Rows, String> {
     let prefix = "bench/multi";
     let count = MULTI_OBJECTS;
     progress("multi-client: put");
-    run_phase("put", &master, "auto", prefix, size, count, 0.0)?;
+    each(&|c| run_phase("put", c, "auto", prefix, size, count, 0.0))?;
     progress("multi-client: 1 reader");
-    let one = run_phase("get", &master, "auto", prefix, size, count, args.duration)?;
+    let one = each(&|c| run_phase("get", c, "auto", prefix, size, count, args.duration))?;
     progress(&format!("multi-client: {} readers", args.clients));
-    let reader: Vec<String> =
-        ["get", &master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
-            .map(String::from)
-            .to_vec();
-    let many = run_workers(&vec![reader; args.clients])?;
+    // The readers' GB/s in aggregate, per cluster.
+    let many = clusters
+        .iter()
+        .map(|c| {
+            let reader: Vec<String> =
+                ["get", &c.master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
+                    .map(String::from)
+                    .to_vec();
+            Ok(run_workers(&vec![reader; args.clients], c.insecure)?.iter().map(Measured::gbps).sum::<f64>())
+        })
+        .collect::<Result<Vec<f64>, String>>()?;
     eprint!("\r\x1b[2K");
-    let aggregate: f64 = many.iter().map(Measured::gbps).sum();
-    println!(
-        "get 1 MiB: 1 reader {:.2} GB/s; {} concurrent readers {:.2} GB/s in aggregate",
-        one.gbps(),
-        args.clients,
-        aggregate
-    );
-    if args.baseline {
-        baseline(args, &rows, one.gbps(), aggregate)?;
+    let mut out = Vec::new();
+    for (i, c) in clusters.iter().enumerate() {
+        let (one, aggregate) = (one[i].gbps(), many[i]);
+        println!(
+            "{}get 1 MiB: 1 reader {one:.2} GB/s; {} concurrent readers {aggregate:.2} GB/s in aggregate",
+            label(i),
+            args.clients
+        );
+        if args.baseline {
+            baseline(args, &rows[i], one, aggregate)?;
+        }
+        c.admin.remove_by_regex("bench/.*", true).map_err(|e| format!("cleanup: {e}"))?;
+        let mut mode: Rows =
+            rows[i].iter().map(|(p, size, op, m)| (format!("{p} {} {op}", human(*size)), m.ops_s())).collect();
+        mode.push(("get 1 MiB, 1 reader".into(), one));
+        mode.push((format!("get 1 MiB, {} readers", args.clients), aggregate));
+        out.push(mode);
     }
-    admin.remove_by_regex("bench/.*", true).map_err(|e| format!("cleanup: {e}"))?;
-    let _ = admin.close();
-    let mut out: Vec<(String, f64)> =
-        rows.iter().map(|(p, size, op, m)| (format!("{p} {} {op}", human(*size)), m.ops_s())).collect();
-    out.push(("get 1 MiB, 1 reader".into(), one.gbps()));
-    out.push((format!("get 1 MiB, {} readers", args.clients), aggregate));
     Ok(out)
 }
 
