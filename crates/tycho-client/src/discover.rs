@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-use tycho_proto::cluster::{masters_prefix, MasterRegistration, DEFAULT_CLUSTER};
+use tycho_proto::cluster::{masters_prefix, prefix_end, MasterRegistration, DEFAULT_CLUSTER};
 use tycho_proto::ErrorCode;
 
 /// The scheme of a master address that names the coordination store instead.
@@ -93,18 +93,6 @@ impl EtcdAddress {
 
 fn cluster_from_env() -> String {
     std::env::var(CLUSTER_ENV).ok().filter(|n| !n.is_empty()).unwrap_or_else(|| DEFAULT_CLUSTER.to_string())
-}
-
-/// The smallest key above every key that starts with `prefix`.
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
 }
 
 /// One HTTP/1.0 POST of a JSON body; the answer's body.

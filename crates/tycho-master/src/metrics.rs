@@ -10,13 +10,47 @@ use tycho_proto::{Request, Response};
 pub const LATENCY_BUCKETS: [f64; 14] =
     [10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 500e-3, 2.5];
 
+/// A latency histogram over [`LATENCY_BUCKETS`] with the sum of what it recorded, in atomics.
+#[derive(Debug, Default)]
+pub struct LatencyHistogram {
+    sum_ns: AtomicU64,
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+}
+
+impl LatencyHistogram {
+    /// Records one latency.
+    pub fn record(&self, took: Duration) {
+        self.sum_ns.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        let secs = took.as_secs_f64();
+        if let Some(b) = LATENCY_BUCKETS.iter().position(|&le| secs <= le) {
+            self.buckets[b].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The sum of every latency recorded, seconds.
+    pub fn sum_seconds(&self) -> f64 {
+        self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// Cumulative counts per bucket, as Prometheus exports them.
+    pub fn cumulative(&self) -> Vec<u64> {
+        let mut acc = 0;
+        self.buckets
+            .iter()
+            .map(|b| {
+                acc += b.load(Ordering::Relaxed);
+                acc
+            })
+            .collect()
+    }
+}
+
 #[derive(Default)]
 struct Series {
     requests: AtomicU64,
     failures: AtomicU64,
     failed_items: AtomicU64,
-    sum_ns: AtomicU64,
-    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    latency: LatencyHistogram,
 }
 
 /// Request, failure and latency series of every RPC.
@@ -58,11 +92,7 @@ impl RpcMetrics {
         if items > 0 {
             s.failed_items.fetch_add(items, Ordering::Relaxed);
         }
-        s.sum_ns.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
-        let secs = elapsed.as_secs_f64();
-        if let Some(b) = LATENCY_BUCKETS.iter().position(|&le| secs <= le) {
-            s.buckets[b].fetch_add(1, Ordering::Relaxed);
-        }
+        s.latency.record(elapsed);
     }
 
     /// Every RPC's figures.
@@ -70,24 +100,13 @@ impl RpcMetrics {
         self.series
             .iter()
             .zip(Request::NAMES)
-            .map(|(s, name)| {
-                let mut acc = 0;
-                let cumulative = s
-                    .buckets
-                    .iter()
-                    .map(|b| {
-                        acc += b.load(Ordering::Relaxed);
-                        acc
-                    })
-                    .collect();
-                RpcSnapshot {
-                    name,
-                    requests: s.requests.load(Ordering::Relaxed),
-                    failures: s.failures.load(Ordering::Relaxed),
-                    failed_items: s.failed_items.load(Ordering::Relaxed),
-                    sum_seconds: s.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                    cumulative,
-                }
+            .map(|(s, name)| RpcSnapshot {
+                name,
+                requests: s.requests.load(Ordering::Relaxed),
+                failures: s.failures.load(Ordering::Relaxed),
+                failed_items: s.failed_items.load(Ordering::Relaxed),
+                sum_seconds: s.latency.sum_seconds(),
+                cumulative: s.latency.cumulative(),
             })
             .collect()
     }

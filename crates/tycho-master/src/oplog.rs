@@ -49,8 +49,7 @@ pub struct LogStats {
     behind_since_ms: AtomicU64,
     batches: AtomicU64,
     batch_records: AtomicU64,
-    commit_ns: AtomicU64,
-    commit_buckets: [AtomicU64; crate::metrics::LATENCY_BUCKETS.len()],
+    commit: crate::metrics::LatencyHistogram,
     fenced: AtomicU64,
     /// The log position of the last snapshot this master published (0: none).
     snapshot_applied: AtomicU64,
@@ -105,11 +104,7 @@ impl LogStats {
         self.behind_since_ms.store(0, Ordering::Relaxed);
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.batch_records.fetch_add(records as u64, Ordering::Relaxed);
-        self.commit_ns.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        let secs = took.as_secs_f64();
-        if let Some(i) = crate::metrics::LATENCY_BUCKETS.iter().position(|&b| secs <= b) {
-            self.commit_buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
+        self.commit.record(took);
     }
 
     /// A standby learnt of the durable prefix `durable` (from the store or a watch event)
@@ -142,15 +137,6 @@ impl LogStats {
         let durable = self.durable.load(Ordering::Relaxed);
         let applied = self.applied.load(Ordering::Relaxed);
         let since = self.behind_since_ms.load(Ordering::Relaxed);
-        let mut total = 0;
-        let commit_cumulative = self
-            .commit_buckets
-            .iter()
-            .map(|b| {
-                total += b.load(Ordering::Relaxed);
-                total
-            })
-            .collect();
         LogFigures {
             appended,
             durable,
@@ -163,8 +149,8 @@ impl LogStats {
             },
             batches: self.batches.load(Ordering::Relaxed),
             batch_records: self.batch_records.load(Ordering::Relaxed),
-            commit_seconds: self.commit_ns.load(Ordering::Relaxed) as f64 / 1e9,
-            commit_cumulative,
+            commit_seconds: self.commit.sum_seconds(),
+            commit_cumulative: self.commit.cumulative(),
             fenced: self.fenced.load(Ordering::Relaxed),
             snapshot_applied: self.snapshot_applied.load(Ordering::Relaxed),
             snapshot_age_seconds: match self.snapshot_at_ms.load(Ordering::Relaxed) {

@@ -115,18 +115,8 @@ pub struct RangePage {
     pub next: Option<Vec<u8>>,
 }
 
-/// The smallest key greater than every key that starts with `prefix`, or `[0]` ("no end") if
-/// there is none (empty prefix or all `0xff`).
-pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0]
-}
+// Defined with the cluster key layout in tycho-proto, which clients read too.
+pub use tycho_proto::cluster::prefix_end;
 
 /// The smallest key greater than `key`: the continuation point after it.
 pub(crate) fn key_after(key: &[u8]) -> Vec<u8> {

@@ -17,6 +17,20 @@ pub fn masters_prefix(name: &str) -> String {
     format!("/tycho/{name}/masters/")
 }
 
+/// The first key after every key that starts with `prefix` (etcd's `range_end` of a prefix
+/// scan): `prefix` with its last byte below 0xff raised by one and what follows dropped; the
+/// whole keyspace's end (`[0]`) when every byte is 0xff or there is none.
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
 /// A master's role in a group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Role {

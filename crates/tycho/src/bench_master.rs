@@ -634,6 +634,25 @@ async fn measure(
 /// master (the run-to-run noise).
 /// A master with authentication and capabilities against one started `--insecure`, round by
 /// round. On the secure one the workloads run as a registered client of the default tenant.
+/// Runs `a` and `b` once each, `a` first in even rounds and `b` first in odd ones, so that
+/// drift over a run and whatever the first run leaves behind hit both alike. Returns `a`'s
+/// result, then `b`'s.
+async fn paired<T, A, B, FA, FB>(round: usize, a: A, b: B) -> Result<(T, T), String>
+where
+    A: FnOnce() -> FA,
+    B: FnOnce() -> FB,
+    FA: std::future::Future<Output = Result<T, String>>,
+    FB: std::future::Future<Output = Result<T, String>>,
+{
+    if round.is_multiple_of(2) {
+        let x = a().await?;
+        Ok((x, b().await?))
+    } else {
+        let y = b().await?;
+        Ok((a().await?, y))
+    }
+}
+
 fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
     // The control run compares two insecure masters: the ratio the same comparison shows
     // when nothing differs (its spread is the noise floor).
@@ -682,15 +701,9 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             let (mut on_cpu, mut off_cpu) = (Vec::new(), Vec::new());
             for round in 0..args.rounds {
                 // Alternate which master goes first.
-                let secure = |keys| measure(&secure_addr, w, args, owners[0], keys, secure_pid);
-                let open = |keys| measure(&open_addr, w, args, owners[1], keys, open_pid);
-                let (a, b) = if round % 2 == 0 {
-                    let a = secure(keys.clone()).await?;
-                    (a, open(keys.clone()).await?)
-                } else {
-                    let b = open(keys.clone()).await?;
-                    (secure(keys.clone()).await?, b)
-                };
+                let secure = || measure(&secure_addr, w, args, owners[0], keys.clone(), secure_pid);
+                let open = || measure(&open_addr, w, args, owners[1], keys.clone(), open_pid);
+                let (a, b) = paired(round, secure, open).await?;
                 let per_call = |s: &Stats| s.server_cpu.unwrap_or(0.0) * 1e6 / s.ops.max(1) as f64;
                 on_cpu.push(per_call(&a));
                 off_cpu.push(per_call(&b));
@@ -792,15 +805,9 @@ fn oplog_compare(args: &BenchMasterArgs) -> Result<(), String> {
         let (mut on, mut off, mut etcd_rates) = (Vec::new(), Vec::new(), Vec::new());
         let (mut on_p99, mut off_p99) = (Vec::new(), Vec::new());
         for round in 0..args.rounds {
-            let with = |keys| measure(&on_addr, "put", args, on_owner, keys, Some(on_guard.0.id()));
-            let without = |keys| measure(&off_addr, "put", args, off_owner, keys, None);
-            let (a, b) = if round % 2 == 0 {
-                let a = with(keys.clone()).await?;
-                (a, without(keys.clone()).await?)
-            } else {
-                let b = without(keys.clone()).await?;
-                (with(keys.clone()).await?, b)
-            };
+            let with = || measure(&on_addr, "put", args, on_owner, keys.clone(), Some(on_guard.0.id()));
+            let without = || measure(&off_addr, "put", args, off_owner, keys.clone(), None);
+            let (a, b) = paired(round, with, without).await?;
             let e = etcd_put_rate(&store, round, args.duration).await?;
             eprintln!(
                 "  round {}: oplog on {:.0} puts/s (p99 {} us), off {:.0} puts/s (p99 {} us); etcd one client {e:.0} puts/s",
@@ -866,9 +873,12 @@ fn probe_compare(args: &BenchMasterArgs) -> Result<(), String> {
         }
         for w in &args.workloads {
             let (mut on, mut off) = (Vec::new(), Vec::new());
-            for _ in 0..args.rounds {
-                on.push(run_workload(&on_addr, w, args, owners[0], keys.clone(), None).await?.ops_per_sec());
-                off.push(run_workload(&off_addr, w, args, owners[1], keys.clone(), None).await?.ops_per_sec());
+            for round in 0..args.rounds {
+                let with = || run_workload(&on_addr, w, args, owners[0], keys.clone(), None);
+                let without = || run_workload(&off_addr, w, args, owners[1], keys.clone(), None);
+                let (a, b) = paired(round, with, without).await?;
+                on.push(a.ops_per_sec());
+                off.push(b.ops_per_sec());
             }
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
             let spread = |v: &[f64]| {

@@ -547,17 +547,25 @@ impl RunningMaster {
     }
 }
 
-/// Binds `addr`, settles the cluster secret (named after the bound port when it comes from the
-/// runtime directory) and starts serving.
+/// Settles the cluster secret (named after the port when it comes from the runtime directory),
+/// binds `addr` and starts serving.
 async fn start_master(
     addr: &str,
     mut cfg: MasterConfig,
     server: ServerConfig,
     security: &SecurityArgs,
 ) -> Result<RunningMaster, String> {
+    // With the port given, the secret comes first: a client that finds the port open must find
+    // its secret file too (one that connected in between would find none). A port the kernel
+    // picks is known only once bound, and announced only after the secret is settled.
+    let given = addr.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok()).filter(|&p| p != 0);
+    let early = given.map(|p| security.server_secret(p)).transpose()?;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let port = listener.local_addr().map_err(|e| e.to_string())?.port();
-    let secret = security.server_secret(port)?;
+    let secret = match early {
+        Some(secret) => secret,
+        None => security.server_secret(port)?,
+    };
     cfg.secret = secret.clone();
     let master = Arc::new(Master::new(cfg, Arc::new(SystemClock::new())));
     let metrics = Arc::new(tycho_master::RpcMetrics::default());

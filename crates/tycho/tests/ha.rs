@@ -12,10 +12,11 @@ use tycho_client::{Client, ClientAuth, ClientConfig, Protocol};
 use tycho_master::record::RecordBatch;
 use tycho_meta::{MetaStore, RangeRequest};
 use tycho_proto::{ErrorCode, KeyRef, Request, Response, WriteFinish, WriteStart};
-use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
 use tycho_testkit::EtcdServer;
 use tycho_testkit::{MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
+
+mod common;
 
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
@@ -360,15 +361,7 @@ fn a_paused_primary_that_lost_its_group_commits_nothing_after_resuming() {
     // A client of the first master alone, speaking raw requests.
     let secret = Arc::new(tycho_proto::auth::files::load(&c.secret).unwrap());
     let t = Duration::from_secs(10);
-    let auth = ClientAuth::Secret(secret.clone());
-    let plain = BlockingClient::new(&a.rpc, RpcConfig { auth: auth.clone(), ..Default::default() });
-    let Response::Registered { client: id, credential } =
-        plain.call::<Request, Response>(&Request::Register { tenant: String::new() }, t).unwrap()
-    else {
-        panic!("no registration")
-    };
-    let identity = tycho_proto::auth::handshake::Identity::Client { client: id.0, tenant: String::new(), credential };
-    let old = BlockingClient::new(&a.rpc, RpcConfig { auth, identity: Some(identity), ..Default::default() });
+    let (id, old) = common::registered(&a.rpc, &secret, "");
     // Known to the master once it mounted its segments (none, here).
     old.call::<Request, Response>(&Request::ReMountSegment { client: id, segments: Vec::new() }, t).unwrap();
     let Response::Routes(routes) = old.call::<Request, Response>(&Request::Routes, t).unwrap() else {

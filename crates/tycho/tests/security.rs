@@ -15,6 +15,9 @@ use tycho_proto::*;
 use tycho_testkit::{run_cli, text, MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
 
+mod common;
+use common::registered;
+
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
 /// Runs `tycho <args> --master <master>` with `env` and `input` on standard input.
@@ -469,23 +472,6 @@ fn admin_rpc(addr: &str, secret: &Arc<Secret>) -> tycho_rpc::BlockingClient {
         ..Default::default()
     };
     tycho_rpc::BlockingClient::new(addr, cfg)
-}
-
-/// A raw master connection of a registered client of `tenant`: (its id, the connection).
-fn registered(addr: &str, secret: &Arc<Secret>, tenant: &str) -> (ClientId, tycho_rpc::BlockingClient) {
-    let t = std::time::Duration::from_secs(10);
-    let auth = ClientAuth::Secret(secret.clone());
-    let plain =
-        tycho_rpc::BlockingClient::new(addr, tycho_rpc::ClientConfig { auth: auth.clone(), ..Default::default() });
-    let Response::Registered { client, credential } =
-        plain.call::<Request, Response>(&Request::Register { tenant: tenant.into() }, t).unwrap()
-    else {
-        panic!("no registration")
-    };
-    let identity =
-        tycho_proto::auth::handshake::Identity::Client { client: client.0, tenant: tenant.into(), credential };
-    let cfg = tycho_rpc::ClientConfig { auth, identity: Some(identity), ..Default::default() };
-    (client, tycho_rpc::BlockingClient::new(addr, cfg))
 }
 
 /// An authenticated ordinary client of another tenant cannot act for another client (unmount
