@@ -8,6 +8,7 @@ mod alloc;
 mod clock;
 pub mod compaction;
 mod config;
+pub mod cvm;
 mod evict;
 pub mod ha;
 mod health;

@@ -47,6 +47,12 @@ pub struct BenchArgs {
     /// comparison's own noise (its ratios should straddle 1).
     #[arg(long, requires = "compare_insecure")]
     control: bool,
+    /// With `--compare-insecure`: run both clusters side by side and each phase on one right
+    /// after the other, rather than one whole run after the other. Drift between the two figures
+    /// of a row is then seconds instead of a minute, but two nodes' memory shares the machine:
+    /// on the 2-core development VM the TCP rows tightened and the shared-memory rows spread.
+    #[arg(long, requires = "compare_insecure")]
+    paired: bool,
     /// Worker mode (internal): role, master, protocol, prefix, size, count, seconds.
     #[arg(long, hide = true, num_args = 7)]
     worker: Option<Vec<String>>,
@@ -275,11 +281,11 @@ fn progress(msg: &str) {
 /// One run's rows: name and ops/s (GB/s for the multi-reader rows).
 type Rows = Vec<(String, f64)>;
 
-/// Runs the benchmark `rounds` times against two clusters at once, one with authentication
-/// and capabilities and one `--insecure` (both `--insecure` with `--control`), each phase on
-/// one cluster right after the other (which goes first alternates by round), and prints the
-/// median ratio of every row (ops/s, secure over insecure) with its spread. Pairing phase by
-/// phase, seconds apart, keeps slow drift of a shared machine out of the ratios.
+/// Runs the benchmark `rounds` times with authentication and capabilities and as often
+/// `--insecure` (both `--insecure` with `--control`), which goes first alternating by round, and
+/// prints the median ratio of every row (ops/s, secure over insecure) with its spread. Each run
+/// has a cluster of its own; with `--paired` the two clusters of a round run side by side and
+/// take each phase in turn.
 fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
     let mut pairs: Vec<(Rows, Rows)> = Vec::new();
     let first_label = if args.control { "control (--insecure)" } else { "secure" };
@@ -292,11 +298,21 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
         let secure = Mode { label: first_label, insecure: args.control };
         let open = Mode { label: "--insecure", insecure: true };
         let modes = if secure_first { [secure, open] } else { [open, secure] };
-        let mut rows = orchestrate(args, &modes)?;
+        let mut rows = match args.paired {
+            true => orchestrate(args, &modes)?,
+            false => {
+                let mut both = orchestrate(args, &modes[..1])?;
+                both.extend(orchestrate(args, &modes[1..])?);
+                both
+            }
+        };
         let (s, i) = if secure_first { (rows.remove(0), rows.remove(0)) } else { (rows.remove(1), rows.remove(0)) };
         pairs.push((s, i));
     }
-    println!("\n{first_label} vs --insecure, {rounds} rounds, phases paired (ratio of ops/s; median, then min..max):");
+    let how = if args.paired { ", phases paired" } else { "" };
+    println!(
+        "\n{first_label} vs --insecure, {rounds} alternating rounds{how} (ratio of ops/s; median, then min..max):"
+    );
     let names: Vec<String> = pairs[0].0.iter().map(|(n, _)| n.clone()).collect();
     let mut worst = f64::INFINITY;
     for name in names {
