@@ -62,6 +62,26 @@ pub struct AdminConfig {
     /// The cluster secret the listing endpoints require (`Authorization: Bearer <secret>`);
     /// `None` leaves them open (`--insecure`). Health and metrics endpoints are always open.
     pub http_secret: Option<Arc<Secret>>,
+    /// The coordination store the master's cluster lives in, for `/kvpt_groups` and `/masters`;
+    /// `None` for a master alone.
+    pub cluster: Option<ClusterView>,
+}
+
+/// Where the admin server reads the cluster's records.
+#[derive(Clone)]
+pub struct ClusterView {
+    /// The coordination store.
+    pub store: Arc<dyn tycho_meta::MetaStore>,
+    /// The cluster's keys in it.
+    pub keys: crate::ownership::ClusterKeys,
+    /// This master's id there.
+    pub me: String,
+}
+
+impl std::fmt::Debug for ClusterView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterView").field("cluster", &self.keys.cluster()).field("me", &self.me).finish()
+    }
 }
 
 /// What the probe last saw, plus whether the master serves.
@@ -114,6 +134,7 @@ struct AdminState {
     probe: Arc<ProbeState>,
     probe_enabled: bool,
     secret: Option<Arc<Secret>>,
+    cluster: Option<ClusterView>,
 }
 
 impl AdminState {
@@ -193,6 +214,7 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
         probe: probe.clone(),
         probe_enabled: cfg.probe.is_some(),
         secret: cfg.http_secret.clone(),
+        cluster: cfg.cluster.clone(),
     });
     let (stop, stop_rx) = watch::channel(false);
     let target = probe_target(cfg.rpc_addr);
@@ -271,7 +293,9 @@ fn router(state: Arc<AdminState>) -> Router {
         .route("/livez", get(|| async { "ok\n" }))
         .route("/health", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(metrics))
+        .route("/kvpt_groups", get(kvpt_groups))
+        .route("/masters", get(cluster_masters));
     // The listings name every tenant's keys: with a cluster secret, only for requests that
     // send it.
     let listings = Router::new()
@@ -315,6 +339,88 @@ async fn require_secret(
     match s.refuse(req.headers()) {
         Some(no) => no,
         None => next.run(req).await,
+    }
+}
+
+/// One group as `/kvpt_groups` lists it.
+#[derive(serde::Serialize)]
+struct GroupRow {
+    rank: u32,
+    primary: String,
+    standbys: Vec<String>,
+    state: crate::ownership::GroupState,
+    migrating_to: Option<String>,
+    epoch: u64,
+    caretaken: bool,
+}
+
+/// Every KVPT group's ownership record, by rank (JSON). A master alone serves every group
+/// itself; a group not created yet is left out.
+async fn kvpt_groups(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let Some(c) = &s.cluster else {
+        let rows: Vec<GroupRow> = s
+            .master
+            .groups()
+            .map(|g| GroupRow {
+                rank: g.rank(),
+                primary: "self".into(),
+                standbys: Vec::new(),
+                state: crate::ownership::GroupState::Stable,
+                migrating_to: None,
+                epoch: g.epoch(),
+                caretaken: false,
+            })
+            .collect();
+        return json(&rows);
+    };
+    let mut rows = Vec::new();
+    for rank in 0..s.master.config().group_count.max(1) {
+        match crate::ownership::read_group(&*c.store, &c.keys, rank).await {
+            Ok(Some((g, _))) => rows.push(GroupRow {
+                rank: g.rank,
+                primary: g.primary,
+                standbys: g.standbys,
+                state: g.state,
+                migrating_to: g.migrating_to,
+                epoch: g.epoch,
+                caretaken: g.caretaken,
+            }),
+            Ok(None) => {}
+            Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
+        }
+    }
+    json(&rows)
+}
+
+/// One master as `/masters` lists it.
+#[derive(serde::Serialize)]
+struct MasterRow {
+    id: String,
+    address: String,
+    registered_at_ms: u64,
+    /// Its place in the order the role rules use (etcd create revision).
+    revision: i64,
+    /// Whether it is the master answering.
+    this: bool,
+}
+
+/// The live masters of the cluster, oldest first (JSON); a master alone lists nothing.
+async fn cluster_masters(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let Some(c) = &s.cluster else { return json(&Vec::<MasterRow>::new()) };
+    match crate::ownership::masters(&*c.store, &c.keys).await {
+        Ok(list) => json(
+            &list
+                .into_iter()
+                .map(|(r, rev)| MasterRow {
+                    this: r.id == c.me,
+                    id: r.id,
+                    address: r.address,
+                    registered_at_ms: r.registered_at_ms,
+                    revision: rev,
+                })
+                .collect::<Vec<_>>(),
+        ),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
     }
 }
 
@@ -456,7 +562,7 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         s.master.client_count() as f64,
     );
     let segments = s.master.list_segments();
-    let (total, used) = s.master.segments().usage();
+    let (total, used) = s.master.usage();
     simple(&mut out, "tycho_master_segments", "gauge", "Mounted segments.", segments.len() as f64);
     simple(&mut out, "tycho_master_capacity_bytes", "gauge", "Sum of mounted segment sizes.", total as f64);
     simple(&mut out, "tycho_master_allocated_bytes", "gauge", "Bytes allocated to replicas.", used as f64);
@@ -650,6 +756,7 @@ mod tests {
             probe: None,
             probe_auth: Default::default(),
             http_secret: None,
+            cluster: None,
         };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         let addr = admin.local_addr();
@@ -673,6 +780,7 @@ mod tests {
             probe: Some(probe),
             probe_auth: Default::default(),
             http_secret: None,
+            cluster: None,
         };
         let admin = start_admin(cfg, master, Arc::new(RpcMetrics::default())).unwrap();
         admin.probe().set_serving(true);

@@ -228,7 +228,7 @@ impl Snapshots {
             let (files, into) = (self.files.clone(), master.clone());
             let read = tokio::task::spawn_blocking(move || {
                 snapshot::read(&*files, id, |e| {
-                    into.import(e).map_err(|err| SnapshotError::Corrupt { id, why: format!("{err}") })
+                    into.import(rank, e).map_err(|err| SnapshotError::Corrupt { id, why: format!("{err}") })
                 })
             })
             .await

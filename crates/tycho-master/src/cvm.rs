@@ -36,6 +36,13 @@ pub struct GroupView {
     pub caretaken: bool,
 }
 
+impl From<Option<GroupRecord>> for GroupView {
+    fn from(record: Option<GroupRecord>) -> GroupView {
+        let caretaken = record.as_ref().is_some_and(|r| r.caretaken);
+        GroupView { record, caretaken }
+    }
+}
+
 /// What a master should do about one group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -122,9 +129,11 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
         if !alive(live, &rec.primary) {
             let heir = match standbys.first() {
                 Some(s) => Some((s.as_str(), false)),
-                None => preceding_native(r, g, &native)
-                    .map(|p| (p, true))
-                    .or_else(|| live.first().map(|f| (f.as_str(), true))),
+                // The oldest live master as a last resort: as caretaker if it is the native
+                // primary of another group, else as the group's own primary.
+                None => preceding_native(r, g, &native).map(|p| (p, true)).or_else(|| {
+                    live.first().map(|f| (f.as_str(), (0..g).any(|o| o != r && native(o) == Some(f.as_str()))))
+                }),
             };
             if let Some((_, caretake)) = heir.filter(|(id, _)| *id == me) {
                 out.push((rank, Action::TakeOver { caretake }));
@@ -167,11 +176,12 @@ mod tests {
             state: GroupState::Stable,
             migrating_to: None,
             epoch: 1,
+            caretaken: false,
         }
     }
 
     fn view(rank: u32, primary: &str, standbys: &[&str], caretaken: bool) -> GroupView {
-        GroupView { record: Some(rec(rank, primary, standbys)), caretaken }
+        GroupView::from(Some(GroupRecord { caretaken, ..rec(rank, primary, standbys) }))
     }
 
     fn live(ids: &[&str]) -> Vec<String> {
@@ -245,6 +255,43 @@ mod tests {
     }
 
     /// Over many random views, two masters never both act to change who serves one group.
+    /// With G = 1 the rules are those of a single group with a standby (the HA issue).
+    #[test]
+    fn with_one_group_the_rules_are_the_single_masters() {
+        let one = |me: &str, l: &[&str], v: GroupView, holds: bool| {
+            let mut p = plan(me, &live(l), &[v], |_| holds);
+            assert!(p.len() <= 1);
+            p.pop().map(|(_, a)| a)
+        };
+        let none = GroupView { record: None, caretaken: false };
+        let all3 = ["a", "b", "c"];
+        // No group yet: only the oldest creates it, as its own primary.
+        assert_eq!(one("a", &all3, none.clone(), false), Some(Action::Create { caretake: false }));
+        assert_eq!(one("b", &all3, none, false), None);
+        // A primary without a standby: the oldest master without a role joins.
+        let g = view(0, "a", &[], false);
+        assert_eq!(one("a", &all3, g.clone(), true), Some(Action::Serve));
+        assert_eq!(one("b", &all3, g.clone(), true), Some(Action::JoinAsStandby));
+        assert_eq!(one("c", &all3, g, true), None);
+        // With a standby, later masters wait idle; the standby follows.
+        let g = view(0, "a", &["b"], false);
+        assert_eq!(one("b", &all3, g.clone(), true), Some(Action::Follow));
+        assert_eq!(one("c", &all3, g.clone(), true), None);
+        // The primary dies: its standby takes over, nobody else, even a master registered
+        // before it.
+        assert_eq!(one("b", &["c", "b"], g.clone(), true), Some(Action::TakeOver { caretake: false }));
+        assert_eq!(one("c", &["c", "b"], g.clone(), true), None);
+        // Primary and standby dead: the oldest live master takes over, as its own primary.
+        assert_eq!(one("c", &["c", "d"], g.clone(), true), Some(Action::TakeOver { caretake: false }));
+        assert_eq!(one("d", &["c", "d"], g.clone(), true), None);
+        // A restarted primary holds nothing: it hands the group to its live standby, or takes
+        // it over itself (from snapshot and log) when it has none.
+        assert_eq!(one("a", &all3, g.clone(), false), Some(Action::HandTo("b".into())));
+        assert_eq!(one("a", &["a", "c"], g.clone(), false), Some(Action::TakeOver { caretake: false }));
+        // A standby listed but dead does not count: a live master joins in its place.
+        assert_eq!(one("c", &["a", "c"], g, true), Some(Action::JoinAsStandby));
+    }
+
     #[test]
     fn no_two_masters_change_one_group_in_the_same_view() {
         let ids = ["a", "b", "c", "d", "e", "f"];

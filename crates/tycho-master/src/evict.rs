@@ -21,10 +21,13 @@ pub struct RoundRequest {
     pub bytes: u64,
     /// Evict the configured ratio of objects (the high watermark was crossed).
     pub watermark: bool,
+    /// Evict only objects of this KVPT group (the one whose slices were full); `None`: any.
+    pub group: Option<u32>,
 }
 
 impl RoundRequest {
     fn merge(&mut self, other: RoundRequest) {
+        self.group = if self.is_empty() || self.group == other.group { other.group } else { None };
         self.bytes = self.bytes.max(other.bytes);
         self.watermark |= other.watermark;
     }
@@ -135,8 +138,8 @@ mod tests {
     #[test]
     fn inline_mode_runs_the_round_in_the_caller() {
         let e = Evictor::default();
-        assert!(!e.request(RoundRequest { bytes: 1, watermark: false }));
-        assert!(e.request_and_wait(RoundRequest { bytes: 10, watermark: false }, EVICTION_WAIT, |r| r.bytes));
+        assert!(!e.request(RoundRequest { bytes: 1, ..Default::default() }));
+        assert!(e.request_and_wait(RoundRequest { bytes: 10, ..Default::default() }, EVICTION_WAIT, |r| r.bytes));
         assert!(!e.request_and_wait(RoundRequest::default(), EVICTION_WAIT, |_| 0));
     }
 
@@ -163,7 +166,7 @@ mod tests {
                 let e = e.clone();
                 std::thread::spawn(move || {
                     e.request_and_wait(
-                        RoundRequest { bytes: i * 100, watermark: false },
+                        RoundRequest { bytes: i * 100, ..Default::default() },
                         Duration::from_secs(30),
                         |_| unreachable!("background mode never runs inline"),
                     )

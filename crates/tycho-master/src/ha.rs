@@ -1,46 +1,46 @@
-//! A master's life in a cluster with a coordination store: registration, its role in the
-//! group, and the work each role does (G = 1 today; the partitioned issue runs one of these
-//! per group).
+//! A master's life in a cluster with a coordination store: registration, its role in each KVPT
+//! group, and the work each role does.
 //!
-//! The master registers under a lease (`masters/{id}`), then loops: it reads the live
-//! registrations and the group record, applies [`decide`] (the same rules on every master),
-//! acts, and waits for the next change of either (watches, no polling). Its roles:
+//! The master registers under a lease (`masters/{id}`), then runs one loop per group, all on
+//! the same registration. Each loop reads the live registrations and every group record,
+//! applies [`cvm::plan`] (the same rules on every master), acts on what the plan says about its
+//! group, and waits for the next change (watches, no polling). A group's roles here:
 //!
-//! - **primary**: it created the group, or took it over. Its mutations are acknowledged once
-//!   their records are durable in the group's OpLog, whose commits are fenced on the group
-//!   record; if the log ends (another master changed the record) it stops serving and the loop
-//!   ends with an error: a fenced primary holds state it can no longer trust, and starts over.
+//! - **primary** (native, or caretaker of a group without a master of its own): it created the
+//!   group, or took it over. Its mutations are acknowledged once their records are durable in
+//!   the group's OpLog, whose commits are fenced on the group record; if the log ends (another
+//!   master changed the record) it stops serving the group and drops what it held of it.
 //! - **standby**: listed in the record, it replays the log as it grows (a watch on the durable
 //!   prefix). When the primary's registration is gone it promotes itself (see
-//!   [`crate::standby::promote`]).
-//! - **idle**: it waits. If the group has no live standby when its primary dies, the oldest live
-//!   master replays the whole log and takes the group over; nothing acknowledged is lost.
+//!   [`crate::standby::promote`]); the standby of a caretaken group claims it as soon as it
+//!   follows the log, by the same compare-and-swap.
+//! - **idle**: nothing to do for the group. If a group has no live standby when its primary
+//!   dies, a caretaker (or the oldest live master) replays its snapshot and log and takes it
+//!   over; nothing acknowledged is lost.
 //!
 //! Self-fencing: the master acts on its registration only while its [`LeaseKeeper`] says the
 //! lease is held (until half its TTL after the last acknowledged renewal). Past that local
-//! deadline it stops serving at once, before the store can expire the lease and let a standby
-//! take over. A stream error alone never ends the lease.
+//! deadline it stops serving every group at once, before the store can expire the lease and
+//! let another master take over. A stream error alone never ends the lease.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use thiserror::Error;
 use tokio::sync::watch;
-use tycho_meta::{LeaseKeeper, MetaStore, WatchRequest};
+use tycho_meta::{LeaseKeeper, MetaStore, RangeRequest, WatchRequest};
 
 use crate::compaction::{read_pointers, CompactionError, Snapshots};
+use crate::cvm::{self, Action, GroupView};
 use crate::master::Master;
 use crate::oplog::{Fence, FollowError, LogError, LogFollower, OpLogWriter, WriterConfig};
 use crate::ownership::{
-    change_group, change_standbys, create_group, decide, masters, read_group, ClusterKeys, Decision, GroupRecord,
-    MasterRegistration, OwnershipError, Role,
+    change_group, change_standbys, create_group, masters, ClusterKeys, GroupRecord, MasterRegistration, OwnershipError,
+    Role,
 };
 use crate::snapshot::{SnapshotId, SnapshotStore};
 use crate::standby::{apply_to, log_keys, promote, PromoteError, Promotion};
-
-/// The group an HA pair serves (one group until the partitioned plane).
-pub const RANK: u32 = 0;
 
 /// Batches a standby reads per request.
 const FOLLOW_PAGE: usize = 64;
@@ -69,7 +69,7 @@ pub struct HaConfig {
     pub catch_up_deadline: Duration,
     /// Bounds of the log writer when primary.
     pub writer: WriterConfig,
-    /// Where the group's snapshots go and how often; `None`: no snapshots, and the log is
+    /// Where the groups' snapshots go and how often; `None`: no snapshots, and the logs are
     /// never shortened.
     pub snapshots: Option<SnapshotConfig>,
 }
@@ -89,39 +89,71 @@ impl std::fmt::Debug for SnapshotConfig {
     }
 }
 
+/// What a master does about one group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupRole {
+    /// Nothing.
+    Idle,
+    /// Replays the group's log.
+    Standby,
+    /// Serves the group under `epoch` (`caretaker`: until a master of its own claims it).
+    Primary {
+        /// The group's epoch.
+        epoch: u64,
+        /// As caretaker.
+        caretaker: bool,
+    },
+}
+
 /// What the master does now, published for `/readyz` and logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HaStatus {
     /// Registering.
     Starting,
-    /// Serving the group under `epoch`.
-    Primary {
-        /// The group's epoch.
-        epoch: u64,
-    },
-    /// Replaying the group's log.
-    Standby,
-    /// Waiting for a role.
-    Idle,
-    /// Gave its role up when told to stop (SIGTERM).
+    /// Registered: its role in each group, by rank.
+    Active(Vec<GroupRole>),
+    /// Gave its roles up when told to stop (SIGTERM).
     Stopped,
     /// Stopped for good, with the reason.
     Failed(String),
 }
 
 impl HaStatus {
-    /// Whether the master serves requests in this state.
+    /// Whether the master serves requests in this state (of one group at least).
     pub fn serves(&self) -> bool {
-        matches!(self, HaStatus::Primary { .. })
+        matches!(self, HaStatus::Active(roles) if roles.iter().any(|r| matches!(r, GroupRole::Primary { .. })))
     }
 
     /// One line for `/readyz` and logs.
     pub fn describe(&self) -> String {
         match self {
             HaStatus::Starting => "starting: registering in the coordination store".into(),
-            HaStatus::Primary { epoch } => format!("primary of the group at epoch {epoch}"),
-            HaStatus::Standby => "standby: replaying the primary's log".into(),
-            HaStatus::Idle => "idle: waiting for a role".into(),
+            HaStatus::Active(roles) if roles.len() == 1 => match roles[0] {
+                GroupRole::Primary { epoch, .. } => format!("primary of the group at epoch {epoch}"),
+                GroupRole::Standby => "standby: replaying the primary's log".into(),
+                GroupRole::Idle => "idle: waiting for a role".into(),
+            },
+            HaStatus::Active(roles) => {
+                let primary: Vec<String> = (0..roles.len())
+                    .filter_map(|r| match roles[r] {
+                        GroupRole::Primary { epoch, caretaker: false } => Some(format!("{r} (epoch {epoch})")),
+                        GroupRole::Primary { epoch, caretaker: true } => {
+                            Some(format!("{r} (epoch {epoch}, caretaker)"))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let standby: Vec<String> =
+                    (0..roles.len()).filter(|&r| roles[r] == GroupRole::Standby).map(|r| r.to_string()).collect();
+                match (primary.is_empty(), standby.is_empty()) {
+                    (true, true) => "idle: waiting for a role".into(),
+                    (true, false) => format!("standby of group {}: replaying its primary's log", standby.join(", ")),
+                    (false, true) => format!("primary of groups {}", primary.join(", ")),
+                    (false, false) => {
+                        format!("primary of groups {}; standby of group {}", primary.join(", "), standby.join(", "))
+                    }
+                }
+            }
             HaStatus::Stopped => "stopped: told to stop; gave its registration up".into(),
             HaStatus::Failed(why) => format!("stopped: {why}"),
         }
@@ -173,22 +205,24 @@ impl From<OwnershipError> for HaError {
 }
 
 /// Runs `master`'s part in the cluster until `stop` completes (then it gives up its
-/// registration, so that a standby takes over at once) or the master must leave (`Err`: it
-/// serves nothing any more and should be restarted). `status` follows its role.
+/// registration, so that other masters take its groups over at once) or the master must leave
+/// (`Err`: it serves nothing any more and should be restarted). `status` follows its roles.
 pub async fn run(
     master: Arc<Master>,
     store: Arc<dyn MetaStore>,
     cfg: HaConfig,
     status: watch::Sender<HaStatus>,
-    stop: impl Future<Output = ()>,
+    stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), HaError> {
     tokio::pin!(stop);
-    master.stand_by(RANK);
+    let groups = master.config().group_count.max(1);
+    stand_by_all(&master);
     status.send_replace(HaStatus::Starting);
     let keys = ClusterKeys::new(&cfg.cluster);
     let snaps =
         cfg.snapshots.as_ref().map(|s| Snapshots::new(store.clone(), s.files.clone(), keys.clone(), s.every_records));
-    let mut role = Roles::default();
+    let mut roles: Vec<Roles> = (0..groups).map(|_| Roles::default()).collect();
+    let board = Board { roles: Mutex::new(vec![GroupRole::Idle; groups as usize]), status: &status };
     let mut registered_before = false;
     let (result, keeper) = loop {
         let registered = async {
@@ -224,32 +258,28 @@ pub async fn run(
             Err(e) => return Err(e),
         };
         registered_before = true;
-        tracing::info!(id = %cfg.id, cluster = %cfg.cluster, "registered");
+        tracing::info!(id = %cfg.id, cluster = %cfg.cluster, groups, "registered");
+        board.publish();
         let watchdog = tokio::spawn(fence_at_deadline(master.clone(), keeper.subscribe()));
         let ctx =
             Ctx { master: &master, store: &store, cfg: &cfg, keys: &keys, keeper: &keeper, snaps: snaps.as_ref() };
-        let result = loop {
-            match step(&ctx, &mut role, &status, &mut stop).await {
-                Ok(true) => {}
-                Ok(false) => break Ok(()),
-                // The store is unreachable for a moment: keep the role while the lease holds
-                // (`step` checks it first) and try again.
-                Err(HaError::Store(e)) => {
-                    tracing::warn!(error = %e, "coordination store call failed; retrying");
-                    tokio::select! {
-                        _ = stop.as_mut() => break Ok(()),
-                        _ = tokio::time::sleep(STORE_RETRY) => {}
-                    }
-                }
-                Err(e) => break Err(e),
-            }
+        // One loop per group; the first that must end the master's registration ends them all.
+        // Stopping drops them wherever they wait: a promotion under way is abandoned (the
+        // group is not served here, and another master takes it once this one's registration
+        // is gone).
+        let loops = futures_util::future::try_join_all(
+            roles.iter_mut().enumerate().map(|(rank, role)| group_loop(&ctx, rank as u32, role, &board)),
+        );
+        let result = tokio::select! {
+            _ = stop.as_mut() => Ok(()),
+            r = loops => r.map(|_| ()),
         };
         watchdog.abort();
         match result {
             // A master that serves nothing loses nothing with its lease: it registers again
             // and goes on (a standby keeps its place in the log, and finds out there whether
             // the log still holds what it needs). A primary's state is stale: it leaves.
-            Err(HaError::Lease(why)) if role.log.is_none() => {
+            Err(HaError::Lease(why)) if roles.iter().all(|r| r.log.is_none()) => {
                 tracing::warn!(%why, "registration lease lost while not serving; registering again");
                 status.send_replace(HaStatus::Starting);
                 let _ = keeper.revoke().await;
@@ -257,13 +287,15 @@ pub async fn run(
             result => break (result, keeper),
         }
     };
-    // Leaving: serve nothing more, end the log, give up the registration (a standby takes
-    // over now rather than after the lease's TTL).
-    master.stand_by(RANK);
-    if let Some(task) = role.snapshotting.take() {
-        task.abort();
+    // Leaving: serve nothing more, end the logs, give up the registration (other masters take
+    // the groups over now rather than after the lease's TTL).
+    stand_by_all(&master);
+    for role in &mut roles {
+        if let Some(task) = role.snapshotting.take() {
+            task.abort();
+        }
     }
-    if let Some(log) = &role.log {
+    for log in roles.iter().filter_map(|r| r.log.as_ref()) {
         // Commit what waits (bounded), so that its writers get their answers.
         log.finish(LOG_DRAIN).await;
     }
@@ -277,6 +309,57 @@ pub async fn run(
     result
 }
 
+/// Stops serving every group (reads included).
+fn stand_by_all(master: &Master) {
+    for rank in 0..master.config().group_count.max(1) {
+        master.stand_by(rank);
+    }
+}
+
+/// The roles of every group, published together as the master's status.
+struct Board<'a> {
+    roles: Mutex<Vec<GroupRole>>,
+    status: &'a watch::Sender<HaStatus>,
+}
+
+impl Board<'_> {
+    /// Notes the master's role in group `rank`.
+    fn set(&self, rank: u32, role: GroupRole) {
+        let mut roles = self.roles.lock();
+        if roles[rank as usize] != role {
+            roles[rank as usize] = role;
+            self.status.send_replace(HaStatus::Active(roles.clone()));
+        }
+    }
+
+    /// Publishes the roles as they are (after registering).
+    fn publish(&self) {
+        self.status.send_replace(HaStatus::Active(self.roles.lock().clone()));
+    }
+}
+
+/// Group `rank`'s loop: decides and acts until an error that ends the registration.
+async fn group_loop(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> Result<(), HaError> {
+    loop {
+        match step(ctx, rank, role, board).await {
+            Ok(()) => {}
+            // The store is unreachable for a moment: keep the role while the lease holds
+            // (`step` checks it first) and try again.
+            Err(HaError::Store(e)) => {
+                tracing::warn!(group = rank, error = %e, "coordination store call failed; retrying");
+                tokio::time::sleep(STORE_RETRY).await;
+            }
+            // The group's log could not be opened under the record just read: another master
+            // changed it. This group starts over; the others go on.
+            Err(HaError::Fenced(e)) => {
+                drop_group(ctx.master, rank, role, board, &format!("its log refused this master: {e}"));
+                tokio::time::sleep(STORE_RETRY).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Registers `reg` under the keeper's lease, only if no live process holds the same id (a
 /// process restarted quickly waits for its predecessor's registration to run out; a second
 /// process given the same id waits for the first to go). False if `stop` completed first.
@@ -285,7 +368,7 @@ async fn register_alone(
     keys: &ClusterKeys,
     reg: &MasterRegistration,
     keeper: &LeaseKeeper,
-    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
 ) -> Result<bool, HaError> {
     let key = keys.master(&reg.id);
     let mut warned = false;
@@ -310,8 +393,9 @@ async fn register_alone(
     }
 }
 
-/// Stops `master` serving the group once the lease's local deadline passes without a renewal,
-/// whatever else the master is doing then (a store call may take longer than the deadline).
+/// Stops `master` serving every group once the lease's local deadline passes without a
+/// renewal, whatever else the master is doing then (a store call may take longer than the
+/// deadline).
 async fn fence_at_deadline(master: Arc<Master>, mut lease: watch::Receiver<tycho_meta::LeaseState>) {
     loop {
         let Some(deadline) = lease.borrow().deadline() else { break };
@@ -325,7 +409,7 @@ async fn fence_at_deadline(master: Arc<Master>, mut lease: watch::Receiver<tycho
         }
     }
     tracing::error!("registration lease can no longer be relied on: no longer serving");
-    master.stand_by(RANK);
+    stand_by_all(&master);
 }
 
 /// What one master brings to each decision.
@@ -338,75 +422,102 @@ struct Ctx<'a> {
     snaps: Option<&'a Snapshots>,
 }
 
-/// What this master holds of the group.
+/// What this master holds of one group.
 #[derive(Default)]
 struct Roles {
     /// As standby: its position in the log.
     follower: Option<LogFollower>,
     /// As primary: the log it writes.
     log: Option<Arc<OpLogWriter>>,
-    /// As primary without a standby: the snapshot being taken.
+    /// As primary without a standby, or as standby: the snapshot being taken.
     snapshotting: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// One decision and its action. `Ok(false)` when `stop` completed.
-async fn step(
+/// The live registrations (oldest first) and every group's record, read after the watches
+/// that report their changes were opened.
+async fn view(
     ctx: &Ctx<'_>,
-    role: &mut Roles,
-    status: &watch::Sender<HaStatus>,
-    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-) -> Result<bool, HaError> {
+    groups: u32,
+) -> Result<(Vec<String>, Vec<Option<(GroupRecord, tycho_meta::Revision)>>), HaError> {
+    let live: Vec<String> = masters(&**ctx.store, ctx.keys).await?.into_iter().map(|(r, _)| r.id).collect();
+    let mut records = vec![None; groups as usize];
+    let mut req = RangeRequest::prefix(ctx.keys.groups(), 256);
+    loop {
+        let page = ctx.store.range(req.clone()).await.map_err(|e| HaError::Store(e.to_string()))?;
+        for kv in &page.kvs {
+            let record = GroupRecord::decode(&kv.value)?;
+            // A record of a rank past G (hand-written, or of another layout) is not this
+            // cluster's: it is not read.
+            if let Some(slot) = records.get_mut(record.rank as usize) {
+                if kv.key == ctx.keys.group(record.rank) {
+                    *slot = Some((record, kv.mod_revision));
+                }
+            }
+        }
+        match req.next_page(&page) {
+            Some(next) => req = next,
+            None => break,
+        }
+    }
+    Ok((live, records))
+}
+
+/// One decision about group `rank` and its action.
+async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> Result<(), HaError> {
     let Ctx { master, store, cfg, keys, keeper, .. } = *ctx;
     check_lease(keeper)?;
     if let Some(e) = role.log.as_ref().and_then(|l| l.failed()) {
-        return Err(HaError::Fenced(e));
+        // Another master changed the group's record: what this one holds of it is stale.
+        drop_group(master, rank, role, board, &format!("its log ended: {e}"));
     }
     // Watches start before the reads, so no change between them is missed.
     let mut changes = Changes::open(&**store, keys).await?;
-    let live = masters(&**store, keys).await?;
-    let group = read_group(&**store, keys, RANK).await?;
-    let holds_state = role.follower.is_some() || role.log.is_some();
-    let decision = decide(&cfg.id, &live, group.as_ref().map(|(g, _)| g), holds_state);
-    tracing::debug!(?decision, "role decision");
-    if role.log.is_some() && decision != Decision::Serve {
-        // The record names another primary: whatever this master holds is stale from now on.
-        master.stand_by(RANK);
-        return Err(HaError::Fenced(LogError::Fenced("the group record no longer names this master primary".into())));
+    let groups = master.config().group_count.max(1);
+    let (live, records) = view(ctx, groups).await?;
+    let views: Vec<GroupView> = records.iter().map(|r| GroupView::from(r.as_ref().map(|(g, _)| g.clone()))).collect();
+    let holds = |r: u32| r == rank && (role.follower.is_some() || role.log.is_some());
+    let action = cvm::plan(&cfg.id, &live, &views, holds).into_iter().find(|(r, _)| *r == rank).map(|(_, a)| a);
+    tracing::debug!(group = rank, ?action, "role decision");
+    let group = records[rank as usize].clone();
+    if role.log.is_some() && action != Some(Action::Serve) {
+        drop_group(master, rank, role, board, "the group record no longer names this master primary");
     }
-    match (decision, group) {
-        (Decision::Create, _) => match create_group(&**store, keys, RANK, &cfg.id).await {
+    match (action, group) {
+        (Some(Action::Create { caretake }), _) => match create_group(&**store, keys, rank, &cfg.id, caretake).await {
             Ok(created) => {
-                let log = open_as_primary(master, store, cfg, keys, &created).await?;
-                master.take_over(RANK, created.0.epoch);
-                status.send_replace(HaStatus::Primary { epoch: created.0.epoch });
-                tracing::info!(epoch = created.0.epoch, "created the group: serving it");
+                let log = open_as_primary(ctx, rank, &created).await?;
+                master.take_over(rank, created.0.epoch);
+                board.set(rank, GroupRole::Primary { epoch: created.0.epoch, caretaker: caretake });
+                tracing::info!(group = rank, epoch = created.0.epoch, caretake, "created the group: serving it");
                 role.log = Some(log);
             }
             Err(OwnershipError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),
         },
-        (Decision::Serve, Some(read)) if role.log.is_none() => {
+        (Some(Action::Serve), Some(read)) if role.log.is_none() => {
             // Named primary by a restarted primary that handed the group over: take it.
-            if !promote_here(ctx, role, status, read, stop).await? {
-                return Ok(false);
-            }
+            promote_here(ctx, rank, role, board, read, false).await?;
         }
-        (Decision::Serve, group) => {
+        (Some(Action::Serve), group) => {
             let log = role.log.clone().expect("a serving primary has its log");
             if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
                 role.snapshotting = None;
             }
+            if let Some((g, _)) = &group {
+                board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken });
+            }
             // Without a live standby to snapshot the group, the primary does, off its own state.
             let standby_alive = group
                 .as_ref()
-                .is_some_and(|(g, _)| g.standbys.iter().any(|s| *s != cfg.id && live.iter().any(|(r, _)| r.id == *s)));
+                .is_some_and(|(g, _)| g.standbys.iter().any(|s| *s != cfg.id && live.iter().any(|l| l == s)));
             let mut due_at = None;
             if let (Some(snaps), false, None) = (ctx.snaps, standby_alive, &role.snapshotting) {
-                let (pointers, _) = snaps.pointers(RANK).await?;
+                let (pointers, _) = snaps.pointers(rank).await?;
                 let at = pointers.latest.map_or(0, |l| l.applied) + snaps.every_records;
                 if log.durable() >= at {
                     let epoch = group.as_ref().map_or(0, |(g, _)| g.epoch);
-                    role.snapshotting = Some(tokio::spawn(snapshot_as_primary(snaps.clone(), master.clone(), epoch)));
+                    role.snapshotting =
+                        Some(tokio::spawn(snapshot_as_primary(snaps.clone(), master.clone(), rank, epoch)));
                 } else {
                     due_at = Some(at);
                 }
@@ -429,17 +540,17 @@ async fn step(
                     } => {}
                 }
             };
-            let r = changes.wait(keeper, stop, wake).await;
+            changes.wait(keeper, wake).await?;
             if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
                 role.snapshotting = None;
             }
-            return r;
         }
-        (Decision::HandTo(heir), Some(read)) => {
-            tracing::info!(%heir, "restarted without the group's state: handing it to its standby");
+        (Some(Action::HandTo(heir)), Some(read)) => {
+            tracing::info!(group = rank, %heir, "restarted without the group's state: handing it to its standby");
             match change_group(&**store, keys, &read, |g| {
                 g.primary = heir.clone();
                 g.standbys.retain(|s| *s != heir);
+                g.caretaken = false;
             })
             .await
             {
@@ -447,147 +558,192 @@ async fn step(
                 Err(e) => return Err(e.into()),
             }
         }
-        (Decision::JoinAsStandby, Some(read)) => {
+        (Some(Action::JoinAsStandby), Some(read)) => {
             let me = cfg.id.clone();
             match change_standbys(&**store, keys, &read, |s| s.push(me)).await {
                 Ok(_) | Err(OwnershipError::Conflict(_)) => {}
                 Err(e) => return Err(e.into()),
             }
         }
-        (Decision::Follow, Some((g, _))) => {
-            status.send_replace(HaStatus::Standby);
+        (Some(Action::Follow), Some((g, _))) => follow(ctx, rank, role, board, &g, changes).await?,
+        (Some(Action::Claim), Some(read)) => {
+            // A planned switch: catch up while the caretaker still serves, then promote (the
+            // compare-and-swap fences the caretaker's log), so that the group waits only for
+            // the log's last records.
+            board.set(rank, GroupRole::Standby);
             if role.follower.is_none() {
-                role.follower = Some(bootstrap(ctx).await?);
+                role.follower = Some(bootstrap(ctx, rank).await?);
             }
             let follower = role.follower.as_mut().expect("set above");
-            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
-                role.snapshotting = None;
+            let mut apply = apply_to(master, rank);
+            match tokio::time::timeout(cfg.catch_up_deadline, follower.catch_up(&mut apply)).await {
+                Ok(Ok(_)) => promote_here(ctx, rank, role, board, read, false).await?,
+                Ok(Err(FollowError::Store(why))) => return Err(HaError::Store(why)),
+                Ok(Err(FollowError::Compacted)) => return Err(HaError::Store("history compacted under a read".into())),
+                Ok(Err(e)) => rebootstrap(master, rank, role, &e),
+                // The log grows faster than it is read: follow on and decide again.
+                Err(_) => tracing::info!(group = rank, "not caught up with the caretaker yet; claiming later"),
             }
-            // A snapshot is due once the log reaches this record (one at a time).
-            let due_at = match ctx.snaps.filter(|_| role.snapshotting.is_none()) {
-                Some(snaps) => {
-                    let (pointers, _) = snaps.pointers(RANK).await?;
-                    Some(pointers.latest.map_or(0, |l| l.applied) + snaps.every_records)
-                }
-                None => None,
-            };
-            let due = tokio::sync::Notify::new();
-            let mut replay = apply_to(master, RANK);
-            let mut apply = |seq: u64, rec: &crate::record::Record| {
-                replay(seq, rec)?;
-                if due_at.is_some_and(|at| seq >= at) {
-                    due.notify_one();
-                }
-                Ok(())
-            };
-            let (mut stopped, mut snapshot) = (false, false);
-            let saving = &mut role.snapshotting;
-            let followed = follower
-                .follow(&mut apply, async {
-                    tokio::select! {
-                        r = changes.wait(keeper, stop, std::future::pending()) => stopped = !r.unwrap_or(true),
-                        _ = due.notified() => snapshot = true,
-                        // A snapshot written meanwhile was published (or not): decide again.
-                        _ = async {
-                            match saving.as_mut() {
-                                Some(task) => drop(task.await),
-                                None => std::future::pending().await,
-                            }
-                        } => {}
-                    }
-                })
-                .await;
-            if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
-                role.snapshotting = None;
-            }
-            match followed {
-                Ok(()) => {}
-                // The follower keeps its place: the next step follows on from it. A compacted
-                // read raced a compaction of the store's history: it reads again.
-                Err(FollowError::Store(why)) => return Err(HaError::Store(why)),
-                Err(FollowError::Compacted) => return Err(HaError::Store("history compacted under a read".into())),
-                Err(e) => {
-                    rebootstrap(master, role, &e);
-                    tokio::select! {
-                        _ = stop.as_mut() => return Ok(false),
-                        _ = tokio::time::sleep(SNAPSHOT_RETRY) => {}
-                    }
-                    return Ok(true);
-                }
-            }
-            if snapshot {
-                let snaps = ctx.snaps.expect("a snapshot is due only with snapshots configured").clone();
-                let applied = follower.applied();
-                // The follower applies nothing meanwhile: the export is of one log position.
-                // Writing and publishing it goes on in the background while the log is followed.
-                let entries = master.export_group(RANK).unwrap_or_default();
-                let id = SnapshotId::new(RANK, applied, g.epoch);
-                let m = master.clone();
-                role.snapshotting = Some(tokio::spawn(async move {
-                    match snaps.save(id, entries).await {
-                        Ok(Some(_)) => note_snapshot(&m, applied),
-                        Ok(None) => {}
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not take a snapshot; the standby goes on");
-                            tokio::time::sleep(SNAPSHOT_RETRY).await;
-                        }
-                    }
-                }));
-            }
-            return Ok(!stopped);
         }
-        (Decision::TakeOver, Some(read)) => {
-            if !promote_here(ctx, role, status, read, stop).await? {
-                return Ok(false);
-            }
+        (Some(Action::TakeOver { caretake }), Some(read)) => {
+            promote_here(ctx, rank, role, board, read, caretake).await?;
         }
         _ => {
-            if !status.borrow().serves() {
-                status.send_replace(HaStatus::Idle);
+            if role.log.is_none() && role.follower.is_none() {
+                board.set(rank, GroupRole::Idle);
             }
-            return changes.wait(keeper, stop, std::future::pending()).await;
+            changes.wait(keeper, std::future::pending()).await?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
-/// Drops what this master replayed of the group, which may not be what the log says (`why`):
-/// the next step starts over from the newest snapshot.
-fn rebootstrap(master: &Master, role: &mut Roles, why: &FollowError) {
-    tracing::error!(error = %why, "cannot follow the group's log: starting over from the latest snapshot");
-    master.reset();
+/// Replays group `rank`'s log as its standby until a change of the records to decide on (or a
+/// snapshot falls due, which it takes).
+async fn follow(
+    ctx: &Ctx<'_>,
+    rank: u32,
+    role: &mut Roles,
+    board: &Board<'_>,
+    g: &GroupRecord,
+    mut changes: Changes,
+) -> Result<(), HaError> {
+    let Ctx { master, keeper, .. } = *ctx;
+    board.set(rank, GroupRole::Standby);
+    if role.follower.is_none() {
+        role.follower = Some(bootstrap(ctx, rank).await?);
+    }
+    let follower = role.follower.as_mut().expect("set above");
+    if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+        role.snapshotting = None;
+    }
+    // A snapshot is due once the log reaches this record (one at a time).
+    let due_at = match ctx.snaps.filter(|_| role.snapshotting.is_none()) {
+        Some(snaps) => {
+            let (pointers, _) = snaps.pointers(rank).await?;
+            Some(pointers.latest.map_or(0, |l| l.applied) + snaps.every_records)
+        }
+        None => None,
+    };
+    let due = tokio::sync::Notify::new();
+    let mut replay = apply_to(master, rank);
+    let mut apply = |seq: u64, rec: &crate::record::Record| {
+        replay(seq, rec)?;
+        if due_at.is_some_and(|at| seq >= at) {
+            due.notify_one();
+        }
+        Ok(())
+    };
+    let (mut lease_lost, mut snapshot) = (None, false);
+    let saving = &mut role.snapshotting;
+    let followed = follower
+        .follow(&mut apply, async {
+            tokio::select! {
+                r = changes.wait(keeper, std::future::pending()) => lease_lost = r.err(),
+                _ = due.notified() => snapshot = true,
+                // A snapshot written meanwhile was published (or not): decide again.
+                _ = async {
+                    match saving.as_mut() {
+                        Some(task) => drop(task.await),
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+        })
+        .await;
+    if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
+        role.snapshotting = None;
+    }
+    match followed {
+        Ok(()) => {}
+        // The follower keeps its place: the next step follows on from it. A compacted read
+        // raced a compaction of the store's history: it reads again.
+        Err(FollowError::Store(why)) => return Err(HaError::Store(why)),
+        Err(FollowError::Compacted) => return Err(HaError::Store("history compacted under a read".into())),
+        Err(e) => {
+            rebootstrap(master, rank, role, &e);
+            tokio::time::sleep(SNAPSHOT_RETRY).await;
+            return Ok(());
+        }
+    }
+    if let Some(e) = lease_lost {
+        return Err(e);
+    }
+    if snapshot {
+        let snaps = ctx.snaps.expect("a snapshot is due only with snapshots configured").clone();
+        let follower = role.follower.as_ref().expect("following");
+        let applied = follower.applied();
+        // The follower applies nothing meanwhile: the export is of one log position. Writing
+        // and publishing it goes on in the background while the log is followed.
+        let entries = master.export_group(rank).unwrap_or_default();
+        let id = SnapshotId::new(rank, applied, g.epoch);
+        let m = master.clone();
+        role.snapshotting = Some(tokio::spawn(async move {
+            match snaps.save(id, entries).await {
+                Ok(Some(_)) => note_snapshot(&m, rank, applied),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(group = rank, error = %e, "could not take a snapshot; the standby goes on");
+                    tokio::time::sleep(SNAPSHOT_RETRY).await;
+                }
+            }
+        }));
+    }
+    Ok(())
+}
+
+/// Stops serving group `rank` and forgets what this master held of it (another master owns
+/// it now, or its log cannot be trusted): the other groups go on.
+fn drop_group(master: &Master, rank: u32, role: &mut Roles, board: &Board<'_>, why: &str) {
+    tracing::warn!(group = rank, %why, "no longer serving the group; dropping what this master held of it");
+    master.stand_by(rank);
+    if let Some(task) = role.snapshotting.take() {
+        task.abort();
+    }
+    role.log = None;
     role.follower = None;
-    if let Some(g) = master.group(RANK) {
+    master.set_record_sink(rank, None);
+    master.reset_group(rank);
+    board.set(rank, GroupRole::Idle);
+}
+
+/// Drops what this master replayed of group `rank`, which may not be what the log says
+/// (`why`): the next step starts over from the newest snapshot.
+fn rebootstrap(master: &Master, rank: u32, role: &mut Roles, why: &FollowError) {
+    tracing::error!(group = rank, error = %why, "cannot follow the group's log: starting over from the latest snapshot");
+    master.reset_group(rank);
+    role.follower = None;
+    if let Some(g) = master.group(rank) {
         g.log_stats().note_rebootstrap();
     }
 }
 
 /// A primary without a standby snapshots its group: from a scratch master rebuilt from the
 /// latest snapshot and the log, never from the state it serves.
-async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, epoch: u64) {
+async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, rank: u32, epoch: u64) {
     // Replaying and exporting the scratch copy is long work: on a thread of its own, so that the
     // runtime's workers keep serving.
     let handle = tokio::runtime::Handle::current();
     let work = tokio::task::spawn_blocking(move || {
         handle.block_on(async move {
             let started = std::time::Instant::now();
-            let (entries, applied) = match snaps.rebuild(&master, RANK).await {
-                Ok((scratch, applied)) => (scratch.export_group(RANK).unwrap_or_default(), applied),
+            let (entries, applied) = match snaps.rebuild(&master, rank).await {
+                Ok((scratch, applied)) => (scratch.export_group(rank).unwrap_or_default(), applied),
                 Err(e) => {
-                    tracing::warn!(error = %e, "could not rebuild the group to snapshot it");
+                    tracing::warn!(group = rank, error = %e, "could not rebuild the group to snapshot it");
                     return false;
                 }
             };
-            match snaps.save(SnapshotId::new(RANK, applied, epoch), entries).await {
+            match snaps.save(SnapshotId::new(rank, applied, epoch), entries).await {
                 Ok(published) => {
                     if published.is_some() {
-                        note_snapshot(&master, applied);
+                        note_snapshot(&master, rank, applied);
                     }
-                    tracing::debug!(applied, took = ?started.elapsed(), "primary snapshot done");
+                    tracing::debug!(group = rank, applied, took = ?started.elapsed(), "primary snapshot done");
                     true
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "could not take a snapshot");
+                    tracing::warn!(group = rank, error = %e, "could not take a snapshot");
                     false
                 }
             }
@@ -599,22 +755,22 @@ async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, epoch: u64) 
 }
 
 /// Notes in the group's figures that a snapshot at `applied` was published.
-fn note_snapshot(master: &Master, applied: u64) {
-    if let Some(g) = master.group(RANK) {
+fn note_snapshot(master: &Master, rank: u32, applied: u64) {
+    if let Some(g) = master.group(rank) {
         g.log_stats().note_snapshot(applied, tycho_proto::auth::capability::unix_ms());
     }
 }
 
-/// A follower of the group's log for a master that holds nothing of it: from the newest
+/// A follower of group `rank`'s log for a master that holds nothing of it: from the newest
 /// snapshot when there is one (its state imported into the master), else from the log's
 /// start.
-async fn bootstrap(ctx: &Ctx<'_>) -> Result<LogFollower, HaError> {
+async fn bootstrap(ctx: &Ctx<'_>, rank: u32) -> Result<LogFollower, HaError> {
     let master = ctx.master;
-    master.reset();
+    master.reset_group(rank);
     let from = match ctx.snaps {
-        Some(snaps) => snaps.restore(master, RANK).await?,
+        Some(snaps) => snaps.restore(master, rank).await?,
         None => {
-            let (pointers, _) = read_pointers(&**ctx.store, ctx.keys, RANK).await?;
+            let (pointers, _) = read_pointers(&**ctx.store, ctx.keys, rank).await?;
             if pointers.floor > 0 {
                 return Err(HaError::Snapshot(CompactionError::NoBase {
                     floor: pointers.floor,
@@ -624,30 +780,27 @@ async fn bootstrap(ctx: &Ctx<'_>) -> Result<LogFollower, HaError> {
             0
         }
     };
-    let follower = LogFollower::new(ctx.store.clone(), log_keys(ctx.keys, RANK), RANK, from, FOLLOW_PAGE);
-    Ok(match master.group(RANK) {
+    let follower = LogFollower::new(ctx.store.clone(), log_keys(ctx.keys, rank), rank, from, FOLLOW_PAGE);
+    Ok(match master.group(rank) {
         Some(g) => follower.with_stats(g.log_stats().clone()),
         None => follower,
     })
 }
 
-/// Promotes this master from the group record `read` (replaying the log from where it
-/// stands, or from the newest snapshot when it followed nothing). `Ok(false)` when `stop`
-/// completed first: the promotion is abandoned (the group is not served here, and the next
-/// master takes it over once this one's registration is gone).
+/// Promotes this master from group `rank`'s record `read` (replaying the log from where it
+/// stands, or from the newest snapshot when it followed nothing); `caretake`: as the group's
+/// caretaker.
 async fn promote_here(
     ctx: &Ctx<'_>,
+    rank: u32,
     role: &mut Roles,
-    status: &watch::Sender<HaStatus>,
+    board: &Board<'_>,
     read: (GroupRecord, tycho_meta::Revision),
-    stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-) -> Result<bool, HaError> {
+    caretake: bool,
+) -> Result<(), HaError> {
     let Ctx { master, store, cfg, keys, .. } = *ctx;
     if role.follower.is_none() {
-        tokio::select! {
-            _ = stop.as_mut() => return Ok(false),
-            f = bootstrap(ctx) => role.follower = Some(f?),
-        }
+        role.follower = Some(bootstrap(ctx, rank).await?);
     }
     let follower = role.follower.as_mut().expect("set above");
     let started = std::time::Instant::now();
@@ -656,27 +809,20 @@ async fn promote_here(
         keys,
         me: &cfg.id,
         read,
+        caretake,
         catch_up_deadline: cfg.catch_up_deadline,
-        writer: writer_config(master, cfg),
+        writer: writer_config(master, rank, cfg),
     };
-    let promoted = tokio::select! {
-        _ = stop.as_mut() => {
-            tracing::warn!("told to stop during a promotion: abandoning it, the group is not served here");
-            master.stand_by(RANK);
-            return Ok(false);
-        }
-        p = promote(master, follower, promotion) => p,
-    };
-    match promoted {
+    match promote(master, follower, promotion).await {
         Ok((record, log)) => {
-            tracing::info!(epoch = record.epoch, took = ?started.elapsed(), "took the group over");
-            status.send_replace(HaStatus::Primary { epoch: record.epoch });
+            tracing::info!(group = rank, epoch = record.epoch, caretake, took = ?started.elapsed(), "took the group over");
+            board.set(rank, GroupRole::Primary { epoch: record.epoch, caretaker: record.caretaken });
             role.follower = None;
             role.log = Some(log);
-            Ok(true)
+            Ok(())
         }
         // Someone else changed the record first: decide again.
-        Err(PromoteError::Lost(OwnershipError::Conflict(_))) => Ok(true),
+        Err(PromoteError::Lost(OwnershipError::Conflict(_))) => Ok(()),
         // The store failed on the way: decide again once it answers (a record this master
         // already raised names it primary, and the next promotion raises it again).
         Err(PromoteError::Lost(OwnershipError::Store(e))) | Err(PromoteError::CatchUp(FollowError::Store(e))) => {
@@ -689,40 +835,45 @@ async fn promote_here(
         // the log does not apply to it): it starts over from the newest snapshot, and the next
         // step promotes again (the record names it primary already).
         Err(PromoteError::CatchUp(e)) => {
-            rebootstrap(master, role, &e);
-            Ok(true)
+            rebootstrap(master, rank, role, &e);
+            Ok(())
         }
         Err(e) => Err(e.into()),
     }
 }
 
-/// Opens the group's log for writing under the record this master just created and makes it
-/// the master's record sink.
+/// Opens group `rank`'s log for writing under the record this master just created and makes it
+/// the group's record sink.
 async fn open_as_primary(
-    master: &Arc<Master>,
-    store: &Arc<dyn MetaStore>,
-    cfg: &HaConfig,
-    keys: &ClusterKeys,
+    ctx: &Ctx<'_>,
+    rank: u32,
     created: &(GroupRecord, tycho_meta::Revision),
 ) -> Result<Arc<OpLogWriter>, HaError> {
+    let Ctx { master, store, cfg, keys, .. } = *ctx;
     let (record, revision) = created;
-    let fence = Fence { key: keys.group(RANK), mod_revision: *revision, owner: Some((cfg.id.clone(), record.epoch)) };
-    let log =
-        OpLogWriter::open(store.clone(), log_keys(keys, RANK), fence, RANK, record.epoch, writer_config(master, cfg))
-            .await
-            .map_err(HaError::Fenced)?;
+    let fence = Fence { key: keys.group(rank), mod_revision: *revision, owner: Some((cfg.id.clone(), record.epoch)) };
+    let log = OpLogWriter::open(
+        store.clone(),
+        log_keys(keys, rank),
+        fence,
+        rank,
+        record.epoch,
+        writer_config(master, rank, cfg),
+    )
+    .await
+    .map_err(HaError::Fenced)?;
     let log = Arc::new(log);
-    master.stop_serving_when_log_ends(&log, RANK);
-    if !master.set_record_sink(log.clone()) {
-        return Err(HaError::Fenced(LogError::Refused("the master already had a record sink".into())));
+    master.stop_serving_when_log_ends(&log, rank);
+    if !master.set_record_sink(rank, Some(log.clone())) {
+        return Err(HaError::Fenced(LogError::Refused(format!("this master holds no container for group {rank}"))));
     }
     Ok(log)
 }
 
-/// The log writer's settings, reporting to the group's figures.
-fn writer_config(master: &Master, cfg: &HaConfig) -> WriterConfig {
+/// The log writer's settings, reporting to group `rank`'s figures.
+fn writer_config(master: &Master, rank: u32, cfg: &HaConfig) -> WriterConfig {
     let mut w = cfg.writer.clone();
-    if let Some(g) = master.group(RANK) {
+    if let Some(g) = master.group(rank) {
         w.stats = g.log_stats().clone();
     }
     w
@@ -746,10 +897,10 @@ fn is_change(e: tycho_meta::MetaResult<tycho_meta::WatchEvent>) -> Result<bool, 
     }
 }
 
-/// Watches of what a decision reads: the registrations and the group record.
+/// Watches of what a decision reads: the registrations and the group records.
 struct Changes {
     masters: tycho_meta::Watch,
-    group: tycho_meta::Watch,
+    groups: tycho_meta::Watch,
 }
 
 impl Changes {
@@ -757,25 +908,19 @@ impl Changes {
         let w = |r| async move { store.watch(r).await.map_err(|e| HaError::Store(e.to_string())) };
         Ok(Changes {
             masters: w(WatchRequest::prefix(keys.masters())).await?,
-            group: w(WatchRequest::key(keys.group(RANK))).await?,
+            groups: w(WatchRequest::prefix(keys.groups())).await?,
         })
     }
 
-    /// Waits for a change of the registrations or the group record (`Ok(true)`), `stop`
-    /// (`Ok(false)`), `also` (`Ok(true)`), or the end of the lease (`Err`).
-    async fn wait(
-        &mut self,
-        keeper: &LeaseKeeper,
-        stop: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
-        also: impl Future<Output = ()>,
-    ) -> Result<bool, HaError> {
+    /// Waits for a change of the registrations or the group records, or for `also` (`Ok`), or
+    /// for the end of the lease (`Err`).
+    async fn wait(&mut self, keeper: &LeaseKeeper, also: impl std::future::Future<Output = ()>) -> Result<(), HaError> {
         let mut lease = keeper.subscribe();
         tokio::pin!(also);
         loop {
             // Act on the lease only until its local deadline, without waiting to be told.
             let deadline = keeper.state().deadline().ok_or_else(|| HaError::Lease("lost".into()))?;
             tokio::select! {
-                _ = stop.as_mut() => return Ok(false),
                 _ = tokio::time::sleep_until(deadline.into()) => check_lease(keeper)?,
                 changed = lease.changed() => {
                     if changed.is_err() {
@@ -783,9 +928,9 @@ impl Changes {
                     }
                     check_lease(keeper)?;
                 }
-                e = self.masters.next() => if is_change(e)? { return Ok(true) },
-                e = self.group.next() => if is_change(e)? { return Ok(true) },
-                _ = &mut also => return Ok(true),
+                e = self.masters.next() => if is_change(e)? { return Ok(()) },
+                e = self.groups.next() => if is_change(e)? { return Ok(()) },
+                _ = &mut also => return Ok(()),
             }
         }
     }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use admin::{
-    probe_target, start_admin, AdminConfig, AdminHandle, ProbeConfig, ProbeState, DEFAULT_PROBE_INTERVAL,
+    probe_target, start_admin, AdminConfig, AdminHandle, ClusterView, ProbeConfig, ProbeState, DEFAULT_PROBE_INTERVAL,
     DEFAULT_PROBE_TIMEOUT,
 };
 pub use clock::{Clock, ManualClock, SystemClock, MANUAL_UNIX_OFFSET_MS};

@@ -16,14 +16,14 @@ use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
 use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
-use crate::record::{Record, RecordSink};
+use crate::record::Record;
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
 use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
 
 mod apply;
 mod export;
 mod group;
-pub use apply::ReplayError;
+pub use apply::{Logged, ReplayError};
 pub use group::Group;
 
 /// Put (put-if-absent) or upsert (replace).
@@ -110,7 +110,6 @@ pub struct Master {
     instance: u64,
     /// The group containers, by rank; `None` for a group this master does not hold.
     groups: Box<[Option<Group>]>,
-    segments: SegmentTable,
     clients: RwLock<HashMap<ClientId, Arc<ClientEntry>>>,
     deferred: Mutex<Vec<Deferred>>,
     /// Ranges of unfinished writes on segments that went away (their client expired): if the
@@ -126,8 +125,8 @@ pub struct Master {
     /// When housekeeping last found the master stalled: clients get a full TTL from then on to
     /// ping again, since their pings may have waited behind the stall.
     stalled_at: AtomicU64,
-    /// Where the records of this master's mutations go (an OpLog writer), if anywhere.
-    sink: std::sync::OnceLock<Arc<dyn RecordSink>>,
+    /// How many of its groups have a record sink (none: nothing is logged, no record is built).
+    sinks: std::sync::atomic::AtomicUsize,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -137,13 +136,17 @@ pub struct Master {
 impl Master {
     /// A master owning every KVPT group of a `cfg.group_count`-group cluster.
     pub fn new(cfg: MasterConfig, clock: Arc<dyn Clock>) -> Master {
-        let secret = cfg.secret.clone();
-        let groups = cfg.group_count.max(1) as usize;
+        let count = cfg.group_count.max(1);
+        let groups = (0..count)
+            .map(|rank| {
+                let table = SegmentTable::with_secret(cfg.secret.clone(), clock.clone(), (rank, count));
+                Some(Group::new(rank, cfg.group_epoch, table))
+            })
+            .collect();
         Master {
-            groups: (0..groups as u32).map(|rank| Some(Group::new(rank, cfg.group_epoch))).collect(),
+            groups,
             cfg,
             unix_offset: clock.unix_offset_ms(),
-            segments: SegmentTable::with_secret(secret, clock.clone()),
             clock,
             instance: rand::random(),
             clients: RwLock::new(HashMap::new()),
@@ -153,8 +156,8 @@ impl Master {
             evictor: Evictor::default(),
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
-            sink: std::sync::OnceLock::new(),
-            serving_groups: std::sync::atomic::AtomicUsize::new(groups),
+            sinks: std::sync::atomic::AtomicUsize::new(0),
+            serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
         }
     }
@@ -168,11 +171,6 @@ impl Master {
     /// The settings in force.
     pub fn config(&self) -> &MasterConfig {
         &self.cfg
-    }
-
-    /// The mounted segments.
-    pub fn segments(&self) -> &SegmentTable {
-        &self.segments
     }
 
     /// The group containers this master holds, by rank.
@@ -195,10 +193,15 @@ impl Master {
         self.group(r.group).expect("routing admits only keys of groups this master holds")
     }
 
-    /// Every metadata shard of every group held with its index across groups
+    /// The group containers this master serves (their primary or caretaker), by rank.
+    pub fn serving(&self) -> impl Iterator<Item = &Group> {
+        self.groups().filter(|g| g.is_serving())
+    }
+
+    /// Every metadata shard of every group served with its index across groups
     /// (`rank * SHARD_COUNT + shard`), group by group.
     fn indexed_shards(&self) -> impl Iterator<Item = (usize, &RwLock<ShardMap>)> {
-        self.groups()
+        self.serving()
             .flat_map(|g| g.shards.iter().enumerate().map(move |(i, s)| (g.rank() as usize * SHARD_COUNT + i, s)))
     }
 
@@ -207,9 +210,20 @@ impl Master {
         self.group((i / SHARD_COUNT) as u32).map(|g| g.shards.shard(i % SHARD_COUNT))
     }
 
-    /// Every metadata shard of every group held, group by group.
+    /// Every metadata shard of every group served, group by group: what housekeeping, scans
+    /// and health checks visit (a group only replayed here changes only through its log).
     pub fn all_shards(&self) -> impl Iterator<Item = &RwLock<ShardMap>> {
-        self.groups().flat_map(|g| g.shards.iter())
+        self.serving().flat_map(|g| g.shards.iter())
+    }
+
+    /// The segment `id` as the first group served that has it mounted.
+    fn mounted(&self, id: SegmentId) -> Option<Arc<crate::segment::MountedSegment>> {
+        self.serving().find_map(|g| g.segments.get(id))
+    }
+
+    /// Slice capacity and used bytes over the groups served.
+    pub fn usage(&self) -> (u64, u64) {
+        self.serving().map(|g| g.segments.usage()).fold((0, 0), |(t, u), (a, b)| (t + a, u + b))
     }
 
     fn now(&self) -> u64 {
@@ -333,7 +347,8 @@ impl Master {
             .clone()
     }
 
-    /// Mounts a segment for `client` (idempotent) and registers the client.
+    /// Mounts a segment for `client` (idempotent) in every group this master serves, and
+    /// registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
         // Caps first, so that a refused mount changes nothing: a huge segment would inflate the
@@ -341,31 +356,58 @@ impl Master {
         if desc.size > self.cfg.max_segment_size {
             return Err(ErrorCode::RESOURCE_LIMIT);
         }
-        let already = self.segments.live().iter().filter(|s| s.client == client && s.desc.id != id).count();
+        let already =
+            self.clients.read().get(&client).map_or(0, |c| c.segments.lock().iter().filter(|s| **s != id).count());
         if already >= self.cfg.max_segments_per_client {
             return Err(ErrorCode::RESOURCE_LIMIT);
         }
+        // Every group's table holds the same segments (natively mounted ones, at least), so a
+        // mount one refuses (another client's id, overlapping memory) the first refuses.
+        for group in self.serving() {
+            self.mount_in(group, client, &desc)?;
+        }
+        self.register_client(client).host.lock().get_or_insert(host);
+        Ok(())
+    }
+
+    /// [`Master::mount_segment`] in one group.
+    fn mount_in(&self, group: &Group, client: ClientId, desc: &SegmentDesc) -> WireResult<()> {
+        let id = desc.id;
+        let table = &group.segments;
         // A newer incarnation of a segment this client has mounted replaces it. The old one is
         // taken down and swept first, and so is any earlier incarnation the expiry sweep has not
         // reached yet: their unfinished writes must be known (as orphaned ranges) before
         // anything is allocated in the new incarnation.
-        if let Some(old) = self.segments.get(id) {
+        if let Some(old) = table.get(id) {
             if old.client == client && old.desc.incarnation < desc.incarnation {
-                self.log(|| Record::Unmount { segment: id });
-                self.apply_unmount(id);
+                self.log_to(group, || Record::Unmount { segment: id });
+                self.apply_unmount(group, id);
             }
         }
-        if self.segments.was_unmounted(id) {
-            self.sweep_dead_segments();
+        if table.was_unmounted(id) {
+            self.sweep_dead_segments_of(group);
         }
         let now = self.now();
-        // Ranges that writers of an earlier incarnation may still be copying into stay taken.
+        // Ranges that writers of an earlier incarnation may still be copying into stay taken:
+        // those in this group's slice.
+        let slice = crate::segment::slice_of(desc.size, group.rank(), self.cfg.group_count.max(1));
         let carried: Vec<(u64, u64, u64)> = {
             let mut orphaned = self.orphaned.lock();
-            let mut list = orphaned.remove(&id).unwrap_or_default();
+            let mut list = Vec::new();
+            if let Some(all) = orphaned.get_mut(&id) {
+                let (mine, rest): (Vec<_>, Vec<_>) =
+                    all.drain(..).partition(|&(o, l, _)| o >= slice.start && o + l <= slice.end);
+                list = mine;
+                *all = rest;
+                if all.is_empty() {
+                    orphaned.remove(&id);
+                }
+            }
             for d in self.deferred.lock().iter() {
                 for r in d.replicas.iter().filter(|r| r.seg.desc.id == id && !r.seg.is_alive()) {
-                    list.push((r.alloc.offset, r.alloc.reserved, d.release_at));
+                    if r.seg.rank() == group.rank() {
+                        list.push((r.alloc.offset, r.alloc.reserved, d.release_at));
+                    }
                 }
             }
             list.retain(|&(_, _, until)| until > now);
@@ -374,12 +416,11 @@ impl Master {
         let logged = desc.clone();
         let accepted = || {
             let reserved = carried.iter().map(|&(o, l, until)| (o, l, self.unix_time(until))).collect();
-            self.log(|| Record::Mount { client, desc: logged, reserved })
+            self.log_to(group, || Record::Mount { client, desc: logged, reserved })
         };
-        if self.apply_mount(client, desc, &carried, now, accepted)? {
-            self.sweep_dead_segments();
+        if self.apply_mount(group, client, desc.clone(), &carried, now, accepted)? {
+            self.sweep_dead_segments_of(group);
         }
-        self.register_client(client).host.lock().get_or_insert(host);
         Ok(())
     }
 
@@ -416,7 +457,7 @@ impl Master {
     /// pings are answered NeedRemount until it mounts its segments again under a new
     /// incarnation. Unmounting an unknown segment succeeds.
     pub fn admin_unmount(&self, id: SegmentId) -> WireResult<()> {
-        let Some(seg) = self.segments.get(id) else { return Ok(()) };
+        let Some(seg) = self.mounted(id) else { return Ok(()) };
         let owner = seg.client;
         self.unmount_segment(owner, id)?;
         if let Some(c) = self.clients.read().get(&owner) {
@@ -428,14 +469,18 @@ impl Master {
     /// Unmounts a segment and drops its replicas; unmounting an unknown segment succeeds.
     /// Runs the sweep before returning: call from a thread that may block.
     pub fn unmount_segment(&self, client: ClientId, id: SegmentId) -> WireResult<()> {
-        match self.segments.get(id) {
+        match self.mounted(id) {
             None => return Ok(()),
             Some(seg) if seg.client != client => return Err(ErrorCode::ILLEGAL_CLIENT),
             Some(_) => {}
         }
-        self.log(|| Record::Unmount { segment: id });
-        self.apply_unmount(id);
-        self.sweep_dead_segments();
+        for group in self.serving() {
+            if group.segments.get(id).is_some() {
+                self.log_to(group, || Record::Unmount { segment: id });
+                self.apply_unmount(group, id);
+                self.sweep_dead_segments_of(group);
+            }
+        }
         Ok(())
     }
 
@@ -495,17 +540,23 @@ impl Master {
     /// Allocates replicas. If nothing fits and `may_wait` is set, asks for an eviction round
     /// of at least the bytes needed, waits (bounded) for it, and retries once; `may_wait` is
     /// then cleared, so that a batch waits at most once.
-    fn allocate(&self, size: u64, p: &Placement<'_>, may_wait: &mut bool) -> WireResult<Vec<Replica>> {
-        // A value no segment could ever hold is refused outright: evicting would not help.
-        if !self.segments.live().iter().any(|s| s.desc.size >= size) {
+    fn allocate(&self, size: u64, group: u32, p: &Placement<'_>, may_wait: &mut bool) -> WireResult<Vec<Replica>> {
+        let table = &self.group(group).ok_or(ErrorCode::KVPT_NOT_OWNED)?.segments;
+        // A value no segment's slice could ever hold is refused outright: evicting would not
+        // help.
+        if !table.live().iter().any(|s| s.slice_len() >= size) {
             return Err(ErrorCode::NO_AVAILABLE_HANDLE);
         }
-        match self.segments.place(size, p) {
+        match table.place(size, p) {
             Err(ErrorCode::NO_AVAILABLE_HANDLE) if *may_wait => {
                 *may_wait = false;
-                let need = RoundRequest { bytes: size.saturating_mul(p.replicas as u64), watermark: false };
+                let need = RoundRequest {
+                    bytes: size.saturating_mul(p.replicas as u64),
+                    watermark: false,
+                    group: Some(group),
+                };
                 if self.evictor.request_and_wait(need, EVICTION_WAIT, |r| self.evict_round(r).1) {
-                    self.segments.place(size, p)
+                    table.place(size, p)
                 } else {
                     Err(ErrorCode::NO_AVAILABLE_HANDLE)
                 }
@@ -613,7 +664,7 @@ impl Master {
             let grant = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
             if let Some(descs) = retried_start(&map, &r.key, req.client, req.write_id, grant) {
                 // Answered once its start is durable, as the first answer would have been.
-                self.await_logged();
+                self.await_logged(&r.key);
                 return Ok(descs);
             }
             if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
@@ -622,8 +673,12 @@ impl Master {
         }
         self.pending_room(&pending, 1)?;
         let mut may_wait = may_wait;
-        let replicas =
-            self.allocate(req.size, &self.placement(&req.config, host.as_deref(), &req.tenant), &mut may_wait)?;
+        let replicas = self.allocate(
+            req.size,
+            r.group,
+            &self.placement(&req.config, host.as_deref(), &req.tenant),
+            &mut may_wait,
+        )?;
         let grant = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
         let descs: Vec<ReplicaDesc> = replicas.iter().map(|x| x.desc(req.size, &grant)).collect();
         let now = self.now();
@@ -702,7 +757,7 @@ impl Master {
                 if size == 0 {
                     out[i] = Err(ErrorCode::INVALID_PARAMS);
                 } else if let Some(descs) = retried {
-                    self.await_logged();
+                    self.await_logged(&r.key);
                     out[i] = Ok(descs);
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
@@ -710,7 +765,7 @@ impl Master {
                     out[i] = Err(ErrorCode::TOO_MANY_PENDING_WRITES);
                 } else {
                     room -= 1;
-                    match self.allocate(size, &placement, &mut may_wait) {
+                    match self.allocate(size, r.group, &placement, &mut may_wait) {
                         Ok(reps) => staged.push((i, r, reps)),
                         Err(e) => out[i] = Err(e),
                     }
@@ -764,7 +819,7 @@ impl Master {
             if !done {
                 return Err(ErrorCode::WRITE_DROPPED);
             }
-            self.await_logged();
+            self.await_logged(key);
             return Ok(obj.replaced.clone());
         }
         // The commit's outcome depends on which of its segments are alive now: the record
@@ -1069,9 +1124,7 @@ impl Master {
         if !group.set_serving(true) {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);
         }
-        if self.serving_groups.load(Ordering::Acquire) == self.groups().count() {
-            self.segments.set_standby_grants(0);
-        }
+        group.segments.set_standby_grants(0);
         true
     }
 
@@ -1089,7 +1142,7 @@ impl Master {
             self.serving_groups.fetch_sub(1, Ordering::AcqRel);
         }
         // Ranges the log frees from now on may carry the primary's grants, unknown here.
-        self.segments.set_standby_grants(self.grant_lifetime_ms());
+        group.segments.set_standby_grants(self.grant_lifetime_ms());
         true
     }
 
@@ -1210,11 +1263,22 @@ impl Master {
 
     /// Mounted segments with usage.
     pub fn list_segments(&self) -> Vec<SegmentStatus> {
-        self.segments
-            .live()
-            .iter()
-            .map(|s| SegmentStatus { desc: s.desc.clone(), client: s.client, used: s.used() })
-            .collect()
+        // One entry per segment, with the bytes used in every slice served here.
+        let mut out: Vec<SegmentStatus> = Vec::new();
+        let mut at: HashMap<SegmentId, usize> = HashMap::new();
+        for group in self.serving() {
+            for s in group.segments.live().iter() {
+                match at.get(&s.desc.id) {
+                    Some(&i) => out[i].used += s.used(),
+                    None => {
+                        at.insert(s.desc.id, out.len());
+                        out.push(SegmentStatus { desc: s.desc.clone(), client: s.client, used: s.used() });
+                    }
+                }
+            }
+        }
+        out.sort_by_key(|s| s.desc.id);
+        out
     }
 
     /// Keys matching the filters, at most `limit` (and at most [`MAX_LIST_KEYS`] keys or
@@ -1300,13 +1364,13 @@ impl Master {
 
     /// Whole-master figures.
     pub fn stats(&self) -> MasterStats {
-        let (capacity_bytes, used_bytes) = self.segments.usage();
+        let (capacity_bytes, used_bytes) = self.usage();
         MasterStats {
             capacity_bytes,
             used_bytes,
             objects: self.all_shards().map(|s| s.read().len() as u64).sum(),
             clients: self.clients.read().len() as u64,
-            segments: self.segments.live().len() as u64,
+            segments: self.list_segments().len() as u64,
             sweep_progress: self.counters.sweep_visited.load(Ordering::Relaxed),
         }
     }
@@ -1335,11 +1399,14 @@ impl Master {
         self.free_deferred();
         self.expire_tombstones(self.now());
         self.reclaim_abandoned_writes();
-        let (total, used) = self.segments.stored_usage();
-        if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {
-            let watermark = RoundRequest { bytes: 0, watermark: true };
-            if !self.evictor.request(watermark) {
-                self.evict();
+        // Each group's slices fill on their own: a full group is evicted from alone.
+        for group in self.serving() {
+            let (total, used) = group.segments.stored_usage();
+            if total > 0 && used as f64 > total as f64 * self.cfg.eviction_high_watermark_ratio {
+                let watermark = RoundRequest { bytes: 0, watermark: true, group: Some(group.rank()) };
+                if !self.evictor.request(watermark) {
+                    self.evict_round(watermark);
+                }
             }
         }
     }
@@ -1400,9 +1467,13 @@ impl Master {
                 self.counters.clients_expired.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(client = %id, "client expired; unmounting its segments");
                 let segments: Vec<SegmentId> = entry.segments.lock().drain(..).collect();
-                for segment in segments {
-                    self.log(|| Record::Unmount { segment });
-                    self.apply_unmount(segment);
+                for group in self.serving() {
+                    for &segment in &segments {
+                        if group.segments.get(segment).is_some() {
+                            self.log_to(group, || Record::Unmount { segment });
+                            self.apply_unmount(group, segment);
+                        }
+                    }
                 }
             }
         }
@@ -1412,8 +1483,15 @@ impl Master {
     /// Drops every replica on a dead segment and every object left with none, holding each
     /// shard's write lock for at most [`SWEEP_BATCH`] objects at a time.
     pub fn sweep_dead_segments(&self) {
+        for group in self.serving() {
+            self.sweep_dead_segments_of(group);
+        }
+    }
+
+    /// [`Master::sweep_dead_segments`] in one group.
+    fn sweep_dead_segments_of(&self, group: &Group) {
         self.counters.sweeps_running.fetch_add(1, Ordering::Relaxed);
-        for shard in self.all_shards() {
+        for shard in group.shards.iter() {
             let keys: Vec<ObjectKey> =
                 shard.read().iter().filter(|(_, o)| o.touches_dead_segment()).map(|(k, _)| k.clone()).collect();
             for chunk in keys.chunks(SWEEP_BATCH) {
@@ -1499,7 +1577,7 @@ impl Master {
 
     /// One watermark eviction round on the calling thread (see [`Master::evict_round`]).
     pub fn evict(&self) -> (u64, u64) {
-        self.evict_round(RoundRequest { bytes: 0, watermark: true })
+        self.evict_round(RoundRequest { bytes: 0, watermark: true, group: None })
     }
 
     /// One eviction round: removes evictable objects (complete, not leased, not being
@@ -1516,6 +1594,9 @@ impl Master {
         let mut plain: Vec<Candidate> = Vec::new();
         let mut pinned: Vec<Candidate> = Vec::new();
         for (si, shard) in self.indexed_shards() {
+            if req.group.is_some_and(|g| g as usize != si / SHARD_COUNT) {
+                continue;
+            }
             let map = shard.read();
             for (k, o) in map.iter() {
                 if !o.is_complete() || o.pending.is_some() || o.hard_pin || o.is_leased(now) {
@@ -1531,7 +1612,10 @@ impl Master {
         }
         let by_ratio =
             if req.watermark { ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1) } else { 0 };
-        let (capacity, _) = self.segments.usage();
+        let (capacity, _) = match req.group.and_then(|g| self.group(g)) {
+            Some(g) => g.segments.usage(),
+            None => self.usage(),
+        };
         let bytes_goal = if req.bytes > 0 { req.bytes.max(capacity / 100) } else { 0 };
         if !self.cfg.allow_evict_soft_pinned_objects {
             pinned.clear();

@@ -9,11 +9,8 @@
 //! A group record is created only if absent and changed only by a compare-and-swap on the
 //! revision it was read at, each change raising its epoch by one; so of any number of masters
 //! acting on the same view, one wins and the others learn the new record. Records are sealed in
-//! the versioned, checksummed envelope. The rules ([`decide`]) are a pure function of the
-//! registrations and the record, so every master reaches the same conclusion from the same
-//! state: the first master creates the group and is its primary; the next one becomes its
-//! standby; later ones wait idle; when the primary's registration is gone, its standby promotes
-//! itself (or, with no standby, the oldest idle master takes the group over).
+//! the versioned, checksummed envelope. The rules by which each master decides its roles from
+//! them are in [`crate::cvm`].
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -21,6 +18,13 @@ use tycho_meta::{LeaseId, MetaError, MetaStore, RangeRequest, Revision};
 use tycho_proto::envelope::{self, RecordKind};
 
 pub use tycho_proto::cluster::OWNERSHIP_VERSION;
+
+/// Layout version of a group record: 2 added `caretaken`. A version 1 record reads as one that
+/// is not caretaken; a newer one is refused.
+pub const GROUP_RECORD_VERSION: u16 = 2;
+
+/// Layout version of the cluster's layout record.
+pub const CLUSTER_META_VERSION: u16 = 1;
 
 /// Where a cluster's records live.
 #[derive(Debug, Clone)]
@@ -47,6 +51,16 @@ impl ClusterKeys {
     /// Master `id`'s registration.
     pub fn master(&self, id: &str) -> Vec<u8> {
         format!("{}masters/{id}", self.root).into_bytes()
+    }
+
+    /// The cluster's layout record (its group count).
+    pub fn meta(&self) -> Vec<u8> {
+        format!("{}cluster_meta", self.root).into_bytes()
+    }
+
+    /// Every group's ownership record.
+    pub fn groups(&self) -> Vec<u8> {
+        format!("{}kvpt_groups/", self.root).into_bytes()
     }
 
     /// Group `rank`'s snapshot pointers.
@@ -86,6 +100,27 @@ pub struct GroupRecord {
     /// target); a change of the standbys alone keeps it. Requests and capabilities carry it,
     /// and the primary's OpLog commits only while the record names it at its epoch.
     pub epoch: u64,
+    /// The primary serves the group only until a master of its own claims it (it is the
+    /// native primary of another group, or was the only master when the group was made).
+    pub caretaken: bool,
+}
+
+/// A group record as version 1 stored it (no caretaking).
+#[derive(Deserialize)]
+struct GroupRecordV1 {
+    rank: u32,
+    primary: String,
+    standbys: Vec<String>,
+    state: GroupState,
+    migrating_to: Option<String>,
+    epoch: u64,
+}
+
+/// The layout of a cluster, fixed when its first master creates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterMeta {
+    /// The number of KVPT groups G.
+    pub groups: u32,
 }
 
 pub use tycho_proto::cluster::{MasterRegistration, Role};
@@ -104,25 +139,102 @@ pub enum OwnershipError {
     Store(String),
 }
 
-fn seal<T: Serialize>(value: &T) -> Vec<u8> {
-    envelope::seal(RecordKind::Ownership, OWNERSHIP_VERSION, &postcard::to_stdvec(value).expect("records serialize"))
-}
-
-fn open<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, OwnershipError> {
-    let (_, payload) = envelope::open(RecordKind::Ownership, OWNERSHIP_VERSION, bytes)
-        .map_err(|e| OwnershipError::Corrupt(e.to_string()))?;
-    postcard::from_bytes(payload).map_err(|e| OwnershipError::Corrupt(e.to_string()))
-}
-
 impl GroupRecord {
     /// The record as stored.
     pub fn encode(&self) -> Vec<u8> {
-        seal(self)
+        envelope::seal(
+            RecordKind::Ownership,
+            GROUP_RECORD_VERSION,
+            &postcard::to_stdvec(self).expect("records serialize"),
+        )
     }
 
-    /// Reads a stored record.
+    /// Reads a stored record (of this version or the first).
     pub fn decode(bytes: &[u8]) -> Result<GroupRecord, OwnershipError> {
-        open(bytes)
+        let corrupt = |e: &dyn std::fmt::Display| OwnershipError::Corrupt(e.to_string());
+        let (version, payload) =
+            envelope::open(RecordKind::Ownership, GROUP_RECORD_VERSION, bytes).map_err(|e| corrupt(&e))?;
+        if version == GROUP_RECORD_VERSION {
+            return postcard::from_bytes(payload).map_err(|e| corrupt(&e));
+        }
+        let v1: GroupRecordV1 = postcard::from_bytes(payload).map_err(|e| corrupt(&e))?;
+        Ok(GroupRecord {
+            rank: v1.rank,
+            primary: v1.primary,
+            standbys: v1.standbys,
+            state: v1.state,
+            migrating_to: v1.migrating_to,
+            epoch: v1.epoch,
+            caretaken: false,
+        })
+    }
+}
+
+impl ClusterMeta {
+    /// The record as stored.
+    pub fn encode(&self) -> Vec<u8> {
+        envelope::seal(
+            RecordKind::ClusterMeta,
+            CLUSTER_META_VERSION,
+            &postcard::to_stdvec(self).expect("records serialize"),
+        )
+    }
+
+    /// Reads a stored record; refuses a newer version or damaged bytes.
+    pub fn decode(bytes: &[u8]) -> Result<ClusterMeta, OwnershipError> {
+        let (_, payload) = envelope::open(RecordKind::ClusterMeta, CLUSTER_META_VERSION, bytes)
+            .map_err(|e| OwnershipError::Corrupt(e.to_string()))?;
+        postcard::from_bytes(payload).map_err(|e| OwnershipError::Corrupt(e.to_string()))
+    }
+}
+
+/// Why a master cannot join a cluster as configured.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum LayoutError {
+    /// The cluster was created with another group count.
+    #[error("the cluster has {stored} KVPT groups, not {wanted}: G is fixed when the cluster is created (omit --kvpt-groups to adopt it)")]
+    GroupCount {
+        /// G as stored.
+        stored: u32,
+        /// G as given.
+        wanted: u32,
+    },
+    /// G is out of range.
+    #[error("--kvpt-groups must be between 1 and {max}, not {0}", max = tycho_routing::PARTITION_COUNT)]
+    OutOfRange(u32),
+    /// The store failed or a record is unreadable.
+    #[error(transparent)]
+    Ownership(#[from] OwnershipError),
+}
+
+/// The cluster's group count G: as stored in `cluster_meta`; or, for a cluster without that
+/// record, 1 when it has group records already (a cluster made before the record existed), else
+/// `wanted` (default 1), which this call stores: the first master fixes G. A master `wanted`
+/// another G than the stored one is refused.
+pub async fn cluster_groups(
+    store: &dyn MetaStore,
+    keys: &ClusterKeys,
+    wanted: Option<u32>,
+) -> Result<u32, LayoutError> {
+    if let Some(g) = wanted.filter(|g| !(1..=tycho_routing::PARTITION_COUNT).contains(g)) {
+        return Err(LayoutError::OutOfRange(g));
+    }
+    let check = |stored: u32| match wanted {
+        Some(w) if w != stored => Err(LayoutError::GroupCount { stored, wanted: w }),
+        _ => Ok(stored),
+    };
+    loop {
+        if let Some(kv) = store.get(&keys.meta()).await.map_err(store_error)?.kv {
+            return check(ClusterMeta::decode(&kv.value)?.groups);
+        }
+        let legacy = !store.range(RangeRequest::prefix(keys.groups(), 1)).await.map_err(store_error)?.kvs.is_empty();
+        let groups = if legacy { 1 } else { wanted.unwrap_or(1) };
+        match store.create_if_absent(&keys.meta(), &ClusterMeta { groups }.encode(), None).await {
+            Ok(_) => return check(groups),
+            // Another master stored it first: read it.
+            Err(MetaError::CompareFailed { .. }) => continue,
+            Err(e) => return Err(store_error(e).into()),
+        }
     }
 }
 
@@ -162,6 +274,7 @@ pub async fn create_group(
     keys: &ClusterKeys,
     rank: u32,
     primary: &str,
+    caretaken: bool,
 ) -> Result<(GroupRecord, Revision), OwnershipError> {
     let record = GroupRecord {
         rank,
@@ -170,6 +283,7 @@ pub async fn create_group(
         state: GroupState::Stable,
         migrating_to: None,
         epoch: 1,
+        caretaken,
     };
     let rev = store.create_if_absent(&keys.group(rank), &record.encode(), None).await.map_err(conflict)?;
     Ok((record, rev))
@@ -245,81 +359,12 @@ pub async fn masters(
     Ok(out)
 }
 
-/// What a master should do about a group, by the rules every master applies alike.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    /// The group does not exist and this is the oldest live master: create it as its primary.
-    Create,
-    /// This master is the group's primary and holds its state: serve it.
-    Serve,
-    /// This master is named the group's primary but holds none of its state (it restarted):
-    /// hand the group to this live standby, which has it (epoch + 1).
-    HandTo(String),
-    /// This master is a listed standby: replay the log.
-    Follow,
-    /// Join as the group's standby (it has none, and this is the oldest master without a role).
-    JoinAsStandby,
-    /// The primary is gone and this master should take the group over: it is the first live
-    /// standby, or the group has no live standby and this is the oldest idle master (or the
-    /// restarted primary itself), which restores it from snapshot and log first.
-    TakeOver,
-    /// Nothing to do now.
-    Wait,
-}
-
-/// The decision of master `me` about a group, given the live registrations (oldest first), the
-/// group's record, and whether `me` holds the group's state (it has served or followed it
-/// since it started: a restarted master holds nothing).
-pub fn decide(
-    me: &str,
-    live: &[(MasterRegistration, Revision)],
-    group: Option<&GroupRecord>,
-    holds_state: bool,
-) -> Decision {
-    let alive = |id: &str| live.iter().any(|(r, _)| r.id == id);
-    let Some(g) = group else {
-        return if live.first().is_some_and(|(r, _)| r.id == me) { Decision::Create } else { Decision::Wait };
-    };
-    let live_standbys: Vec<&String> = g.standbys.iter().filter(|s| alive(s)).collect();
-    if g.primary == me {
-        return match (holds_state, live_standbys.iter().find(|s| s.as_str() != me)) {
-            (true, _) => Decision::Serve,
-            (false, Some(s)) => Decision::HandTo(s.to_string()),
-            (false, None) => Decision::TakeOver,
-        };
-    }
-    if !alive(&g.primary) {
-        // The first live standby promotes; without one, the oldest live master not in the
-        // record takes over (from snapshot and log).
-        let heir = match live_standbys.first() {
-            Some(s) => Some(s.as_str()),
-            None => live.iter().map(|(r, _)| r.id.as_str()).find(|id| *id != g.primary),
-        };
-        return if heir == Some(me) { Decision::TakeOver } else { Decision::Wait };
-    }
-    if g.standbys.iter().any(|s| s == me) {
-        return Decision::Follow;
-    }
-    if live_standbys.is_empty() {
-        let first_free =
-            live.iter().map(|(r, _)| r.id.as_str()).find(|id| *id != g.primary && !g.standbys.iter().any(|s| s == id));
-        if first_free == Some(me) {
-            return Decision::JoinAsStandby;
-        }
-    }
-    Decision::Wait
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn reg(id: &str) -> MasterRegistration {
         MasterRegistration { id: id.into(), address: format!("{id}:1"), role: Role::Idle, registered_at_ms: 1 }
-    }
-
-    fn live(ids: &[&str]) -> Vec<(MasterRegistration, Revision)> {
-        ids.iter().enumerate().map(|(i, id)| (reg(id), i as Revision + 10)).collect()
     }
 
     fn group(primary: &str, standbys: &[&str]) -> GroupRecord {
@@ -330,41 +375,8 @@ mod tests {
             state: GroupState::Stable,
             migrating_to: None,
             epoch: 3,
+            caretaken: false,
         }
-    }
-
-    #[test]
-    fn every_master_reaches_the_same_roles() {
-        let all = live(&["a", "b", "c"]);
-        // No group yet: only the oldest creates it.
-        assert_eq!(decide("a", &all, None, false), Decision::Create);
-        assert_eq!(decide("b", &all, None, false), Decision::Wait);
-        // A primary without a standby: the oldest master without a role joins.
-        let g = group("a", &[]);
-        assert_eq!(decide("a", &all, Some(&g), true), Decision::Serve);
-        assert_eq!(decide("b", &all, Some(&g), true), Decision::JoinAsStandby);
-        assert_eq!(decide("c", &all, Some(&g), true), Decision::Wait);
-        // With a standby, later masters wait idle.
-        let g = group("a", &["b"]);
-        assert_eq!(decide("b", &all, Some(&g), true), Decision::Follow);
-        assert_eq!(decide("c", &all, Some(&g), true), Decision::Wait);
-        // The primary dies: its standby takes over, nobody else.
-        let without_a = live(&["b", "c"]);
-        assert_eq!(decide("b", &without_a, Some(&g), true), Decision::TakeOver);
-        assert_eq!(decide("c", &without_a, Some(&g), true), Decision::Wait);
-        // The standby takes over even when an idle master registered before it.
-        let c_then_b = vec![(reg("c"), 10), (reg("b"), 11)];
-        assert_eq!(decide("b", &c_then_b, Some(&g), true), Decision::TakeOver);
-        assert_eq!(decide("c", &c_then_b, Some(&g), true), Decision::Wait);
-        // Primary and standby dead: the oldest live master takes over.
-        assert_eq!(decide("c", &live(&["c", "d"]), Some(&g), true), Decision::TakeOver);
-        assert_eq!(decide("d", &live(&["c", "d"]), Some(&g), true), Decision::Wait);
-        // A restarted primary holds nothing: it hands the group to its live standby, or takes
-        // it over itself (from snapshot and log) when it has none.
-        assert_eq!(decide("a", &all, Some(&g), false), Decision::HandTo("b".into()));
-        assert_eq!(decide("a", &live(&["a", "c"]), Some(&g), false), Decision::TakeOver);
-        // A standby listed but dead does not count: a live master joins in its place.
-        assert_eq!(decide("c", &live(&["a", "c"]), Some(&g), true), Decision::JoinAsStandby);
     }
 
     #[test]
@@ -377,7 +389,18 @@ mod tests {
         assert!(matches!(GroupRecord::decode(&bad), Err(OwnershipError::Corrupt(_))));
         let r = reg("a");
         assert_eq!(MasterRegistration::decode(&r.encode()), Ok(r));
-        let newer = envelope::seal(RecordKind::Ownership, OWNERSHIP_VERSION + 1, &postcard::to_stdvec(&g).unwrap());
+        let newer = envelope::seal(RecordKind::Ownership, GROUP_RECORD_VERSION + 1, &postcard::to_stdvec(&g).unwrap());
         assert!(matches!(GroupRecord::decode(&newer), Err(OwnershipError::Corrupt(_))));
+        // A first-version record (before caretaking) reads as not caretaken.
+        #[derive(Serialize)]
+        struct V1<'a>(u32, &'a str, &'a [String], GroupState, Option<String>, u64);
+        let v1 = V1(g.rank, &g.primary, &g.standbys, g.state, None, g.epoch);
+        let old = envelope::seal(RecordKind::Ownership, 1, &postcard::to_stdvec(&v1).unwrap());
+        assert_eq!(GroupRecord::decode(&old), Ok(g.clone()));
+        let cg = GroupRecord { caretaken: true, ..g };
+        assert_eq!(GroupRecord::decode(&cg.encode()), Ok(cg));
+        let meta = ClusterMeta { groups: 4 };
+        assert_eq!(ClusterMeta::decode(&meta.encode()), Ok(meta));
+        assert!(ClusterMeta::decode(&reg("a").encode()).is_err(), "another kind of record is refused");
     }
 }

@@ -164,6 +164,21 @@ pub enum Record {
     },
 }
 
+impl Record {
+    /// The storage key the record changes; `None` for a record of a segment.
+    pub fn key(&self) -> Option<&[u8]> {
+        match self {
+            Record::WriteStart { key, .. }
+            | Record::WriteEnd { key, .. }
+            | Record::WriteRevoke { key, .. }
+            | Record::WriteDrop { key, .. }
+            | Record::Remove { key, .. }
+            | Record::DropReplicas { key, .. } => Some(key),
+            Record::Mount { .. } | Record::Unmount { .. } => None,
+        }
+    }
+}
+
 /// Resolves once a record is durable; an error means it never will be, and the mutation must
 /// not be acknowledged.
 pub type DurableFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ErrorCode>> + Send>>;

@@ -64,9 +64,9 @@ fn same_tenant(a: &str, b: &str) -> bool {
     a.len() == b.len() && (a.is_empty() || a == b)
 }
 
-/// `resp` once record `seq` is durable; the log's error instead if it never will be.
-async fn when_durable(m: &Master, seq: u64, resp: Response) -> Response {
-    match m.durable(seq) {
+/// `resp` once the records in `logged` are durable; a log's error instead if one never will be.
+async fn when_durable(m: &Master, logged: crate::master::Logged, resp: Response) -> Response {
+    match m.durable(logged) {
         None => resp,
         Some(wait) => match wait.await {
             Ok(()) => resp,
@@ -95,7 +95,7 @@ impl MasterRpc {
                 (resp, Master::take_logged())
             };
             match tokio::task::spawn_blocking(run).await {
-                Ok((resp, seq)) => when_durable(&master, seq, resp).await,
+                Ok((resp, logged)) => when_durable(&master, logged, resp).await,
                 Err(_) => Response::Error(ErrorCode::INTERNAL_ERROR),
             }
         }))

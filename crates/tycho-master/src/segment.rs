@@ -5,9 +5,13 @@
 //! replicas on different segments never contend. Every allocation gets a generation from the
 //! segment's counter; its writer stamps it on the range's blocks before writing and readers
 //! check it after copying (see `tycho-transfer`'s `Mapping`), which is what lets a freed range
-//! be reused at once. With G KVPT groups a segment is split into G ranges and a master
-//! allocates only in the ranges of the groups it owns; with G = 1 the single range is the whole
-//! segment.
+//! be reused at once.
+//!
+//! With G KVPT groups a segment is cut into G slices of whole blocks, and each group container
+//! has its own table of the segments mounted for it, each entry an allocator over that group's
+//! slice only: masters that own different groups never hand out the same bytes, and a group's
+//! log, replayed elsewhere, mounts and unmounts segments in that group's table alone. With G = 1
+//! the single slice is the whole segment.
 //!
 //! With a cluster secret, a freed range stays *held* for its object's tenant while any
 //! capability minted for it may still move bytes ([`Holding`]): the tenant reuses it at once,
@@ -105,7 +109,27 @@ pub struct MountedSegment {
     used: AtomicU64,
     stored: AtomicU64,
     next_gen: AtomicU32,
+    /// The group whose slice this is, and where the slice starts in the segment.
+    rank: u32,
+    base: u64,
+    /// Bytes of the slice (whole blocks).
+    len: u64,
+    /// Over the slice, offsets relative to `base`.
     alloc: Mutex<RangeAllocator>,
+}
+
+/// Where group `rank`'s slice of a `size`-byte segment with blocks of `unit` bytes starts, of
+/// `groups` slices: whole blocks, divided as evenly as they go.
+pub fn slice_start(size: u64, unit: u64, rank: u32, groups: u32) -> u64 {
+    let blocks = size / unit;
+    (blocks as u128 * rank as u128 / groups.max(1) as u128) as u64 * unit
+}
+
+/// Group `rank`'s slice `[start, end)` of a segment of `size` bytes, of `groups` slices.
+pub fn slice_of(size: u64, rank: u32, groups: u32) -> std::ops::Range<u64> {
+    let unit = segment_block_size(size);
+    let end = if rank + 1 >= groups.max(1) { size } else { slice_start(size, unit, rank + 1, groups) };
+    slice_start(size, unit, rank, groups)..end
 }
 
 impl MountedSegment {
@@ -114,12 +138,17 @@ impl MountedSegment {
         client: ClientId,
         secret: Option<&Secret>,
         holding: Option<Arc<Holding>>,
+        (rank, groups): (u32, u32),
     ) -> MountedSegment {
         let unit = segment_block_size(desc.size);
+        let slice = slice_of(desc.size, rank, groups);
         MountedSegment {
             key: secret.map(|s| SegmentKey::new(s, desc.id, desc.incarnation)),
             holding: secret.and(holding),
-            alloc: Mutex::new(RangeAllocator::new(desc.size, unit)),
+            rank,
+            base: slice.start,
+            len: (slice.end - slice.start) / unit * unit,
+            alloc: Mutex::new(RangeAllocator::new(slice.end - slice.start, unit)),
             desc,
             client,
             alive: AtomicBool::new(true),
@@ -157,12 +186,33 @@ impl MountedSegment {
 
     /// Freed ranges held for their tenants: offset, bytes, until (Unix ms).
     pub fn held_ranges(&self) -> Vec<(u64, u64, u64)> {
-        self.alloc.lock().held_ranges()
+        let held = self.alloc.lock().held_ranges();
+        held.into_iter().map(|(o, l, u)| (o + self.base, l, u)).collect()
     }
 
-    /// Free fraction of the segment.
+    /// The group whose slice this is.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Bytes of this group's slice: the largest value it can hold.
+    pub fn slice_len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether `[offset, offset + len)` lies in this slice.
+    pub fn in_slice(&self, offset: u64, len: u64) -> bool {
+        offset >= self.base && offset.checked_add(len).is_some_and(|end| end <= self.base + self.len)
+    }
+
+    /// `offset` relative to the slice, if `[offset, offset + len)` lies in it.
+    fn local(&self, offset: u64, len: u64) -> Option<u64> {
+        self.in_slice(offset, len).then(|| offset - self.base)
+    }
+
+    /// Free fraction of the slice.
     fn free_ratio(&self) -> f64 {
-        1.0 - self.used() as f64 / self.desc.size.max(1) as f64
+        1.0 - self.used() as f64 / self.len.max(1) as f64
     }
 
     /// A fresh generation; 0 is never used (it is what unwritten blocks hold).
@@ -194,15 +244,16 @@ impl MountedSegment {
         self.used.fetch_add(reserved, Ordering::Relaxed);
         self.stored.fetch_add(size, Ordering::Relaxed);
         let granted = held_until.saturating_sub(HELD_PAST_EXPIRY_MS);
-        Some((SegAlloc { offset, reserved, len: size, gen: self.gen() }, granted))
+        Some((SegAlloc { offset: self.base + offset, reserved, len: size, gen: self.gen() }, granted))
     }
 
-    /// Reserves exactly `[offset, offset + len)`, or `None` if any of it is taken.
+    /// Reserves exactly `[offset, offset + len)`, or `None` if any of it is taken or outside
+    /// this group's slice.
     pub fn reserve(&self, offset: u64, len: u64) -> Option<SegAlloc> {
         if !self.is_alive() {
             return None;
         }
-        let reserved = self.alloc.lock().reserve(offset, len)?;
+        let reserved = self.alloc.lock().reserve(self.local(offset, len)?, len)?;
         self.used.fetch_add(reserved, Ordering::Relaxed);
         self.stored.fetch_add(len, Ordering::Relaxed);
         Some(SegAlloc { offset, reserved, len, gen: self.gen() })
@@ -215,11 +266,12 @@ impl MountedSegment {
         if !self.is_alive() || gen == 0 {
             return None;
         }
+        let at = self.local(offset, len)?;
         let mut alloc = self.alloc.lock();
         if alloc.rounded(len) != Some(reserved) {
             return None;
         }
-        alloc.reserve(offset, len)?;
+        alloc.reserve(at, len)?;
         drop(alloc);
         self.used.fetch_add(reserved, Ordering::Relaxed);
         self.stored.fetch_add(len, Ordering::Relaxed);
@@ -240,12 +292,13 @@ impl MountedSegment {
         if !self.is_alive() {
             return;
         }
-        let freed = match &self.holding {
-            Some(h) => {
+        let freed = match (self.local(a.offset, a.reserved), &self.holding) {
+            (None, _) => false,
+            (Some(at), Some(h)) => {
                 let (until, now) = h.until(granted_until);
-                self.alloc.lock().hold(a.offset, a.reserved, tenant, until, now)
+                self.alloc.lock().hold(at, a.reserved, tenant, until, now)
             }
-            None => self.alloc.lock().free(a.offset, a.reserved),
+            (Some(at), None) => self.alloc.lock().free(at, a.reserved),
         };
         if freed {
             self.used.fetch_sub(a.reserved, Ordering::Relaxed);
@@ -400,13 +453,15 @@ pub struct SegmentTable {
     secret: Option<Arc<Secret>>,
     /// How freed ranges are held for their tenants, with a secret.
     holding: Option<Arc<Holding>>,
+    /// The group whose slices this table allocates in, and the cluster's group count G.
+    slice: (u32, u32),
 }
 
 impl SegmentTable {
-    /// An empty table whose segments mint capabilities under `secret` and hold freed ranges
-    /// for their tenants by `clock`.
-    pub fn with_secret(secret: Option<Arc<Secret>>, clock: Arc<dyn Clock>) -> SegmentTable {
-        SegmentTable { secret, holding: Some(Arc::new(Holding::new(clock))), ..SegmentTable::default() }
+    /// An empty table of group `slice.0`'s slices (of `slice.1` groups) whose segments mint
+    /// capabilities under `secret` and hold freed ranges for their tenants by `clock`.
+    pub fn with_secret(secret: Option<Arc<Secret>>, clock: Arc<dyn Clock>, slice: (u32, u32)) -> SegmentTable {
+        SegmentTable { secret, holding: Some(Arc::new(Holding::new(clock))), slice, ..SegmentTable::default() }
     }
 
     /// While `grants_ms` is not 0, this master replays another's log: a range it frees may
@@ -479,7 +534,7 @@ impl SegmentTable {
             self.retired.lock().insert(desc.id);
         }
         accepted();
-        let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref(), self.holding.clone()));
+        let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref(), self.holding.clone(), self.slice));
         let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
         by_id.insert(seg.desc.id, seg.clone());
         self.publish(&by_id);
@@ -527,17 +582,17 @@ impl SegmentTable {
         self.live.read().clone()
     }
 
-    /// Sum of sizes and of value bytes over live segments: what the eviction watermark
+    /// Sum of slice sizes and of value bytes over live segments: what the eviction watermark
     /// compares, so that rounding small values up to blocks does not start eviction early.
     pub fn stored_usage(&self) -> (u64, u64) {
         let live = self.live();
-        live.iter().fold((0, 0), |(t, u), s| (t + s.desc.size, u + s.stored()))
+        live.iter().fold((0, 0), |(t, u), s| (t + s.len, u + s.stored()))
     }
 
-    /// Sum of sizes and of used bytes over live segments.
+    /// Sum of slice sizes and of used bytes over live segments.
     pub fn usage(&self) -> (u64, u64) {
         let live = self.live();
-        live.iter().fold((0, 0), |(t, u), s| (t + s.desc.size, u + s.used()))
+        live.iter().fold((0, 0), |(t, u), s| (t + s.len, u + s.used()))
     }
 
     /// Places up to `p.replicas` replicas of `size` bytes on distinct segments, best effort.
@@ -679,7 +734,7 @@ mod tests {
 
     #[test]
     fn huge_segments_scale_the_unit() {
-        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1), None, None);
+        let s = MountedSegment::new(desc(1, "e", 0, 1 << 40), ClientId(1), None, None, (0, 1));
         assert!(segment_block_size(1 << 40) > tycho_proto::MIN_BLOCK_SIZE);
         let a = s.allocate(1 << 30, 0).unwrap();
         assert!(a.reserved >= 1 << 30);
@@ -721,5 +776,46 @@ mod tests {
         assert!(seg.allocate(128, 0).is_none());
         assert!(seg.reserve(0, 64).is_none());
         assert!(seg.allocate(64, 0).is_some());
+    }
+
+    #[test]
+    fn a_group_allocates_only_in_its_own_slice() {
+        let size = 1u64 << 20;
+        let quarter = size / 4;
+        let clock: Arc<dyn Clock> = Arc::new(crate::clock::ManualClock::new(0));
+        let tables: Vec<SegmentTable> =
+            (0..4).map(|rank| SegmentTable::with_secret(None, clock.clone(), (rank, 4))).collect();
+        for (rank, t) in tables.iter().enumerate() {
+            t.mount(ClientId(1), desc(1, "e:1", 0, size), &[]).unwrap();
+            let seg = t.get(SegmentId(1)).unwrap();
+            assert_eq!((seg.rank(), seg.slice_len()), (rank as u32, quarter));
+            assert_eq!(slice_of(size, rank as u32, 4), rank as u64 * quarter..(rank as u64 + 1) * quarter);
+            let a = seg.allocate(1000, 0).unwrap();
+            assert!(seg.in_slice(a.offset, a.reserved), "{a:?} outside slice {rank}");
+            // Full: a slice does not spill into its neighbour.
+            assert!(seg.allocate(quarter, 0).is_none());
+            let p =
+                Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
+            assert_eq!(t.place(quarter, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
+            assert_eq!(t.usage().0, quarter);
+        }
+        // Exact reservations must lie in the table's slice; a free goes back to it.
+        let seg = tables[3].get(SegmentId(1)).unwrap();
+        assert!(seg.reserve(0, 4096).is_none());
+        assert!(seg.reserve(3 * quarter - 64, 128).is_none());
+        let r = seg.reserve(size - 4096, 4096).unwrap();
+        seg.free(r);
+        assert!(seg.reserve(size - 4096, 4096).is_some());
+        // Slices cover the segment, in whole blocks, whatever G.
+        for (size, groups) in [(1u64 << 20, 3u32), (5 << 20, 7), (1 << 30, 64)] {
+            let mut at = 0;
+            for rank in 0..groups {
+                let s = slice_of(size, rank, groups);
+                assert_eq!(s.start, at);
+                assert_eq!(s.start % segment_block_size(size), 0);
+                at = s.end;
+            }
+            assert_eq!(at, size);
+        }
     }
 }

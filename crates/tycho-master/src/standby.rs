@@ -56,7 +56,7 @@ pub enum PromoteError {
 /// function): each record through [`Master::replay`], noting its sequence number.
 pub fn apply_to(master: &Master, rank: u32) -> impl FnMut(u64, &Record) -> Result<(), crate::ReplayError> + '_ {
     move |seq, rec| {
-        master.replay(rec)?;
+        master.replay(rank, rec)?;
         if let Some(g) = master.group(rank) {
             g.note_applied(seq);
         }
@@ -74,6 +74,9 @@ pub struct Promotion<'a> {
     pub me: &'a str,
     /// The group record as this master last read it, with its revision.
     pub read: (GroupRecord, Revision),
+    /// Whether this master takes the group over as its caretaker (it is another group's
+    /// primary, or the only master left) rather than as its own primary.
+    pub caretake: bool,
     /// Time allowed for the catch-up after the record changed.
     pub catch_up_deadline: Duration,
     /// The log writer's bounds.
@@ -98,6 +101,7 @@ pub async fn promote(
         g.standbys.retain(|s| *s != me);
         g.state = GroupState::Stable;
         g.migrating_to = None;
+        g.caretaken = p.caretake;
     })
     .await
     .map_err(PromoteError::Lost)?;
@@ -130,8 +134,8 @@ pub async fn promote(
     }
     let log = Arc::new(log);
     master.stop_serving_when_log_ends(&log, rank);
-    if !master.set_record_sink(log.clone()) {
-        return Err(PromoteError::Log(LogError::Refused("the master already had a record sink".into())));
+    if !master.set_record_sink(rank, Some(log.clone())) {
+        return Err(PromoteError::NoGroup(rank));
     }
     master.take_over(rank, record.epoch);
     tracing::info!(group = rank, epoch = record.epoch, durable, "promoted: serving the group");

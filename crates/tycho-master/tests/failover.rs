@@ -33,14 +33,14 @@ fn master() -> Arc<Master> {
 async fn cluster() -> Cluster {
     let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
     let keys = ClusterKeys::new("t");
-    let created = create_group(&*store, &keys, 0, "a").await.unwrap();
+    let created = create_group(&*store, &keys, 0, "a", false).await.unwrap();
     let paired = change_standbys(&*store, &keys, &created, |s| s.push("b".into())).await.unwrap();
     let fence = Fence { key: keys.group(0), mod_revision: paired.1, owner: Some(("a".into(), paired.0.epoch)) };
     let writer = WriterConfig { max_batch_records: 8, retry_backoff: Duration::from_millis(1), ..Default::default() };
     let log = OpLogWriter::open(store.clone(), log_keys(&keys, 0), fence, 0, paired.0.epoch, writer).await.unwrap();
     let log = Arc::new(log);
     let primary = master();
-    assert!(primary.set_record_sink(log.clone()));
+    assert!(primary.set_record_sink(0, Some(log.clone())));
     primary.stop_serving_when_log_ends(&log, 0);
     let standby_clock = Arc::new(ManualClock::new(1_000));
     let standby = Arc::new(Master::new(MasterConfig::default(), standby_clock.clone()));
@@ -55,6 +55,7 @@ fn promotion<'a>(c: &'a Cluster, me: &'a str) -> Promotion<'a> {
         keys: &c.keys,
         me,
         read: c.paired.clone(),
+        caretake: false,
         catch_up_deadline: Duration::from_secs(5),
         writer: WriterConfig::default(),
     }
@@ -152,7 +153,7 @@ async fn a_promoted_standby_serves_everything_acknowledged_and_fences_the_old_pr
     // is never acknowledged, nor anything after it.
     c.store.release_txns(1);
     assert!(c.store.txns() > held);
-    let err = c.log.wait(late_start).await.unwrap_err();
+    let err = c.log.wait(late_start.last()).await.unwrap_err();
     assert!(matches!(err, LogError::Fenced(_)), "{err:?}");
     // Its log ended, so it serves nothing any more, reads included.
     assert_eq!(end(p, "late", 200, 1), Err(ErrorCode::KVPT_NOT_OWNED));

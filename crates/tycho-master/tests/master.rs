@@ -1801,8 +1801,8 @@ fn busy_history(primary: &Env) {
 fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
     let primary = Env::new();
     let log = Arc::new(Recorder::default());
-    assert!(primary.m.set_record_sink(log.clone()));
-    assert!(!primary.m.set_record_sink(log.clone()), "a sink is set once");
+    assert!(primary.m.set_record_sink(0, Some(log.clone())));
+    assert!(!primary.m.set_record_sink(1, Some(log.clone())), "a group the master does not hold has no sink");
     busy_history(&primary);
     let m = &primary.m;
 
@@ -1834,7 +1834,7 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
     let standby = Env::new();
     standby.advance(DEFAULT_PUT_START_DISCARD_MS + DEFAULT_PUT_START_RELEASE_MS + 2);
     for (i, r) in decoded.records.iter().enumerate() {
-        standby.m.replay(r).unwrap_or_else(|e| panic!("record {i} ({r:?}) does not replay: {e}"));
+        standby.m.replay(0, r).unwrap_or_else(|e| panic!("record {i} ({r:?}) does not replay: {e}"));
     }
     let (objects, segments) = state(m);
     assert!(objects.len() > 10 && objects.iter().any(|o| o.0 == "pending" && !o.3), "{objects:?}");
@@ -1844,7 +1844,7 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
     // Replaying a record twice is a divergence, refused without changing anything.
     let before = state(&standby.m);
     let end = records.iter().find(|r| matches!(r, tycho_master::record::Record::WriteEnd { .. })).unwrap();
-    assert!(standby.m.replay(end).is_err());
+    assert!(standby.m.replay(0, end).is_err());
     assert_eq!(state(&standby.m), before);
 
     // The standby takes over: the write left pending on the primary commits there, and new
@@ -1868,7 +1868,7 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
 fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     let primary = Env::new();
     let log = Arc::new(Recorder::default());
-    assert!(primary.m.set_record_sink(log.clone()));
+    assert!(primary.m.set_record_sink(0, Some(log.clone())));
     busy_history(&primary);
     let m = &primary.m;
     // A value written and removed: no live replica carries its generations, which must not be
@@ -1888,7 +1888,7 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     let imported = Env::new();
     imported.advance(primary.clock.now_ms() - imported.clock.now_ms());
     tycho_master::snapshot::read(&files, id, |e| {
-        imported.m.import(e).unwrap_or_else(|err| panic!("{e:?} does not import: {err}"));
+        imported.m.import(0, e).unwrap_or_else(|err| panic!("{e:?} does not import: {err}"));
         Ok(())
     })
     .unwrap();
@@ -1899,7 +1899,7 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     // gave, live or not.
     let probe = Env::new();
     probe.advance(primary.clock.now_ms() - probe.clock.now_ms());
-    exported.iter().for_each(|e| probe.m.import(e).unwrap());
+    exported.iter().for_each(|e| probe.m.import(0, e).unwrap());
     let fresh = put_cfg(&probe.m, A, "probe", 4096, both.clone());
     assert_eq!(fresh.len(), 2);
     for r in &fresh {
@@ -1928,7 +1928,7 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     let suffix: Vec<Record> = log.0.lock()[at..].to_vec();
     assert!(suffix.len() >= 6, "{suffix:?}");
     for r in &suffix {
-        imported.m.replay(r).unwrap_or_else(|e| panic!("{r:?} does not replay on the import: {e}"));
+        imported.m.replay(0, r).unwrap_or_else(|e| panic!("{r:?} does not replay on the import: {e}"));
     }
     assert_eq!(state(&imported.m), state(m));
     // Serving from the import allocates neither a taken range nor a used generation.

@@ -5,14 +5,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tycho_master::cvm::{plan, Action, GroupView};
 use tycho_master::oplog::{Fence, LogError, LogKeys, OpLogWriter, WriterConfig};
 use tycho_master::ownership::{
-    change_group, change_standbys, create_group, decide, masters, read_group, register, ClusterKeys, Decision,
+    change_group, change_standbys, create_group, masters, read_group, register, ClusterKeys, GroupRecord,
     MasterRegistration, OwnershipError, Role,
 };
 use tycho_master::record::Record;
 use tycho_meta::{MemStore, MetaStore};
 use tycho_proto::ClientId;
+
+/// What the role rules tell `me` about the one group of a G = 1 cluster.
+fn decide(me: &str, live: &[(MasterRegistration, i64)], rec: Option<&GroupRecord>, holds: bool) -> Option<Action> {
+    let ids: Vec<String> = live.iter().map(|(r, _)| r.id.clone()).collect();
+    plan(me, &ids, &[GroupView::from(rec.cloned())], |_| holds).pop().map(|(_, a)| a)
+}
 
 fn reg(id: &str) -> MasterRegistration {
     MasterRegistration { id: id.into(), address: format!("{id}:7000"), role: Role::Idle, registered_at_ms: 0 }
@@ -22,7 +29,7 @@ fn reg(id: &str) -> MasterRegistration {
 async fn of_two_masters_creating_a_group_one_wins() {
     let store = MemStore::new();
     let keys = ClusterKeys::new("c1");
-    let (a, b) = tokio::join!(create_group(&store, &keys, 0, "a"), create_group(&store, &keys, 0, "b"));
+    let (a, b) = tokio::join!(create_group(&store, &keys, 0, "a", false), create_group(&store, &keys, 0, "b", false));
     let (won, lost) = match (a, b) {
         (Ok(w), Err(l)) | (Err(l), Ok(w)) => (w, l),
         other => panic!("exactly one create must win: {other:?}"),
@@ -40,7 +47,7 @@ async fn of_two_masters_creating_a_group_one_wins() {
 async fn a_change_from_a_stale_read_is_refused_with_the_current_record() {
     let store = MemStore::new();
     let keys = ClusterKeys::new("c1");
-    let first = create_group(&store, &keys, 3, "a").await.unwrap();
+    let first = create_group(&store, &keys, 3, "a", false).await.unwrap();
     let second = change_group(&store, &keys, &first, |g| g.standbys.push("b".into())).await.unwrap();
     assert_eq!((second.0.epoch, second.0.standbys.clone()), (2, vec!["b".to_string()]));
     let stale = change_group(&store, &keys, &first, |g| g.primary = "c".into()).await.unwrap_err();
@@ -69,14 +76,14 @@ async fn a_dead_primary_is_replaced_by_its_standby_and_its_log_is_fenced() {
     assert_eq!(live.iter().map(|(r, _)| r.id.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
 
     // a creates the group and serves it; b joins as its standby; c waits.
-    assert_eq!(decide("a", &live, None, false), Decision::Create);
-    let created = create_group(&*store, &keys, 0, "a").await.unwrap();
-    assert_eq!(decide("b", &live, Some(&created.0), true), Decision::JoinAsStandby);
+    assert_eq!(decide("a", &live, None, false), Some(Action::Create { caretake: false }));
+    let created = create_group(&*store, &keys, 0, "a", false).await.unwrap();
+    assert_eq!(decide("b", &live, Some(&created.0), true), Some(Action::JoinAsStandby));
     let paired = change_standbys(&*store, &keys, &created, |s| *s = vec!["b".into()]).await.unwrap();
     assert_eq!(paired.0.epoch, created.0.epoch, "a standby joining changes nobody's epoch");
-    assert_eq!(decide("a", &live, Some(&paired.0), true), Decision::Serve);
-    assert_eq!(decide("b", &live, Some(&paired.0), true), Decision::Follow);
-    assert_eq!(decide("c", &live, Some(&paired.0), true), Decision::Wait);
+    assert_eq!(decide("a", &live, Some(&paired.0), true), Some(Action::Serve));
+    assert_eq!(decide("b", &live, Some(&paired.0), true), Some(Action::Follow));
+    assert_eq!(decide("c", &live, Some(&paired.0), true), None);
 
     // a's OpLog writer commits under the record as a became primary of it.
     let fence = Fence { key: keys.group(0), mod_revision: paired.1, owner: Some(("a".into(), paired.0.epoch)) };
@@ -95,8 +102,8 @@ async fn a_dead_primary_is_replaced_by_its_standby_and_its_log_is_fenced() {
     // a dies (its lease ends): b takes over; c, acting on the same view, loses the race.
     store.lease_revoke(leases[0]).await.unwrap();
     let live = masters(&*store, &keys).await.unwrap();
-    assert_eq!(decide("b", &live, Some(&paired.0), true), Decision::TakeOver);
-    assert_eq!(decide("c", &live, Some(&paired.0), true), Decision::Wait);
+    assert_eq!(decide("b", &live, Some(&paired.0), true), Some(Action::TakeOver { caretake: false }));
+    assert_eq!(decide("c", &live, Some(&paired.0), true), None);
     let promoted = change_group(&*store, &keys, &paired, |g| {
         g.primary = "b".into();
         g.standbys.clear();
@@ -106,7 +113,7 @@ async fn a_dead_primary_is_replaced_by_its_standby_and_its_log_is_fenced() {
     let late = change_group(&*store, &keys, &paired, |g| g.primary = "c".into()).await.unwrap_err();
     assert!(matches!(late, OwnershipError::Conflict(Some(_))));
     assert_eq!((promoted.0.primary.as_str(), promoted.0.epoch), ("b", 2));
-    assert_eq!(decide("c", &live, Some(&promoted.0), true), Decision::JoinAsStandby);
+    assert_eq!(decide("c", &live, Some(&promoted.0), true), Some(Action::JoinAsStandby));
 
     // Anything a (paused, not dead) still tries to commit is refused by the store.
     let after = log.append(rec(4)).unwrap();

@@ -35,6 +35,8 @@ pub enum RecordKind {
     LogPrefix = 4,
     /// A group's snapshot pointers (latest, fallback, compaction floor).
     SnapshotPointers = 5,
+    /// A cluster's fixed layout (its KVPT group count).
+    ClusterMeta = 6,
 }
 
 /// Why bytes could not be opened as the record asked for.

@@ -161,6 +161,12 @@ pub struct HaArgs {
     /// second replays its log as a standby and takes over when it dies, later ones wait.
     #[arg(long = "etcd-endpoints", alias = "etcd_endpoints", value_parser = parse_endpoints, value_name = "URLS", default_value = "")]
     pub etcd_endpoints: Endpoints,
+    /// Number of KVPT groups G the key space is divided into, fixed when the cluster is created:
+    /// the first master of a cluster in etcd stores it, a later one adopts it (given another
+    /// G, it refuses to start). Each group has one primary; each segment is cut into G slices,
+    /// one per group, so the largest value is about a segment's size / G (docs/cluster.md).
+    #[arg(long = "kvpt-groups", alias = "groups", value_name = "G")]
+    pub kvpt_groups: Option<u32>,
     /// Name of the cluster in etcd: its keys live under `/tycho/NAME/`.
     #[arg(long = "cluster-name", alias = "cluster_id", default_value = "tycho", value_name = "NAME")]
     pub cluster_name: String,
@@ -217,7 +223,12 @@ fn duration_s(s: &str) -> Result<u64, String> {
 }
 
 impl MasterArgs {
-    fn admin(&self, rpc_addr: SocketAddr, secret: Option<Arc<Secret>>) -> Result<tycho_master::AdminConfig, String> {
+    fn admin(
+        &self,
+        rpc_addr: SocketAddr,
+        secret: Option<Arc<Secret>>,
+        cluster: Option<tycho_master::ClusterView>,
+    ) -> Result<tycho_master::AdminConfig, String> {
         let sane = |v: f64| v.is_finite() && v > 0.0 && v <= 86_400.0;
         if !(sane(self.rpc_probe_interval) && sane(self.rpc_probe_timeout)) {
             return Err(
@@ -234,6 +245,7 @@ impl MasterArgs {
             }),
             probe_auth: probe_auth(secret.clone()),
             http_secret: secret,
+            cluster,
         })
     }
 }
@@ -317,7 +329,7 @@ pub fn run_master(args: MasterArgs) -> i32 {
         eprintln!("error: --enable_ha needs --etcd-endpoints (Mooncake's --etcd_endpoints): the etcd the masters coordinate through");
         return 2;
     }
-    let cfg = match args.config() {
+    let mut cfg = match args.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -326,6 +338,35 @@ pub fn run_master(args: MasterArgs) -> i32 {
     };
     let rt = runtime(args.rpc_thread_num);
     rt.block_on(async move {
+        // With etcd, G is the cluster's: stored by its first master, adopted by the others.
+        let store = match connect_etcd(&args.ha).await {
+            Ok(store) => store,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        let keys = tycho_master::ownership::ClusterKeys::new(&args.ha.cluster_name);
+        let groups = match &store {
+            None => match args.ha.kvpt_groups {
+                Some(g) if !(1..=tycho_routing::PARTITION_COUNT).contains(&g) => {
+                    Err(tycho_master::ownership::LayoutError::OutOfRange(g))
+                }
+                g => Ok(g.unwrap_or(1)),
+            },
+            Some(store) => tycho_master::ownership::cluster_groups(&**store, &keys, args.ha.kvpt_groups).await,
+        };
+        cfg.group_count = match groups {
+            Ok(g) => g,
+            Err(e @ tycho_master::ownership::LayoutError::Ownership(_)) => {
+                eprintln!("error: cluster layout in etcd: {e}");
+                return 1;
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        };
         let addr = format!("{}:{}", args.rpc_address, args.rpc_port);
         let server = ServerConfig {
             max_frame: args.max_frame_bytes,
@@ -339,34 +380,64 @@ pub fn run_master(args: MasterArgs) -> i32 {
                 return 1;
             }
         };
-        let admin =
-            match args.admin(running.addr, running.secret.clone()).map_err(std::io::Error::other).and_then(|cfg| {
+        let view = store.as_ref().map(|store| tycho_master::ClusterView {
+            store: store.clone(),
+            keys: keys.clone(),
+            me: identity(&args.ha, running.addr).0,
+        });
+        let admin = match args
+            .admin(running.addr, running.secret.clone(), view)
+            .map_err(std::io::Error::other)
+            .and_then(|cfg| {
                 let bind = cfg.bind.clone();
                 tycho_master::start_admin(cfg, running.master.clone(), running.metrics.clone())
                     .map_err(|e| std::io::Error::other(format!("admin HTTP on {bind}: {e}")))
             }) {
-                Ok(a) => a,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    running.stop().await;
-                    return 1;
-                }
-            };
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("error: {e}");
+                running.stop().await;
+                return 1;
+            }
+        };
         let signals = Signals::install();
         println!("tycho master listening on {}", running.addr);
         println!("tycho master admin HTTP on http://{}", admin.local_addr());
-        let code = if args.ha.etcd_endpoints.is_empty() {
-            admin.probe().set_serving(true);
-            signals.wait().await;
-            0
-        } else {
-            run_ha(&args.ha, running.addr, running.master.clone(), &admin, signals).await
+        let code = match store {
+            None => {
+                admin.probe().set_serving(true);
+                signals.wait().await;
+                0
+            }
+            Some(store) => run_ha(&args.ha, store, running.addr, running.master.clone(), &admin, signals).await,
         };
         admin.probe().set_serving(false);
         running.stop().await;
         drop(admin);
         code
     })
+}
+
+/// The master's id in the cluster and the address it advertises there. An unspecified bind
+/// address is advertised under the host's name: 127.0.0.1 would reach no client elsewhere, and
+/// would give masters on different hosts the same default id.
+fn identity(ha: &HaArgs, rpc: SocketAddr) -> (String, String) {
+    let address = ha.advertise_address.clone().unwrap_or_else(|| match rpc.ip().is_unspecified() {
+        true => format!("{}:{}", host_name(), rpc.port()),
+        false => rpc.to_string(),
+    });
+    (ha.master_id.clone().unwrap_or_else(|| address.clone()), address)
+}
+
+/// The etcd of `--etcd-endpoints`, connected; `None` without endpoints.
+async fn connect_etcd(ha: &HaArgs) -> Result<Option<Arc<dyn tycho_meta::MetaStore>>, String> {
+    if ha.etcd_endpoints.is_empty() {
+        return Ok(None);
+    }
+    match tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new(ha.etcd_endpoints.0.clone())).await {
+        Ok(s) => Ok(Some(Arc::new(s))),
+        Err(e) => Err(format!("etcd at {}: {e}", ha.etcd_endpoints.0.join(","))),
+    }
 }
 
 /// This host's name, as `gethostname` gives it.
@@ -385,28 +456,17 @@ fn host_name() -> String {
 /// once) or until it must leave; `/readyz` follows its role. Returns the exit code.
 async fn run_ha(
     ha: &HaArgs,
+    store: Arc<dyn tycho_meta::MetaStore>,
     rpc: SocketAddr,
     master: Arc<Master>,
     admin: &tycho_master::AdminHandle,
     signals: Signals,
 ) -> i32 {
     use tycho_master::ha::{HaConfig, HaStatus};
-    let store = match tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new(ha.etcd_endpoints.0.clone())).await {
-        Ok(s) => Arc::new(s),
-        Err(e) => {
-            eprintln!("error: etcd at {}: {e}", ha.etcd_endpoints.0.join(","));
-            return 1;
-        }
-    };
-    // An unspecified bind address is advertised under the host's name: 127.0.0.1 would reach no
-    // client elsewhere, and would give masters on different hosts the same default id.
-    let address = ha.advertise_address.clone().unwrap_or_else(|| match rpc.ip().is_unspecified() {
-        true => format!("{}:{}", host_name(), rpc.port()),
-        false => rpc.to_string(),
-    });
+    let (id, address) = identity(ha, rpc);
     let cfg = HaConfig {
         cluster: ha.cluster_name.clone(),
-        id: ha.master_id.clone().unwrap_or_else(|| address.clone()),
+        id,
         address,
         lease_ttl: Duration::from_millis(ha.ha_lease_ttl),
         catch_up_deadline: Duration::from_millis(ha.ha_catch_up_deadline),
@@ -464,6 +524,7 @@ pub fn run_up(args: UpArgs) -> i32 {
         }),
         probe_auth: auth.clone(),
         http_secret: running.secret.clone(),
+        cluster: None,
     };
     let admin = match tycho_master::start_admin(admin_cfg, running.master.clone(), running.metrics.clone()) {
         Ok(a) => a,

@@ -2,7 +2,6 @@
 //! free ports, stopped with it), a real node and real clients.
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,26 +16,12 @@ use tycho_testkit::{MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
 
 mod common;
+use common::{secret_file, serial};
 
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
 /// Bound on each role change the test waits for.
 const ROLE_WAIT: Duration = Duration::from_secs(30);
-
-/// One test at a time: each runs an etcd, two masters and a node, and a master whose lease
-/// renewals starve on a loaded machine would leave its role.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn secret_file(dir: &Path) -> PathBuf {
-    let p = dir.join("cluster.secret");
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&p).unwrap();
-    f.write_all(b"ha-test-cluster-secret-of-enough-length").unwrap();
-    p
-}
 
 fn client(master: &str, secret: &Path) -> Client {
     let mut cfg = ClientConfig::new(master);

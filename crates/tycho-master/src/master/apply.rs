@@ -7,13 +7,13 @@
 //! a write that is not pending, a range already taken) is a divergence, reported as a
 //! [`ReplayError`] so that a standby stops and rebootstraps instead of serving a guess.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use thiserror::Error;
 use tycho_proto::{ClientId, ErrorCode, SegmentId};
 
-use super::Master;
+use super::{Group, Master};
 use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
 use crate::record::{RangeRec, Record, RecordSink};
 use crate::segment::{MountedSegment, Replica, SegAlloc};
@@ -43,8 +43,37 @@ pub enum ReplayError {
 }
 
 thread_local! {
-    /// The highest sequence number this thread logged since [`Master::take_logged`].
-    static LOGGED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// What this thread logged since [`Master::take_logged`]: per sink, the highest sequence
+    /// number.
+    static LOGGED: std::cell::RefCell<Vec<(Arc<dyn RecordSink>, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Records a thread logged while it ran one request, to be durable before it is answered (see
+/// [`Master::take_logged`]).
+#[derive(Default)]
+pub struct Logged(Vec<(Arc<dyn RecordSink>, u64)>);
+
+impl Logged {
+    /// Whether nothing was logged.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The highest sequence number logged (0: none), whatever the group: for tests with one.
+    pub fn last(&self) -> u64 {
+        self.0.iter().map(|(_, s)| *s).max().unwrap_or(0)
+    }
+}
+
+/// Notes that this thread's answer waits for record `seq` of `sink`.
+fn note_logged(sink: Arc<dyn RecordSink>, seq: u64) {
+    LOGGED.with(|l| {
+        let mut l = l.borrow_mut();
+        match l.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
+            Some(e) => e.1 = e.1.max(seq),
+            None => l.push((sink, seq)),
+        }
+    })
 }
 
 /// The record of a replica's range.
@@ -60,11 +89,19 @@ pub(super) fn range_rec(r: &Replica) -> RangeRec {
 }
 
 impl Master {
-    /// Sends every record this master applies as a primary to `sink`, in the order applied
-    /// (records of one key in the order of its shard lock). Set once, before serving; false if
-    /// one was set already.
-    pub fn set_record_sink(&self, sink: Arc<dyn RecordSink>) -> bool {
-        self.sink.set(sink).is_ok()
+    /// Sends every record of group `rank` this master applies as its primary to `sink`, in the
+    /// order applied (records of one key in the order of its shard lock), replacing the sink
+    /// it had; `None` sends them nowhere. Set before serving the group. False if this master
+    /// does not hold the group.
+    pub fn set_record_sink(&self, rank: u32, sink: Option<Arc<dyn RecordSink>>) -> bool {
+        let Some(group) = self.group(rank) else { return false };
+        let on = sink.is_some();
+        match (group.set_sink(sink).is_some(), on) {
+            (false, true) => self.sinks.fetch_add(1, Ordering::AcqRel),
+            (true, false) => self.sinks.fetch_sub(1, Ordering::AcqRel),
+            _ => 0,
+        };
+        true
     }
 
     /// A master clock time as the Unix time records carry.
@@ -77,45 +114,74 @@ impl Master {
         unix.saturating_sub(self.unix_offset)
     }
 
-    /// Hands the record `make` builds to the sink, if there is one (it is built only then), and
-    /// notes its sequence number for [`Master::take_logged`].
+    /// Hands the record `make` builds to the sink of its key's group, if that group has one
+    /// (it is built only when some group has one), and notes its sequence number for
+    /// [`Master::take_logged`]. For records of one key.
     pub(super) fn log(&self, make: impl FnOnce() -> Record) {
-        if let Some(s) = self.sink.get() {
-            let seq = s.append(make());
-            LOGGED.with(|c| c.set(c.get().max(seq)));
+        if self.sinks.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let rec = make();
+        let group = rec.key().and_then(|k| self.group_of_key(k));
+        debug_assert!(group.is_some(), "log() takes records of a key this master holds");
+        if let Some((sink, seq)) = group.and_then(|g| g.append(rec)) {
+            note_logged(sink, seq);
         }
     }
 
-    /// Makes the calling thread's answer wait until every record logged so far is durable: for
-    /// an answer that reports a mutation decided earlier (a retried PutEnd finds its write
-    /// committed), whose record may not be durable yet.
-    pub(super) fn await_logged(&self) {
-        if let Some(s) = self.sink.get() {
+    /// Hands the record `make` builds to `group`'s sink, if it has one: for records of the
+    /// group's segments.
+    pub(super) fn log_to(&self, group: &Group, make: impl FnOnce() -> Record) {
+        if self.sinks.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some((sink, seq)) = group.sink().and_then(|_| group.append(make())) {
+            note_logged(sink, seq);
+        }
+    }
+
+    /// Makes the calling thread's answer wait until every record of `key`'s group logged so far
+    /// is durable: for an answer that reports a mutation decided earlier (a retried PutEnd
+    /// finds its write committed), whose record may not be durable yet.
+    pub(super) fn await_logged(&self, key: &[u8]) {
+        if let Some(s) = self.group_of_key(key).and_then(Group::sink) {
             let seq = s.appended();
-            LOGGED.with(|c| c.set(c.get().max(seq)));
+            if seq > 0 {
+                note_logged(s, seq);
+            }
         }
     }
 
-    /// The highest sequence number the calling thread logged since its last call (0: none),
-    /// and starts over. An RPC takes it before and after running a request on one thread, and
-    /// answers only once that record is durable ([`Master::durable`]).
-    pub fn take_logged() -> u64 {
-        LOGGED.with(|c| c.replace(0))
+    /// What the calling thread logged since its last call, and starts over. An RPC takes it
+    /// before and after running a request on one thread, and answers only once those records
+    /// are durable ([`Master::durable`]).
+    pub fn take_logged() -> Logged {
+        Logged(LOGGED.with(|l| std::mem::take(&mut *l.borrow_mut())))
     }
 
-    /// Whether a mutation may be decided now: busy (retryable) while the log is full, the log's
-    /// error once it has ended.
+    /// Whether a mutation may be decided now: busy (retryable) while a log of a group this
+    /// master serves is full, the log's error once it has ended.
     pub fn admit(&self) -> Result<(), ErrorCode> {
-        self.sink.get().map_or(Ok(()), |s| s.admit())
+        if self.sinks.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        self.groups().filter(|g| g.is_serving()).filter_map(Group::sink).try_for_each(|s| s.admit())
     }
 
-    /// Resolves once record `seq` is durable; `None` when there is nothing to wait for (no
-    /// record, or no log).
-    pub fn durable(&self, seq: u64) -> Option<crate::record::DurableFuture> {
-        if seq == 0 {
-            return None;
+    /// Resolves once every record in `logged` is durable, or with the error of a log that will
+    /// never make one durable; `None` when there is nothing to wait for.
+    pub fn durable(&self, logged: Logged) -> Option<crate::record::DurableFuture> {
+        let mut waits: Vec<_> = logged.0.into_iter().map(|(sink, seq)| sink.durable(seq)).collect();
+        match waits.len() {
+            0 => None,
+            1 => waits.pop(),
+            _ => Some(Box::pin(async move {
+                for w in waits {
+                    w.await?;
+                }
+                Ok(())
+            })),
         }
-        self.sink.get().map(|s| s.durable(seq))
     }
 
     /// A write starts: `replicas` (reserved already) are its ranges.
@@ -260,10 +326,12 @@ impl Master {
     }
 
     /// Replays one record of the primary's log on this master (a standby, or an import).
-    pub fn replay(&self, rec: &Record) -> Result<(), ReplayError> {
+    pub fn replay(&self, rank: u32, rec: &Record) -> Result<(), ReplayError> {
         let now = self.now();
-        let group = |key: &[u8]| {
-            self.group_of_key(key).ok_or(ReplayError::NoSuchObject("a record of a group this master does not hold"))
+        let not_held = ReplayError::NoSuchObject("a record of a group this master does not hold");
+        let group = |key: &[u8]| match self.group_of_key(key) {
+            Some(g) if g.rank() == rank => Ok(g),
+            _ => Err(not_held.clone()),
         };
         let shard_of = |key: &[u8]| group(key).map(|g| g.shard_of(key));
         match rec {
@@ -271,7 +339,7 @@ impl Master {
                 let mut reserved: Vec<Replica> = Vec::with_capacity(replicas.len());
                 for r in replicas {
                     let fail = |why| ReplayError::Range { segment: r.segment, offset: r.offset, why };
-                    let got = match self.segments.get(r.segment) {
+                    let got = match group(key)?.segments.get(r.segment) {
                         // The segment went away here already: the primary allocated in it just
                         // before its unmount was logged, and its replica is dead there too. The
                         // write goes on without it, as on the primary (a commit leaves it out).
@@ -341,12 +409,13 @@ impl Master {
             Record::Mount { client, desc, reserved } => {
                 let reserved: Vec<(u64, u64, u64)> =
                     reserved.iter().map(|&(o, l, until)| (o, l, self.local_time(until))).collect();
-                self.apply_mount(*client, desc.clone(), &reserved, now, || {})
+                let group = self.group(rank).ok_or(not_held)?;
+                self.apply_mount(group, *client, desc.clone(), &reserved, now, || {})
                     .map_err(|e| ReplayError::Mount(desc.id, e))?;
                 Ok(())
             }
             Record::Unmount { segment } => {
-                self.apply_unmount(*segment);
+                self.apply_unmount(self.group(rank).ok_or(not_held)?, *segment);
                 Ok(())
             }
         }
@@ -386,6 +455,7 @@ impl Master {
     /// allocate in it. Returns whether it replaced an earlier incarnation.
     pub(super) fn apply_mount(
         &self,
+        group: &Group,
         client: ClientId,
         desc: tycho_proto::SegmentDesc,
         reserved: &[(u64, u64, u64)],
@@ -394,7 +464,7 @@ impl Master {
     ) -> Result<bool, ErrorCode> {
         let id = desc.id;
         let ranges: Vec<(u64, u64)> = reserved.iter().map(|&(o, l, _)| (o, l)).collect();
-        let (seg, got, replaced) = self.segments.mount_then(client, desc, &ranges, accepted)?;
+        let (seg, got, replaced) = group.segments.mount_then(client, desc, &ranges, accepted)?;
         for (alloc, &(_, _, until)) in got.into_iter().zip(reserved) {
             if let Some(alloc) = alloc {
                 // A new incarnation: no capability of the old one works, so its tenant does not matter.
@@ -409,9 +479,13 @@ impl Master {
         Ok(replaced)
     }
 
-    /// A segment is unmounted: it and every replica on it are dead from now on.
-    pub(super) fn apply_unmount(&self, id: SegmentId) {
-        if let Some(seg) = self.segments.unmount(id) {
+    /// A segment is unmounted from `group`: its slice and every replica in it are dead from
+    /// now on. The client's list forgets it once no group holds it.
+    pub(super) fn apply_unmount(&self, group: &Group, id: SegmentId) {
+        if let Some(seg) = group.segments.unmount(id) {
+            if self.groups().any(|g| g.segments.get(id).is_some()) {
+                return;
+            }
             if let Some(c) = self.clients.read().get(&seg.client) {
                 c.segments.lock().retain(|s| *s != id);
             }

@@ -30,12 +30,13 @@ use crate::record::{PinsRec, Record};
 use crate::snapshot::Entry;
 
 impl Master {
-    /// The state of group `rank` as snapshot entries (`None` if this master does not hold it).
-    /// Segments are master-wide until the partitioned plane gives each group its ranges: every
-    /// group's export carries them all.
+    /// The state of group `rank` as snapshot entries (`None` if this master does not hold it):
+    /// the segments mounted for it with the ranges held in its slices, and its objects.
+    /// Orphaned ranges (of segments gone) are the master's, and every group's export carries
+    /// them: a remount reserves those in its group's slice.
     pub fn export_group(&self, rank: u32) -> Option<Vec<Entry>> {
         let group = self.group(rank)?;
-        let live = self.segments.live();
+        let live = group.segments.live();
         // Ranges whose time is up are free, whether or not housekeeping got to them.
         let (now, unix_now) = (self.now(), self.clock.unix_now_ms());
         // Ranges held back, by segment: on a live segment they become its mount's reserved
@@ -48,7 +49,7 @@ impl Master {
         }
         orphans.retain(|_, l| !l.is_empty());
         for d in self.deferred.lock().iter().filter(|d| d.release_at > now) {
-            for r in &d.replicas {
+            for r in d.replicas.iter().filter(|r| r.seg.rank() == rank) {
                 let range = (r.alloc.offset, r.alloc.reserved, self.unix_time(d.release_at));
                 let to = if r.seg.is_alive() { &mut reserved } else { &mut orphans };
                 to.entry(r.seg.desc.id).or_default().push(range);
@@ -116,11 +117,11 @@ impl Master {
     }
 
     /// Imports one snapshot entry (in the order the export made them).
-    pub fn import(&self, entry: &Entry) -> Result<(), ReplayError> {
+    pub fn import(&self, rank: u32, entry: &Entry) -> Result<(), ReplayError> {
         match entry {
-            Entry::Record(rec) => self.replay(rec),
+            Entry::Record(rec) => self.replay(rank, rec),
             Entry::NextGen { segment, incarnation, next_gen } => {
-                match self.segments.get(*segment) {
+                match self.group(rank).and_then(|g| g.segments.get(*segment)) {
                     Some(seg) if seg.desc.incarnation == *incarnation => seg.raise_next_gen(*next_gen),
                     _ => {
                         return Err(ReplayError::Range {
@@ -140,6 +141,30 @@ impl Master {
         }
     }
 
+    /// Forgets what this master holds of group `rank`: its objects, tombstones, segments (its
+    /// slices, and the ranges held in them) and log position. For a group this master does not
+    /// serve (a standby starting over, or a primary another master replaced).
+    pub fn reset_group(&self, rank: u32) {
+        let Some(g) = self.group(rank) else { return };
+        for shard in g.shards.iter() {
+            shard.write().clear();
+        }
+        g.tombstones.iter().for_each(|t| t.lock().clear());
+        g.reset_applied();
+        g.segments.clear();
+        self.deferred.lock().retain_mut(|d| {
+            d.replicas.retain(|r| r.seg.rank() != rank);
+            !d.replicas.is_empty()
+        });
+        // What the master keeps for all its groups is this group's alone when it holds no
+        // other: it goes too.
+        if self.groups().count() == 1 {
+            self.orphaned.lock().clear();
+            self.clients.write().clear();
+            self.last_abandon_scan.store(0, Ordering::Relaxed);
+        }
+    }
+
     /// Forgets everything: objects, segments, clients, held ranges, and the log position of
     /// every group. For a master that does not serve (a standby about to start over from a
     /// snapshot): anything it held may have diverged from the log.
@@ -150,10 +175,10 @@ impl Master {
             }
             g.tombstones.iter().for_each(|t| t.lock().clear());
             g.reset_applied();
+            g.segments.clear();
         }
         self.deferred.lock().clear();
         self.orphaned.lock().clear();
-        self.segments.clear();
         self.clients.write().clear();
         self.last_abandon_scan.store(0, Ordering::Relaxed);
     }

@@ -3,15 +3,18 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use tycho_routing::partition_of_encoded;
 
 use super::Tombstone;
 use crate::object::{ObjectKey, ShardMap, Shards, SHARD_COUNT};
+use crate::record::{Record, RecordSink};
+use crate::segment::SegmentTable;
 
 /// A group container: its metadata shards, the tombstones of its force-removed leased objects,
-/// its ownership epoch and its position in its log.
+/// its slices of the mounted segments, its ownership epoch, its log and its position in it.
 pub struct Group {
     rank: u32,
     epoch: AtomicU64,
@@ -26,12 +29,18 @@ pub struct Group {
     /// Per shard: the ranges of leased objects removed by force, until their lease ends (see
     /// `Master::commit`). Lock order: the shard's lock, then this one.
     pub(super) tombstones: Box<[Mutex<HashMap<ObjectKey, Tombstone>>]>,
+    /// The segments mounted for the group: each an allocator over the group's slice.
+    pub(super) segments: SegmentTable,
+    /// Where the group's records go while this master is its primary (its OpLog writer).
+    sink: RwLock<Option<Arc<dyn RecordSink>>>,
 }
 
 impl Group {
-    /// An empty container of group `rank` at `epoch`.
-    pub fn new(rank: u32, epoch: u64) -> Group {
+    /// An empty container of group `rank` at `epoch`, allocating in `segments`.
+    pub fn new(rank: u32, epoch: u64, segments: SegmentTable) -> Group {
         Group {
+            segments,
+            sink: RwLock::new(None),
             rank,
             epoch: AtomicU64::new(epoch),
             serving: AtomicBool::new(true),
@@ -85,6 +94,30 @@ impl Group {
     /// Where the group's log writer and follower report their figures.
     pub fn log_stats(&self) -> &std::sync::Arc<crate::oplog::LogStats> {
         &self.log_stats
+    }
+
+    /// The segments mounted for the group (its slices of them).
+    pub fn segments(&self) -> &SegmentTable {
+        &self.segments
+    }
+
+    /// Sends the group's records to `sink` from now on (`None`: nowhere); returns the previous
+    /// one.
+    pub(super) fn set_sink(&self, sink: Option<Arc<dyn RecordSink>>) -> Option<Arc<dyn RecordSink>> {
+        std::mem::replace(&mut *self.sink.write(), sink)
+    }
+
+    /// The group's record sink, if it has one.
+    pub(super) fn sink(&self) -> Option<Arc<dyn RecordSink>> {
+        self.sink.read().clone()
+    }
+
+    /// Hands `rec` to the group's sink; returns the sink and the record's sequence number, or
+    /// `None` (and drops the record) without a sink.
+    pub(super) fn append(&self, rec: Record) -> Option<(Arc<dyn RecordSink>, u64)> {
+        let sink = self.sink.read();
+        let s = sink.as_ref()?;
+        Some((s.clone(), s.append(rec)))
     }
 
     /// The metadata shards (for health checks and tests).

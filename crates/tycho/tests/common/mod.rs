@@ -1,6 +1,9 @@
 //! Helpers shared by the real-process test files (each includes this module).
 
-use std::sync::Arc;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tycho_client::ClientAuth;
@@ -9,6 +12,7 @@ use tycho_proto::{ClientId, Request, Response};
 
 /// A raw connection to the master at `addr` as a newly registered client of `tenant`: its id
 /// and the connection, which greets with the client's identity and credential.
+#[allow(dead_code)]
 pub fn registered(addr: &str, secret: &Arc<Secret>, tenant: &str) -> (ClientId, tycho_rpc::BlockingClient) {
     let t = Duration::from_secs(10);
     let auth = ClientAuth::Secret(secret.clone());
@@ -23,4 +27,21 @@ pub fn registered(addr: &str, secret: &Arc<Secret>, tenant: &str) -> (ClientId, 
         tycho_proto::auth::handshake::Identity::Client { client: client.0, tenant: tenant.into(), credential };
     let cfg = tycho_rpc::ClientConfig { auth, identity: Some(identity), ..Default::default() };
     (client, tycho_rpc::BlockingClient::new(addr, cfg))
+}
+
+/// One test of a file at a time, for tests that each run an etcd and several masters: a master
+/// whose lease renewals starve on a loaded machine would lose its roles.
+#[allow(dead_code)]
+pub fn serial() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A cluster secret file (mode 0600) in `dir`.
+#[allow(dead_code)]
+pub fn secret_file(dir: &Path) -> PathBuf {
+    let p = dir.join("cluster.secret");
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&p).unwrap();
+    f.write_all(b"test-cluster-secret-of-enough-length").unwrap();
+    p
 }
