@@ -89,9 +89,13 @@ struct Inner {
     cfg: ClientConfig,
     id: ClientId,
     hostname: String,
-    /// One connection pool per master address; `current` is the one in use.
-    masters: Vec<BlockingClient>,
+    /// One connection pool per master address given; `current` is the one in use.
+    masters: Vec<Arc<BlockingClient>>,
     current: std::sync::atomic::AtomicUsize,
+    /// How connections to masters authenticate: for those the route table names.
+    rpc: RpcConfig,
+    /// Connections to group primaries the route table names, by address, beyond `masters`.
+    peers: parking_lot::RwLock<HashMap<String, Arc<BlockingClient>>>,
     engine: TransferEngine,
     registry: Arc<SegmentRegistry>,
     segments: Mutex<Vec<Segment>>,
@@ -248,7 +252,7 @@ impl Client {
         // With a secret, the master issues this client's id and credential, and every later
         // connection proves them (to every master of the cluster: they share the secret);
         // without one, the client picks its id.
-        let (id, masters) = match (&secret, registered) {
+        let (id, masters, rpc) = match (&secret, registered) {
             (Some(s), Some((client, credential))) => {
                 let identity = Identity::Client { client: client.0, tenant: cfg.tenant.clone(), credential };
                 let rpc = RpcConfig {
@@ -257,15 +261,16 @@ impl Client {
                     identity: Some(identity),
                     ..RpcConfig::default()
                 };
-                let masters: Vec<BlockingClient> = addrs.iter().map(|a| BlockingClient::new(a, rpc.clone())).collect();
+                let masters: Vec<Arc<BlockingClient>> =
+                    addrs.iter().map(|a| Arc::new(BlockingClient::new(a, rpc.clone()))).collect();
                 masters[at].check().map_err(|e| e.code())?;
-                (client, masters)
+                (client, masters, rpc)
             }
             _ => {
-                let mut masters: Vec<BlockingClient> =
-                    addrs.iter().map(|a| BlockingClient::new(a, plain.clone())).collect();
-                masters[at] = first;
-                (ClientId(rand::random()), masters)
+                let mut masters: Vec<Arc<BlockingClient>> =
+                    addrs.iter().map(|a| Arc::new(BlockingClient::new(a, plain.clone()))).collect();
+                masters[at] = Arc::new(first);
+                (ClientId(rand::random()), masters, plain)
             }
         };
         let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone());
@@ -296,6 +301,8 @@ impl Client {
             hostname,
             masters,
             current: std::sync::atomic::AtomicUsize::new(at),
+            rpc,
+            peers: parking_lot::RwLock::new(HashMap::new()),
             engine,
             registry,
             segments: Mutex::new(segments),
@@ -304,10 +311,14 @@ impl Client {
             leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             master_instance: AtomicU64::new(0),
-            routes: parking_lot::RwLock::new(RouteTable { groups: 1, epochs: Vec::new() }),
+            routes: parking_lot::RwLock::new(RouteTable { groups: 1, epochs: Vec::new(), owners: Vec::new() }),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
+        // Who serves each group: a cluster of several masters is routed from the start.
+        if let Err(e) = inner.refresh_routes() {
+            tracing::debug!(error = %e, "no route table yet; routing by epoch alone");
+        }
         inner.remount()?;
         let hb = inner.clone();
         let thread = std::thread::Builder::new()
@@ -1180,12 +1191,22 @@ impl Inner {
         &self.masters[self.current.load(Ordering::Acquire) % self.masters.len()]
     }
 
+    /// Calls the masters `req` concerns. In a cluster of several groups whose route table names
+    /// their primaries, see [`Inner::call_routed`]; otherwise the master in use (see
+    /// [`Inner::call_seeds`]).
+    fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
+        if self.routes.read().partitioned() {
+            return self.call_routed(req);
+        }
+        self.call_seeds(req)
+    }
+
     /// Calls the master in use; when it does not serve (a standby, a dead or stopped primary),
     /// moves through the other addresses, with back-off, for up to [`FAILOVER_WAIT`]. With one
     /// address it waits the same way while that address answers KVPT_NOT_OWNED (a standby
     /// behind a name that service discovery moves). Requests whose repetition is not harmless
     /// are not sent again after a lost answer.
-    fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
+    fn call_seeds(&self, req: &Request) -> Result<Response, ErrorCode> {
         let deadline = Instant::now() + FAILOVER_WAIT;
         let mut pause = Duration::from_millis(50);
         loop {
@@ -1241,15 +1262,233 @@ impl Inner {
         }
     }
 
-    /// Asks the master for the groups' epochs.
+    /// Asks the master in use for the groups' epochs and primaries.
     fn refresh_routes(&self) -> Result<(), ErrorCode> {
-        match call_with_retry(self.master(), &Request::Routes, self.cfg.rpc_timeout)? {
+        self.refresh_routes_from(self.master())
+    }
+
+    /// Asks `master` for the groups' epochs and primaries.
+    fn refresh_routes_from(&self, master: &BlockingClient) -> Result<(), ErrorCode> {
+        match call_with_retry(master, &Request::Routes, self.cfg.rpc_timeout)? {
             Response::Routes(t) => {
-                tracing::info!(epochs = ?t.epochs, "routes refreshed");
+                tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
                 *self.routes.write() = t;
                 Ok(())
             }
             _ => Err(ErrorCode::INTERNAL_ERROR),
+        }
+    }
+
+    /// Asks for the route table again after `failed` (a master) answered a routing error or
+    /// none: that master first, then the addresses given, until one answers.
+    fn reroute(&self, failed: &BlockingClient) {
+        if self.refresh_routes_from(failed).is_ok() {
+            return;
+        }
+        for m in &self.masters {
+            if m.addr() != failed.addr() && self.refresh_routes_from(m).is_ok() {
+                return;
+            }
+        }
+    }
+
+    /// The connection to the master at `addr` ("": the master in use).
+    fn conn(&self, addr: &str) -> Arc<BlockingClient> {
+        if addr.is_empty() {
+            return self.masters[self.current.load(Ordering::Acquire) % self.masters.len()].clone();
+        }
+        if let Some(m) = self.masters.iter().find(|m| m.addr() == addr) {
+            return m.clone();
+        }
+        if let Some(p) = self.peers.read().get(addr) {
+            return p.clone();
+        }
+        self.peers
+            .write()
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(BlockingClient::new(addr, self.rpc.clone())))
+            .clone()
+    }
+
+    /// The address of the primary of `partition`'s group as the route table says ("": unknown).
+    fn owner_of(&self, partition: u16) -> String {
+        let t = self.routes.read();
+        let rank = tycho_routing::kvpt_to_rank(partition, t.groups.max(1));
+        t.owners.get(rank as usize).cloned().unwrap_or_default()
+    }
+
+    /// Every group primary the route table names, each once.
+    fn owners(&self) -> Vec<String> {
+        let t = self.routes.read();
+        let mut all: Vec<String> = t.owners.iter().filter(|o| !o.is_empty()).cloned().collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+
+    /// `req` with every key's epoch set from the route table.
+    fn retag(&self, req: &Request) -> Request {
+        let mut again = req.clone();
+        let routes = self.routes.read();
+        for r in again.routes_mut() {
+            r.epoch = epoch_of(&routes, r.partition_id);
+        }
+        again
+    }
+
+    /// Calls the primaries `req` concerns, by the route table: a key's request goes to its
+    /// group's primary; a batch's keys to theirs, one request per primary, with the per-key
+    /// answers put back in order (a primary that fails fails its keys only); RemoveAll and
+    /// RemoveByRegex to every primary (the counts added up); a heartbeat and a segment's
+    /// mount or unmount to every primary; anything else to the master in use. Routing errors
+    /// are followed as spec 03 says: KVPT_NOT_OWNED and STALE_EPOCH refresh the route table and
+    /// go to the owner it names; a lost connection is retried (when the request may be sent
+    /// twice) with back-off, and refreshes the route table from another master. All within
+    /// [`FAILOVER_WAIT`].
+    fn call_routed(&self, req: &Request) -> Result<Response, ErrorCode> {
+        let n = req.batch_len();
+        if n > 0 {
+            return self.call_batch(req, n);
+        }
+        let mut probe = req.clone();
+        if let Some(partition) = probe.routes_mut().first().map(|r| r.partition_id) {
+            return self.call_owner(req, partition);
+        }
+        match req {
+            Request::RemoveAll { .. } | Request::RemoveByRegex { .. } => {
+                let mut removed = 0;
+                for owner in self.owners() {
+                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout)? {
+                        Response::Removed(k) => removed += k,
+                        _ => return Err(ErrorCode::INTERNAL_ERROR),
+                    }
+                }
+                Ok(Response::Removed(removed))
+            }
+            Request::Ping { .. }
+            | Request::MountSegment { .. }
+            | Request::ReMountSegment { .. }
+            | Request::UnmountSegment { .. } => {
+                // Every primary allocates on this client's segments and expires it on its own.
+                let mut last = Ok(Response::Done);
+                for owner in self.owners() {
+                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout) {
+                        Ok(Response::Ping(p)) if p.status == ClientStatus::NeedRemount => return Ok(Response::Ping(p)),
+                        Err(ErrorCode::CLIENT_NOT_FOUND) if matches!(req, Request::Ping { .. }) => {
+                            return Ok(Response::Ping(PingReply {
+                                status: ClientStatus::NeedRemount,
+                                master_instance: 0,
+                            }))
+                        }
+                        Err(e) => last = Err(e),
+                        Ok(r) => {
+                            if last.is_ok() {
+                                last = Ok(r);
+                            }
+                        }
+                    }
+                }
+                last
+            }
+            _ => self.call_seeds(req),
+        }
+    }
+
+    /// One key's request at its group's primary (see [`Inner::call_routed`]).
+    fn call_owner(&self, req: &Request, partition: u16) -> Result<Response, ErrorCode> {
+        let deadline = Instant::now() + FAILOVER_WAIT;
+        let mut pause = Duration::from_millis(20);
+        let mut req = std::borrow::Cow::Borrowed(req);
+        let mut remounted = false;
+        loop {
+            let owner = self.owner_of(partition);
+            let conn = self.conn(&owner);
+            let code = match call_with_retry(&conn, &req, self.cfg.rpc_timeout) {
+                Err(ErrorCode::CLIENT_NOT_FOUND) if !remounted => {
+                    remounted = true;
+                    self.engine.forget_mappings();
+                    self.remount()?;
+                    continue;
+                }
+                Err(code @ (ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH)) => code,
+                Err(code @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)) if crate::retry::is_idempotent(&req) => code,
+                r => return r,
+            };
+            if Instant::now() >= deadline {
+                return Err(code);
+            }
+            self.reroute(&conn);
+            // Redirected to another primary: at once. Same one (its group is moving, or the
+            // records have not caught up): after a pause.
+            if self.owner_of(partition) == owner {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            req = std::borrow::Cow::Owned(self.retag(&req));
+        }
+    }
+
+    /// A batch, split by primary (see [`Inner::call_routed`]). Keys refused for their route are
+    /// sent again, alone, once the route table was refreshed.
+    fn call_batch(&self, req: &Request, n: usize) -> Result<Response, ErrorCode> {
+        let deadline = Instant::now() + FAILOVER_WAIT;
+        let mut pause = Duration::from_millis(20);
+        let mut req = req.clone();
+        let mut parts: Vec<(Vec<usize>, Response)> = Vec::new();
+        let mut todo: Vec<usize> = (0..n).collect();
+        loop {
+            let partitions: Vec<u16> = req.routes_mut().iter().map(|r| r.partition_id).collect();
+            let mut by_owner: Vec<(String, Vec<usize>)> = Vec::new();
+            for &i in &todo {
+                let owner = self.owner_of(partitions[i]);
+                match by_owner.iter_mut().find(|(o, _)| *o == owner) {
+                    Some((_, at)) => at.push(i),
+                    None => by_owner.push((owner, vec![i])),
+                }
+            }
+            let mut again = Vec::new();
+            let mut failed = Vec::new();
+            for (owner, at) in by_owner {
+                let conn = self.conn(&owner);
+                let sub = req.subset(&at).ok_or(ErrorCode::INTERNAL_ERROR)?;
+                let resp = call_with_retry(&conn, &sub, self.cfg.rpc_timeout).unwrap_or_else(Response::Error);
+                let routing = |c: &ErrorCode| {
+                    matches!(c, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH)
+                        || (matches!(c, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)
+                            && crate::retry::is_idempotent(&req))
+                };
+                let retry: Vec<usize> = match &resp {
+                    Response::Error(c) if routing(c) => at.clone(),
+                    r => match r.batch_errors() {
+                        Some(errors) => at
+                            .iter()
+                            .zip(errors)
+                            .filter(|(_, e)| e.as_ref().is_some_and(routing))
+                            .map(|(&i, _)| i)
+                            .collect(),
+                        None => Vec::new(),
+                    },
+                };
+                if !retry.is_empty() {
+                    failed.push(conn);
+                }
+                again.extend(retry);
+                parts.push((at, resp));
+            }
+            if again.is_empty() || Instant::now() >= deadline {
+                return Response::merge_batch(n, parts).ok_or(ErrorCode::INTERNAL_ERROR);
+            }
+            let before: Vec<String> = again.iter().map(|&i| self.owner_of(partitions[i])).collect();
+            if let Some(conn) = failed.first() {
+                self.reroute(conn);
+            }
+            let moved = again.iter().zip(&before).any(|(&i, o)| self.owner_of(partitions[i]) != *o);
+            if !moved {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            req = self.retag(&req);
+            todo = again;
         }
     }
 
@@ -1290,6 +1529,11 @@ impl Inner {
                 if *stop {
                     return;
                 }
+            }
+            // With several groups, who serves them moves (claims, failovers): the route table is
+            // read again each beat, so that every primary hears from this client in time.
+            if self.routes.read().groups > 1 {
+                self.reroute(self.master());
             }
             match self.call(&Request::Ping { client: self.id }) {
                 Ok(Response::Ping(PingReply { status: ClientStatus::NeedRemount, master_instance })) => {

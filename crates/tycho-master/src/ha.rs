@@ -433,13 +433,14 @@ struct Roles {
     snapshotting: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Every group's record (by rank, `None` while it does not exist) with the revision it was read
+/// at.
+type Records = Vec<Option<(GroupRecord, tycho_meta::Revision)>>;
+
 /// The live registrations (oldest first) and every group's record, read after the watches
-/// that report their changes were opened.
-async fn view(
-    ctx: &Ctx<'_>,
-    groups: u32,
-) -> Result<(Vec<String>, Vec<Option<(GroupRecord, tycho_meta::Revision)>>), HaError> {
-    let live: Vec<String> = masters(&**ctx.store, ctx.keys).await?.into_iter().map(|(r, _)| r.id).collect();
+/// that report their changes were opened. Published to the master as its route table too.
+async fn view(ctx: &Ctx<'_>, groups: u32) -> Result<(Vec<String>, Records), HaError> {
+    let registrations = masters(&**ctx.store, ctx.keys).await?;
     let mut records = vec![None; groups as usize];
     let mut req = RangeRequest::prefix(ctx.keys.groups(), 256);
     loop {
@@ -459,7 +460,15 @@ async fn view(
             None => break,
         }
     }
-    Ok((live, records))
+    let owner = |g: &GroupRecord| {
+        registrations.iter().find(|(r, _)| r.id == g.primary).map_or(String::new(), |(r, _)| r.address.clone())
+    };
+    ctx.master.publish_routes(tycho_proto::RouteTable {
+        groups,
+        epochs: records.iter().map(|r| r.as_ref().map_or(0, |(g, _)| g.epoch)).collect(),
+        owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| owner(g))).collect(),
+    });
+    Ok((registrations.into_iter().map(|(r, _)| r.id).collect(), records))
 }
 
 /// One decision about group `rank` and its action.

@@ -127,6 +127,8 @@ pub struct Master {
     stalled_at: AtomicU64,
     /// How many of its groups have a record sink (none: nothing is logged, no record is built).
     sinks: std::sync::atomic::AtomicUsize,
+    /// Who serves each group, as the cluster's records last said (`None`: a master alone).
+    routes: RwLock<Option<Arc<tycho_proto::RouteTable>>>,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -157,6 +159,7 @@ impl Master {
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
             sinks: std::sync::atomic::AtomicUsize::new(0),
+            routes: RwLock::new(None),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
         }
@@ -1158,13 +1161,25 @@ impl Master {
         });
     }
 
-    /// The groups' epochs as this master serves them (0 for a group it does not serve), for
-    /// clients' routes.
+    /// Who serves each group, for clients' routes: as the cluster's records last said
+    /// ([`Master::publish_routes`]); for a master alone, the epochs of the groups it serves (0
+    /// for the others) and no owners (it serves every group itself).
     pub fn route_table(&self) -> tycho_proto::RouteTable {
+        if let Some(t) = self.routes.read().as_ref() {
+            return (**t).clone();
+        }
         let groups = self.cfg.group_count.max(1);
         let epochs =
             (0..groups).map(|rank| self.group(rank).filter(|g| g.is_serving()).map_or(0, Group::epoch)).collect();
-        tycho_proto::RouteTable { groups, epochs }
+        tycho_proto::RouteTable { groups, epochs, owners: Vec::new() }
+    }
+
+    /// Records who serves each group (from the cluster's records), for [`Master::route_table`].
+    pub fn publish_routes(&self, table: tycho_proto::RouteTable) {
+        let mut routes = self.routes.write();
+        if routes.as_deref() != Some(&table) {
+            *routes = Some(Arc::new(table));
+        }
     }
 
     /// Whether this master serves any group; one that serves none answers only probes.

@@ -251,8 +251,11 @@ pub enum Request {
 pub struct RouteTable {
     /// G, the number of KVPT groups: a key's group is `tycho_routing::kvpt_to_rank(partition, G)`.
     pub groups: u32,
-    /// Each group's epoch, by rank (0 for a group this master does not serve).
+    /// Each group's epoch, by rank (0: unknown).
     pub epochs: Vec<u64>,
+    /// The address of each group's primary, by rank, as the master answering knows it (empty:
+    /// unknown, or a master without a cluster, which serves every group itself).
+    pub owners: Vec<String>,
 }
 
 impl Request {
@@ -298,6 +301,41 @@ impl Request {
             Request::BatchReplicaClear(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// The batch request of the keys at `at` (indices into its keys, in that order), with
+    /// everything else as in `self`: the part of a batch for one master. `None` for a request
+    /// that is not a batch.
+    pub fn subset(&self, at: &[usize]) -> Option<Request> {
+        fn pick<T: Clone>(v: &[T], at: &[usize]) -> Vec<T> {
+            at.iter().filter_map(|&i| v.get(i).cloned()).collect()
+        }
+        let start = |r: &BatchWriteStart| BatchWriteStart {
+            items: pick(&r.items, at),
+            write_ids: pick(&r.write_ids, at),
+            ..r.clone()
+        };
+        let finish = |r: &BatchWriteFinish| BatchWriteFinish {
+            keys: pick(&r.keys, at),
+            write_ids: pick(&r.write_ids, at),
+            ..r.clone()
+        };
+        let query = |q: &BatchKeyQuery| BatchKeyQuery { keys: pick(&q.keys, at), ..q.clone() };
+        Some(match self {
+            Request::BatchPutStart(r) => Request::BatchPutStart(start(r)),
+            Request::BatchUpsertStart(r) => Request::BatchUpsertStart(start(r)),
+            Request::BatchPutEnd(r) => Request::BatchPutEnd(finish(r)),
+            Request::BatchPutRevoke(r) => Request::BatchPutRevoke(finish(r)),
+            Request::BatchUpsertEnd(r) => Request::BatchUpsertEnd(finish(r)),
+            Request::BatchUpsertRevoke(r) => Request::BatchUpsertRevoke(finish(r)),
+            Request::BatchGetReplicaList(q) => Request::BatchGetReplicaList(query(q)),
+            Request::BatchExistKey(q) => Request::BatchExistKey(query(q)),
+            Request::BatchRemove(r) => Request::BatchRemove(BatchRemoveKeys { keys: pick(&r.keys, at), ..r.clone() }),
+            Request::BatchReplicaClear(r) => {
+                Request::BatchReplicaClear(ReplicaClear { keys: pick(&r.keys, at), ..r.clone() })
+            }
+            _ => return None,
+        })
     }
 
     /// How many keys a batch request names (0 for any other request).
@@ -369,6 +407,84 @@ pub enum Response {
     },
     /// Answer to Routes.
     Routes(RouteTable),
+}
+
+impl RouteTable {
+    /// Whether the table names the primaries of several groups: a client then routes each key to
+    /// its group's primary.
+    pub fn partitioned(&self) -> bool {
+        self.groups > 1 && self.owners.iter().any(|o| !o.is_empty())
+    }
+}
+
+impl Response {
+    /// Each key's error in a batch answer (`None` for a key that succeeded); `None` for an
+    /// answer that is not a batch's.
+    pub fn batch_errors(&self) -> Option<Vec<Option<ErrorCode>>> {
+        fn errors<T>(v: &[WireResult<T>]) -> Vec<Option<ErrorCode>> {
+            v.iter().map(|r| r.as_ref().err().copied()).collect()
+        }
+        match self {
+            Response::BatchWriteStarted(v) | Response::BatchCommitted(v) => Some(errors(v)),
+            Response::BatchDone(v) => Some(errors(v)),
+            Response::BatchReplicas(v) => Some(errors(v)),
+            Response::BatchExists(v) => Some(errors(v)),
+            _ => None,
+        }
+    }
+
+    /// The answer to a batch of `n` keys put together from the answers to its parts: each part
+    /// is the indices of its keys (as given to [`Request::subset`]) and its answer. A part that
+    /// failed as a whole fails its own keys only. `None` if the parts answered with different
+    /// kinds of batch answers, or a part's answer does not fit its keys.
+    pub fn merge_batch(n: usize, parts: Vec<(Vec<usize>, Response)>) -> Option<Response> {
+        fn fill<T: Clone>(
+            n: usize,
+            parts: Vec<(Vec<usize>, Response)>,
+            take: impl Fn(Response) -> Option<Vec<WireResult<T>>>,
+        ) -> Option<Vec<WireResult<T>>> {
+            let mut out: Vec<WireResult<T>> = vec![Err(ErrorCode::INTERNAL_ERROR); n];
+            for (at, resp) in parts {
+                match resp {
+                    Response::Error(code) => at.iter().for_each(|&i| out[i] = Err(code)),
+                    resp => {
+                        let results = take(resp)?;
+                        if results.len() != at.len() {
+                            return None;
+                        }
+                        for (&i, r) in at.iter().zip(results) {
+                            *out.get_mut(i)? = r;
+                        }
+                    }
+                }
+            }
+            Some(out)
+        }
+        let kind = parts.iter().map(|(_, r)| r).find(|r| !matches!(r, Response::Error(_)))?.clone();
+        Some(match kind {
+            Response::BatchWriteStarted(_) => Response::BatchWriteStarted(fill(n, parts, |r| match r {
+                Response::BatchWriteStarted(v) => Some(v),
+                _ => None,
+            })?),
+            Response::BatchCommitted(_) => Response::BatchCommitted(fill(n, parts, |r| match r {
+                Response::BatchCommitted(v) => Some(v),
+                _ => None,
+            })?),
+            Response::BatchDone(_) => Response::BatchDone(fill(n, parts, |r| match r {
+                Response::BatchDone(v) => Some(v),
+                _ => None,
+            })?),
+            Response::BatchReplicas(_) => Response::BatchReplicas(fill(n, parts, |r| match r {
+                Response::BatchReplicas(v) => Some(v),
+                _ => None,
+            })?),
+            Response::BatchExists(_) => Response::BatchExists(fill(n, parts, |r| match r {
+                Response::BatchExists(v) => Some(v),
+                _ => None,
+            })?),
+            _ => return None,
+        })
+    }
 }
 
 impl Request {

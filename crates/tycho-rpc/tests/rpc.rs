@@ -160,16 +160,17 @@ async fn connections_without_the_secret_are_refused() {
     let err =
         tokio::task::spawn_blocking(move || blocking.call::<_, Resp>(&Req::Echo(1), T).unwrap_err()).await.unwrap();
     assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_REQUIRED, "{err}");
-    // An old client sends its request at once; the first header it reads carries version 3.
+    // An old client sends its request at once; the first header it reads carries this build's
+    // version.
     let mut old = TcpStream::connect(&addr).await.unwrap();
     let mut frame = Vec::new();
     encode_frame(&mut frame, FrameKind::Request, 1, &Req::Echo(1)).unwrap();
-    frame[2] = 2;
+    frame[2] = tycho_proto::frame::FRAME_VERSION - 1;
     old.write_all(&frame).await.unwrap();
     let mut head = [0u8; HEADER_LEN];
     old.read_exact(&mut head).await.unwrap();
     assert_eq!(FrameHeader::decode(&head, 1 << 20).unwrap().kind, FrameKind::Hello);
-    assert_eq!(head[2], 3, "an old decoder reports 'unsupported frame version 3 (this build speaks 2)'");
+    assert_eq!(head[2], tycho_proto::frame::FRAME_VERSION, "an old decoder reports 'unsupported frame version N'");
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(T, old.read_to_end(&mut rest)).await.unwrap();
     assert_eq!(svc.calls.load(Ordering::Relaxed), 0, "no call ran");

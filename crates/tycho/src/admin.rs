@@ -1,4 +1,5 @@
-//! CLI commands that read or change master metadata: `stat`, `ls`, `exist`, `rm`, `segments`.
+//! CLI commands that read or change master metadata: `stat`, `ls`, `exist`, `rm`, `segments`;
+//! and the cluster's layout from a master's admin HTTP: `groups`, `masters`.
 
 use clap::Args;
 use tycho_proto::{ErrorCode, KeyQuery, RemoveKey, Request, Response};
@@ -11,6 +12,89 @@ pub struct Target {
     /// Master RPC address.
     #[arg(long, default_value = "127.0.0.1:50051", env = "MASTER_SERVER")]
     pub master: String,
+}
+
+/// Which master's admin HTTP server to ask.
+#[derive(Args, Debug)]
+pub struct HttpTarget {
+    /// The master's admin HTTP address (its `--metrics-port`).
+    #[arg(long, default_value = "127.0.0.1:9003", env = "TYCHO_ADMIN")]
+    pub admin: String,
+}
+
+/// The JSON body of `GET path` on the admin server at `addr`.
+fn http_json(addr: &str, path: &str) -> Result<serde_json::Value, String> {
+    use std::io::{Read, Write};
+    let timeout = std::time::Duration::from_secs(10);
+    let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .ok()
+        .and_then(|mut all| all.next())
+        .ok_or_else(|| format!("cannot resolve {addr}; is --admin HOST:PORT right?"))?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, timeout).map_err(|e| {
+        format!("cannot reach the admin server at {addr}: {e}; is the master running? (--admin HOST:PORT)")
+    })?;
+    s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).map_err(|e| format!("reading from {addr}: {e}"))?;
+    let (head, body) = out.split_once("\r\n\r\n").ok_or_else(|| format!("{addr} answered no HTTP"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("{addr}{path}: {} {}", head.lines().next().unwrap_or(""), body.trim()));
+    }
+    serde_json::from_str(body).map_err(|e| format!("{addr}{path}: not JSON: {e}"))
+}
+
+/// `tycho groups`.
+pub fn groups(t: HttpTarget) -> i32 {
+    let rows = match http_json(&t.admin, "/kvpt_groups") {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    println!("{:>5}  {:<28} {:>6}  {:<10} {:<9} standbys", "group", "primary", "epoch", "state", "caretaken");
+    for r in rows.as_array().into_iter().flatten() {
+        let standbys: Vec<&str> = r["standbys"].as_array().into_iter().flatten().filter_map(|s| s.as_str()).collect();
+        println!(
+            "{:>5}  {:<28} {:>6}  {:<10} {:<9} {}",
+            r["rank"],
+            r["primary"].as_str().unwrap_or("?"),
+            r["epoch"],
+            r["state"].as_str().unwrap_or("?"),
+            if r["caretaken"] == true { "yes" } else { "no" },
+            if standbys.is_empty() { "-".to_string() } else { standbys.join(",") }
+        );
+    }
+    0
+}
+
+/// `tycho masters`.
+pub fn masters(t: HttpTarget) -> i32 {
+    let rows = match http_json(&t.admin, "/masters") {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let rows = rows.as_array().cloned().unwrap_or_default();
+    if rows.is_empty() {
+        println!("(a master without a cluster: no registrations)");
+        return 0;
+    }
+    println!("{:<28} {:<28} {:>10}  registered (Unix ms)", "id", "address", "order");
+    for r in rows {
+        let me = if r["this"] == true { "  (answering)" } else { "" };
+        println!(
+            "{:<28} {:<28} {:>10}  {}{me}",
+            r["id"].as_str().unwrap_or("?"),
+            r["address"].as_str().unwrap_or("?"),
+            r["revision"],
+            r["registered_at_ms"]
+        );
+    }
+    0
 }
 
 /// `tycho ls`.

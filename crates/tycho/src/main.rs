@@ -49,6 +49,10 @@ enum Command {
     Rm(admin::RmArgs),
     /// List mounted segments.
     Segments(admin::Target),
+    /// The KVPT groups of the cluster: primary, standbys, epoch, caretaking (docs/cluster.md).
+    Groups(admin::HttpTarget),
+    /// The live masters of the cluster, oldest first.
+    Masters(admin::HttpTarget),
     /// Feed mutated bytes to every network decoder (see docs/security.md).
     Fuzz(fuzz::FuzzArgs),
 }
@@ -102,6 +106,8 @@ fn main() {
         Command::Exist(a) => admin::exist(a),
         Command::Rm(a) => admin::rm(a),
         Command::Segments(t) => admin::segments(t),
+        Command::Groups(t) => admin::groups(t),
+        Command::Masters(t) => admin::masters(t),
         Command::Fuzz(a) => fuzz::run(a),
     };
     std::process::exit(code);

@@ -6,7 +6,8 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tycho_testkit::{EtcdServer, MasterProc, TempDir};
+use tycho_client::{Client, ClientAuth, ClientConfig, Protocol};
+use tycho_testkit::{EtcdServer, MasterProc, NodeProc, TempDir};
 
 mod common;
 use common::{secret_file, serial};
@@ -57,6 +58,40 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// A client of the cluster given only `master`'s address, contributing no memory.
+    fn client(&self, master: &str) -> Client {
+        let mut cfg = ClientConfig::new(master);
+        cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(&self.secret).unwrap()));
+        cfg.segment_size = 0;
+        cfg.protocol = Protocol::Tcp;
+        Client::connect(cfg).unwrap()
+    }
+
+    /// Four masters of a G = 4 cluster, each the primary of one group.
+    fn four_primaries(&self) -> Vec<MasterProc> {
+        let mut masters = vec![self.master("primary of groups 0", &["--kvpt-groups", "4"])];
+        for _ in 1..4 {
+            masters.push(self.master("", &[]));
+        }
+        let ids: Vec<String> = masters.iter().map(|m| m.rpc.clone()).collect();
+        wait_groups(&masters[0], "every group has a primary of its own", |g| {
+            g.iter().enumerate().all(|(r, row)| row.0 == ids[r] && !row.3)
+        });
+        masters
+    }
+}
+
+/// Objects a master holds, from its `Stats`.
+fn objects(master: &MasterProc, secret: &std::sync::Arc<tycho_proto::auth::Secret>) -> u64 {
+    let (_, raw) = common::registered(&master.rpc, secret, "");
+    let resp = raw
+        .call::<tycho_proto::Request, tycho_proto::Response>(&tycho_proto::Request::Stats, Duration::from_secs(10))
+        .unwrap();
+    let tycho_proto::Response::Stats(s) = resp else { panic!("no stats: {resp:?}") };
+    s.objects
+}
+
 /// The body of `GET path` on `http` (host:port).
 fn http_get(http: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(http).unwrap();
@@ -72,15 +107,16 @@ fn http_get(http: &str, path: &str) -> String {
 /// One group as `/kvpt_groups` lists it: (primary, standbys, epoch, caretaken).
 type Row = (String, Vec<String>, u64, bool);
 
-/// Every group record, by rank, as `master` reports them.
+/// The group records `master` reports, by rank, from group 0 up to the first one not created
+/// yet (the first master creates them one by one).
 fn groups(master: &MasterProc) -> Vec<Row> {
     let rows: serde_json::Value = serde_json::from_str(&http_get(&master.http, "/kvpt_groups")).unwrap();
     rows.as_array()
         .unwrap()
         .iter()
         .enumerate()
-        .map(|(i, r)| {
-            assert_eq!(r["rank"].as_u64(), Some(i as u64), "{rows}");
+        .take_while(|(i, r)| r["rank"].as_u64() == Some(*i as u64))
+        .map(|(_, r)| {
             let standbys = r["standbys"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
             (r["primary"].as_str().unwrap().to_string(), standbys, r["epoch"].as_u64().unwrap(), r["caretaken"] == true)
         })
@@ -136,6 +172,34 @@ fn the_first_master_caretakes_every_group_and_joining_masters_claim_one_each() {
         let ids: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
         assert_eq!(ids, masters.iter().map(|m| m.rpc.as_str()).collect::<Vec<_>>(), "oldest first");
     }
+    // Every master tells clients who serves each group.
+    let secret = std::sync::Arc::new(tycho_proto::auth::files::load(&c.secret).unwrap());
+    for m in &masters {
+        let (_, raw) = common::registered(&m.rpc, &secret, "");
+        let t = Duration::from_secs(10);
+        let resp = raw.call::<tycho_proto::Request, tycho_proto::Response>(&tycho_proto::Request::Routes, t).unwrap();
+        let tycho_proto::Response::Routes(routes) = resp else { panic!("no routes: {resp:?}") };
+        assert_eq!(routes.groups, 4);
+        assert_eq!(routes.epochs, [1, 2, 2, 2]);
+        assert_eq!(routes.owners, masters.iter().map(|m| m.rpc.clone()).collect::<Vec<_>>());
+    }
+    // The same as tables, from the command line.
+    let cli = |what: &str| {
+        let out = std::process::Command::new(TYCHO).args([what, "--admin", &masters[2].http]).output().unwrap();
+        assert!(out.status.success(), "tycho {what}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = cli("groups");
+    for (rank, m) in masters.iter().enumerate() {
+        let line = table
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{rank} ")))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(line.contains(&m.rpc) && line.contains(" no "), "group {rank}: {line}");
+    }
+    let table = cli("masters");
+    assert!(masters.iter().all(|m| table.contains(&m.rpc)), "{table}");
+    assert_eq!(table.matches("(answering)").count(), 1, "{table}");
     // G is fixed at creation.
     let endpoint = c.etcd.endpoint();
     let out = std::process::Command::new(TYCHO)
@@ -184,4 +248,59 @@ fn wait_exit(mut child: std::process::Child) -> std::process::Output {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A client and a node given one master's address reach all four primaries of a G = 4
+/// cluster: the node's segment is mounted on every primary (each allocates in its own slice),
+/// each key goes to its group's primary, a batch is split by primary and its answers come back
+/// in order, and RemoveAll reaches every primary.
+#[test]
+fn a_client_given_one_master_routes_every_key_to_its_groups_primary() {
+    let _one = serial();
+    let c = Cluster::new("routing");
+    let masters = c.four_primaries();
+    let secret = std::sync::Arc::new(tycho_proto::auth::files::load(&c.secret).unwrap());
+    let _node =
+        NodeProc::start_env(TYCHO, &masters[1].rpc, "64MB", &["--secret-file", c.secret.to_str().unwrap()], &[]);
+    let client = c.client(&masters[3].rpc);
+    let value = |i: usize| -> Vec<u8> { (0..4096 + i).map(|b| (b * 7 + i) as u8).collect() };
+    let keys: Vec<String> = (0..200).map(|i| format!("routed/{i}")).collect();
+    // The node mounts on every primary once it learned the routes: wait for the first put.
+    let deadline = Instant::now() + ROLE_WAIT;
+    while let Err(e) = client.put(&keys[0], &value(0), &Default::default()) {
+        assert!(Instant::now() < deadline, "no put reached a primary with the node's segment: {e:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (i, k) in keys.iter().enumerate().skip(1) {
+        client.put(k, &value(i), &Default::default()).unwrap_or_else(|e| panic!("put {k}: {e:?}"));
+    }
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(client.get(k).unwrap_or_else(|e| panic!("get {k}: {e:?}")), value(i), "{k}");
+    }
+    // Every primary holds its own groups' keys: about a quarter each.
+    let held: Vec<u64> = masters.iter().map(|m| objects(m, &secret)).collect();
+    assert_eq!(held.iter().sum::<u64>(), 200, "{held:?}");
+    assert!(held.iter().all(|&n| n >= 20), "keys spread over the four primaries: {held:?}");
+    // A batch spans every primary; its answers come back in the order asked.
+    let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+    for (i, got) in client.get_batch(&names).into_iter().enumerate() {
+        assert_eq!(got.unwrap_or_else(|e| panic!("batch get {i}: {e:?}")), value(i));
+    }
+    let mut asked: Vec<&str> = names.clone();
+    asked.push("routed/absent");
+    let exist = client.exists_batch(&asked);
+    assert!(exist[..200].iter().all(|e| *e == Ok(true)), "{exist:?}");
+    assert_eq!(exist[200], Ok(false));
+    let batch: Vec<(String, Vec<u8>)> = (0..40).map(|i| (format!("batch/{i}"), value(i))).collect();
+    let items: Vec<(&str, &[u8])> = batch.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in client.write_batch(tycho_client::WriteMode::Put, &items, &Default::default(), true) {
+        r.unwrap();
+    }
+    for (k, v) in &batch {
+        assert_eq!(&client.get(k).unwrap(), v);
+    }
+    // RemoveAll reaches every primary (forced: the reads above leased every object).
+    assert_eq!(client.remove_all(false).unwrap(), 0, "leased objects stay without force");
+    assert_eq!(client.remove_all(true).unwrap(), 240);
+    assert!(masters.iter().all(|m| objects(m, &secret) == 0));
 }
