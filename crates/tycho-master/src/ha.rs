@@ -709,7 +709,11 @@ fn drop_group(master: &Master, rank: u32, role: &mut Roles, board: &Board<'_>, w
     if let Some(task) = role.snapshotting.take() {
         task.abort();
     }
-    role.log = None;
+    // Commits in flight find out they were fenced (their writers get KVPT_NOT_OWNED, not an
+    // unknown outcome); nothing new is admitted, as the group is not served any more.
+    if let Some(log) = role.log.take() {
+        tokio::spawn(async move { log.finish(LOG_DRAIN).await });
+    }
     role.follower = None;
     master.set_record_sink(rank, None);
     master.reset_group(rank);
