@@ -58,9 +58,9 @@ pub fn groups(t: HttpTarget) -> i32 {
         let standbys: Vec<&str> = r["standbys"].as_array().into_iter().flatten().filter_map(|s| s.as_str()).collect();
         println!(
             "{:>5}  {:<28} {:>6}  {:<10} {:<9} {}",
-            r["rank"],
+            r["rank"].as_u64().unwrap_or(0),
             r["primary"].as_str().unwrap_or("?"),
-            r["epoch"],
+            r["epoch"].as_u64().unwrap_or(0),
             r["state"].as_str().unwrap_or("?"),
             if r["caretaken"] == true { "yes" } else { "no" },
             if standbys.is_empty() { "-".to_string() } else { standbys.join(",") }
@@ -90,8 +90,8 @@ pub fn masters(t: HttpTarget) -> i32 {
             "{:<28} {:<28} {:>10}  {}{me}",
             r["id"].as_str().unwrap_or("?"),
             r["address"].as_str().unwrap_or("?"),
-            r["revision"],
-            r["registered_at_ms"]
+            r["revision"].as_i64().unwrap_or(0),
+            r["registered_at_ms"].as_u64().unwrap_or(0)
         );
     }
     0

@@ -305,6 +305,14 @@ pub struct UpArgs {
     /// Port of the admin HTTP server (loopback).
     #[arg(long = "metrics-port", default_value_t = 9003)]
     pub metrics_port: u16,
+    /// Masters (SubMasters) to run, in this process, on an in-memory coordination store: the
+    /// i-th listens on `--rpc-port` + i and serves admin HTTP on `--metrics-port` + i
+    /// (docs/cluster.md).
+    #[arg(long = "masters", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub masters: u16,
+    /// KVPT groups G of the local cluster.
+    #[arg(long = "groups", alias = "kvpt-groups", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16384))]
+    pub groups: u32,
     /// Cluster secret and authentication.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -440,6 +448,184 @@ async fn connect_etcd(ha: &HaArgs) -> Result<Option<Arc<dyn tycho_meta::MetaStor
     }
 }
 
+/// `tycho up --masters N --groups G`: N masters of a G-group cluster in this process, on an
+/// in-memory coordination store, and a node given the first one's address. Returns the exit
+/// code.
+fn run_up_cluster(args: UpArgs) -> i32 {
+    use tycho_master::ha::{HaConfig, HaStatus};
+    use tycho_master::ownership::ClusterKeys;
+    let rt = runtime(0);
+    let store: Arc<dyn tycho_meta::MetaStore> = Arc::new(tycho_meta::MemStore::new());
+    let keys = ClusterKeys::new("local");
+    if let Err(e) = rt.block_on(tycho_master::ownership::cluster_groups(&*store, &keys, Some(args.groups))) {
+        eprintln!("error: {e}");
+        return 1;
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut masters = Vec::new();
+    let mut roles = Vec::new();
+    let mut secret = None;
+    for i in 0..args.masters {
+        let port = args.rpc_port.checked_add(i).filter(|_| args.rpc_port != 0);
+        let addr = format!("127.0.0.1:{}", port.unwrap_or(0));
+        let cfg = MasterConfig { group_count: args.groups, ..MasterConfig::default() };
+        // The first master settles the secret (as `tycho up` alone does); the others share it.
+        let started = rt.block_on(async {
+            if i == 0 {
+                return start_master(&addr, cfg, ServerConfig::default(), &args.security).await;
+            }
+            let listener =
+                tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            serve_master(listener, cfg, ServerConfig::default(), secret.clone())
+        });
+        let running = match started {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: master {i}: {e} (is another master running? pass --rpc-port)");
+                let _ = stop_tx.send(true);
+                for (m, _) in masters {
+                    rt.block_on(RunningMaster::stop(m));
+                }
+                return 1;
+            }
+        };
+        secret = running.secret.clone();
+        let id = format!("m{i}");
+        let metrics_port = args.metrics_port.checked_add(i).filter(|_| args.metrics_port != 0).unwrap_or(0);
+        let admin_cfg = tycho_master::AdminConfig {
+            bind: format!("127.0.0.1:{metrics_port}"),
+            rpc_addr: running.addr,
+            probe: None,
+            probe_auth: probe_auth(running.secret.clone()),
+            http_secret: running.secret.clone(),
+            cluster: Some(tycho_master::ClusterView { store: store.clone(), keys: keys.clone(), me: id.clone() }),
+        };
+        let admin = match tycho_master::start_admin(admin_cfg, running.master.clone(), running.metrics.clone()) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!(
+                    "error: cannot start the admin HTTP server on 127.0.0.1:{metrics_port}: {e} (pass --metrics-port)"
+                );
+                let _ = stop_tx.send(true);
+                rt.block_on(running.stop());
+                for (m, _) in masters {
+                    rt.block_on(RunningMaster::stop(m));
+                }
+                return 1;
+            }
+        };
+        let cfg = HaConfig {
+            cluster: "local".into(),
+            id,
+            address: running.addr.to_string(),
+            lease_ttl: Duration::from_secs(3),
+            catch_up_deadline: Duration::from_secs(30),
+            writer: Default::default(),
+            snapshots: None,
+        };
+        let (status, mut seen) = tokio::sync::watch::channel(HaStatus::Starting);
+        let probe = admin.probe().clone();
+        let mut stop = stop_rx.clone();
+        let (master, store) = (running.master.clone(), store.clone());
+        roles.push(rt.spawn(async move {
+            let follow = tokio::spawn(async move {
+                loop {
+                    let now = seen.borrow_and_update().clone();
+                    probe.set_serving(now.serves());
+                    probe.set_note(now.describe());
+                    if seen.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let r = tycho_master::ha::run(master, store, cfg, status, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await;
+            follow.abort();
+            r
+        }));
+        masters.push((running, admin));
+    }
+    // The first master creates every group; each later one claims a caretaken group or pairs
+    // up as a standby. The node comes once every group has the primary it will keep.
+    let first = masters[0].0.master.clone();
+    let want = args.masters.min(args.groups as u16) as usize;
+    let settled = rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let t = first.route_table();
+            let mut owners: Vec<&String> = t.owners.iter().filter(|o| !o.is_empty()).collect();
+            let named = owners.len() == args.groups as usize;
+            owners.sort();
+            owners.dedup();
+            if named && owners.len() == want {
+                return true;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    if !settled {
+        eprintln!("warning: the masters had not settled their roles after 20 s; going on");
+    }
+    let auth = probe_auth(masters[0].0.secret.clone());
+    let master_addr = masters[0].0.addr.to_string();
+    let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
+    node_cfg.segment_size = args.segment_size;
+    node_cfg.staging_buffer_size = 0;
+    node_cfg.auth = auth.clone();
+    let node = match tycho_client::Client::connect(node_cfg) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("error: the embedded node could not start: {e}: {}", e.hint());
+            let _ = stop_tx.send(true);
+            for (m, _) in masters {
+                rt.block_on(m.stop());
+            }
+            return 1;
+        }
+    };
+    let signals = rt.block_on(async { Signals::install() });
+    println!("tycho up: {} masters, {} KVPT groups, on an in-memory coordination store", args.masters, args.groups);
+    for (i, (m, admin)) in masters.iter().enumerate() {
+        println!("  master m{i}      RPC {}  admin http://{}", m.addr, admin.local_addr());
+    }
+    let t = first.route_table();
+    for (rank, owner) in t.owners.iter().enumerate() {
+        let name =
+            masters.iter().position(|(m, _)| m.addr.to_string() == *owner).map_or("?".into(), |i| format!("m{i}"));
+        println!("  group {rank:<5}    primary {name} ({owner}), epoch {}", t.epochs.get(rank).copied().unwrap_or(0));
+    }
+    println!(
+        "  node segment   {} bytes ({} per group), transfer server {}",
+        args.segment_size,
+        args.segment_size / args.groups as u64,
+        node.hostname()
+    );
+    match self_check(&master_addr, &auth) {
+        Ok(line) => println!("  self-check     {line}"),
+        Err(e) => println!("  self-check     FAILED: {e}"),
+    }
+    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
+    println!("                 tycho groups --admin {}", masters[0].1.local_addr());
+    println!("  stop           Ctrl-C");
+    rt.block_on(signals.wait());
+    let _ = node.close();
+    let _ = stop_tx.send(true);
+    for role in roles {
+        let _ = rt.block_on(role);
+    }
+    for (m, admin) in masters {
+        admin.probe().set_serving(false);
+        rt.block_on(m.stop());
+        drop(admin);
+    }
+    0
+}
+
 /// This host's name, as `gethostname` gives it.
 fn host_name() -> String {
     let mut buf = [0u8; 256];
@@ -503,6 +689,9 @@ async fn run_ha(
 /// Runs the all-in-one: a master and a node with a DRAM segment on loopback, then a
 /// self-check. Returns the process exit code.
 pub fn run_up(args: UpArgs) -> i32 {
+    if args.masters > 1 || args.groups > 1 {
+        return run_up_cluster(args);
+    }
     let rt = runtime(0);
     let addr = format!("127.0.0.1:{}", args.rpc_port);
     let running =
@@ -612,7 +801,7 @@ impl RunningMaster {
 /// binds `addr` and starts serving.
 async fn start_master(
     addr: &str,
-    mut cfg: MasterConfig,
+    cfg: MasterConfig,
     server: ServerConfig,
     security: &SecurityArgs,
 ) -> Result<RunningMaster, String> {
@@ -627,6 +816,16 @@ async fn start_master(
         Some(secret) => secret,
         None => security.server_secret(port)?,
     };
+    serve_master(listener, cfg, server, secret)
+}
+
+/// Serves a master with `secret` on `listener`, with its housekeeping.
+fn serve_master(
+    listener: tokio::net::TcpListener,
+    mut cfg: MasterConfig,
+    server: ServerConfig,
+    secret: Option<Arc<Secret>>,
+) -> Result<RunningMaster, String> {
     cfg.secret = secret.clone();
     let master = Arc::new(Master::new(cfg, Arc::new(SystemClock::new())));
     let metrics = Arc::new(tycho_master::RpcMetrics::default());

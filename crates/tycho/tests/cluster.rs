@@ -509,3 +509,33 @@ fn killing_one_groups_primary_under_load_costs_only_that_group() {
         assert_eq!(fresh.get(k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(k, 3000), "{k}");
     }
 }
+
+/// `tycho up --masters 3 --groups 4` runs three masters of a four-group cluster in one process
+/// on an in-memory coordination store: every group gets a primary (the first master keeps
+/// groups 0 and 3, the others claim 1 and 2), the embedded node is reached through all of them
+/// (the self-check passes), and `tycho groups` shows the layout. SIGTERM stops it with status 0.
+#[test]
+fn tycho_up_runs_several_masters_of_one_cluster() {
+    let _one = serial();
+    let home = TempDir::new("tycho-up-cluster").unwrap();
+    // The runtime directory holds the cluster secret: private to the user, or refused.
+    std::fs::set_permissions(home.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let mut cmd = std::process::Command::new(TYCHO);
+    cmd.args(["up", "--masters", "3", "--groups", "4", "--rpc-port", "0", "--metrics-port", "0"])
+        .args(["--segment-size", "64MB"])
+        .env("TYCHO_RUNTIME_DIR", home.path());
+    let mut up = tycho_testkit::Proc::spawn(&mut cmd).unwrap();
+    let m0 = up.wait_line("  master m0      RPC ", ROLE_WAIT).unwrap();
+    let admin = m0.split("admin http://").nth(1).unwrap().trim().to_string();
+    let check = up.wait_line("  self-check     ", ROLE_WAIT).unwrap();
+    assert!(check.starts_with("ok"), "{check}");
+    let out = std::process::Command::new(TYCHO).args(["groups", "--admin", &admin]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    let primaries: std::collections::BTreeSet<&str> =
+        table.lines().skip(1).map(|l| l.split_whitespace().nth(1).unwrap()).collect();
+    assert_eq!((table.lines().count(), primaries.len()), (5, 3), "{table}");
+    up.signal(libc::SIGTERM);
+    let end = up.wait_line("never printed", ROLE_WAIT).unwrap_err().to_string();
+    assert!(end.contains("exit status: 0"), "{end}");
+}
