@@ -573,14 +573,10 @@ fn run_up_cluster(args: UpArgs) -> i32 {
     }
     let auth = probe_auth(masters[0].0.secret.clone());
     let master_addr = masters[0].0.addr.to_string();
-    let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
-    node_cfg.segment_size = args.segment_size;
-    node_cfg.staging_buffer_size = 0;
-    node_cfg.auth = auth.clone();
-    let node = match tycho_client::Client::connect(node_cfg) {
+    let node = match embedded_node(&master_addr, args.segment_size, &auth) {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("error: the embedded node could not start: {e}: {}", e.hint());
+            eprintln!("error: {e}");
             let _ = stop_tx.send(true);
             for (m, _) in masters {
                 rt.block_on(m.stop());
@@ -727,14 +723,10 @@ pub fn run_up(args: UpArgs) -> i32 {
         }
     };
     admin.probe().set_serving(true);
-    let mut node_cfg = tycho_client::ClientConfig::new(&master_addr);
-    node_cfg.segment_size = args.segment_size;
-    node_cfg.staging_buffer_size = 0;
-    node_cfg.auth = auth.clone();
-    let node = match tycho_client::Client::connect(node_cfg) {
+    let node = match embedded_node(&master_addr, args.segment_size, &auth) {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("error: the embedded node could not start: {e}: {}", e.hint());
+            eprintln!("error: {e}");
             rt.block_on(running.stop());
             return 1;
         }
@@ -759,6 +751,15 @@ pub fn run_up(args: UpArgs) -> i32 {
 }
 
 /// Puts, gets and removes a test object through a separate client; reports the latencies.
+/// `tycho up`'s node: a client of `master` contributing `size` bytes.
+fn embedded_node(master: &str, size: u64, auth: &ClientAuth) -> Result<tycho_client::Client, String> {
+    let mut cfg = tycho_client::ClientConfig::new(master);
+    cfg.segment_size = size;
+    cfg.staging_buffer_size = 0;
+    cfg.auth = auth.clone();
+    tycho_client::Client::connect(cfg).map_err(|e| format!("the embedded node could not start: {e}: {}", e.hint()))
+}
+
 fn self_check(master: &str, auth: &ClientAuth) -> Result<String, String> {
     let mut cfg = tycho_client::ClientConfig::new(master);
     cfg.auth = auth.clone();
