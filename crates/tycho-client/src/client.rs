@@ -96,6 +96,10 @@ struct Inner {
     rpc: RpcConfig,
     /// Connections to group primaries the route table names, by address, beyond `masters`.
     peers: parking_lot::RwLock<HashMap<String, Arc<BlockingClient>>>,
+    /// The primaries that have this client's segments under their current incarnation (in a
+    /// cluster of several groups): a primary the route table names that is not here gets them
+    /// on the next heartbeat.
+    mounted_on: Mutex<std::collections::BTreeSet<String>>,
     engine: TransferEngine,
     registry: Arc<SegmentRegistry>,
     segments: Mutex<Vec<Segment>>,
@@ -303,6 +307,7 @@ impl Client {
             current: std::sync::atomic::AtomicUsize::new(at),
             rpc,
             peers: parking_lot::RwLock::new(HashMap::new()),
+            mounted_on: Mutex::new(std::collections::BTreeSet::new()),
             engine,
             registry,
             segments: Mutex::new(segments),
@@ -1280,14 +1285,29 @@ impl Inner {
     }
 
     /// Asks for the route table again after `failed` (a master) answered a routing error or
-    /// none: that master first, then the addresses given, until one answers.
+    /// none: that master first, then the addresses given, then the primaries the table named,
+    /// until one answers. One attempt each: the callers retry.
     fn reroute(&self, failed: &BlockingClient) {
-        if self.refresh_routes_from(failed).is_ok() {
+        let ask = |m: &BlockingClient| match m.call::<Request, Response>(&Request::Routes, self.cfg.rpc_timeout) {
+            Ok(Response::Routes(t)) => {
+                tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
+                *self.routes.write() = t;
+                true
+            }
+            _ => false,
+        };
+        if ask(failed) {
             return;
         }
-        for m in &self.masters {
-            if m.addr() != failed.addr() && self.refresh_routes_from(m).is_ok() {
-                return;
+        let mut tried = vec![failed.addr().to_string()];
+        let known: Vec<Arc<BlockingClient>> =
+            self.masters.iter().cloned().chain(self.owners().iter().map(|o| self.conn(o))).collect();
+        for m in known {
+            if !tried.iter().any(|t| t == m.addr()) {
+                tried.push(m.addr().to_string());
+                if ask(&m) {
+                    return;
+                }
             }
         }
     }
@@ -1350,8 +1370,7 @@ impl Inner {
         if n > 0 {
             return self.call_batch(req, n);
         }
-        let mut probe = req.clone();
-        if let Some(partition) = probe.routes_mut().first().map(|r| r.partition_id) {
+        if let Some(&partition) = req.partitions().first() {
             return self.call_owner(req, partition);
         }
         match req {
@@ -1365,33 +1384,85 @@ impl Inner {
                 }
                 Ok(Response::Removed(removed))
             }
-            Request::Ping { .. }
-            | Request::MountSegment { .. }
-            | Request::ReMountSegment { .. }
-            | Request::UnmountSegment { .. } => {
+            Request::Ping { .. } => self.ping_every_primary(req),
+            Request::MountSegment { .. } | Request::ReMountSegment { .. } | Request::UnmountSegment { .. } => {
                 // Every primary allocates on this client's segments and expires it on its own.
-                let mut last = Ok(Response::Done);
+                // A primary that fails a (re)mount gets it again on a later heartbeat; the call
+                // succeeds once one primary has it.
+                let remount = matches!(req, Request::ReMountSegment { .. });
+                let mut first_error = None;
+                let mut done = false;
                 for owner in self.owners() {
                     match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout) {
-                        Ok(Response::Ping(p)) if p.status == ClientStatus::NeedRemount => return Ok(Response::Ping(p)),
-                        Err(ErrorCode::CLIENT_NOT_FOUND) if matches!(req, Request::Ping { .. }) => {
-                            return Ok(Response::Ping(PingReply {
-                                status: ClientStatus::NeedRemount,
-                                master_instance: 0,
-                            }))
-                        }
-                        Err(e) => last = Err(e),
-                        Ok(r) => {
-                            if last.is_ok() {
-                                last = Ok(r);
+                        Ok(_) => {
+                            done = true;
+                            if remount {
+                                self.mounted_on.lock().insert(owner);
                             }
+                        }
+                        Err(e) => {
+                            tracing::warn!(master = %owner, error = %e, "a primary did not take this client's segments; retrying on the next heartbeat");
+                            first_error.get_or_insert(e);
                         }
                     }
                 }
-                last
+                match (done, first_error) {
+                    (false, Some(e)) => Err(e),
+                    _ => Ok(Response::Done),
+                }
             }
             _ => self.call_seeds(req),
         }
+    }
+
+    /// Pings every primary at once (one attempt each, so that a hung one delays none of the
+    /// others past their client TTL); NeedRemount if any asks for it. First mounts this
+    /// client's segments on primaries that do not have them yet (a new owner, one a remount
+    /// missed).
+    fn ping_every_primary(&self, req: &Request) -> Result<Response, ErrorCode> {
+        let owners = self.owners();
+        let missing: Vec<String> = {
+            let mounted = self.mounted_on.lock();
+            owners.iter().filter(|o| !mounted.contains(*o)).cloned().collect()
+        };
+        if !missing.is_empty() {
+            let segments: Vec<SegmentDesc> = self.segments.lock().iter().map(|s| s.desc.clone()).collect();
+            let again = Request::ReMountSegment { client: self.id, segments };
+            for owner in missing {
+                match self.conn(&owner).call::<Request, Response>(&again, self.cfg.rpc_timeout) {
+                    Ok(Response::Done) => {
+                        self.mounted_on.lock().insert(owner);
+                    }
+                    r => tracing::debug!(master = %owner, answer = ?r, "could not mount on a primary; will retry"),
+                }
+            }
+        }
+        let answers: Vec<Result<Response, ErrorCode>> = std::thread::scope(|s| {
+            let calls: Vec<_> = owners
+                .iter()
+                .map(|owner| {
+                    let conn = self.conn(owner);
+                    s.spawn(move || match conn.call::<Request, Response>(req, self.cfg.rpc_timeout) {
+                        Ok(Response::Error(e)) => Err(e),
+                        Ok(r) => Ok(r),
+                        Err(e) => Err(e.code()),
+                    })
+                })
+                .collect();
+            calls.into_iter().map(|c| c.join().unwrap_or(Err(ErrorCode::INTERNAL_ERROR))).collect()
+        });
+        let remount = PingReply { status: ClientStatus::NeedRemount, master_instance: 0 };
+        let mut last = Err(ErrorCode::RPC_FAIL);
+        for a in answers {
+            match a {
+                Ok(Response::Ping(p)) if p.status == ClientStatus::NeedRemount => return Ok(Response::Ping(p)),
+                Err(ErrorCode::CLIENT_NOT_FOUND) => return Ok(Response::Ping(remount)),
+                Ok(r) => last = Ok(r),
+                Err(e) if last.is_err() => last = Err(e),
+                Err(_) => {}
+            }
+        }
+        last
     }
 
     /// One key's request at its group's primary (see [`Inner::call_routed`]).
@@ -1437,7 +1508,7 @@ impl Inner {
         let mut parts: Vec<(Vec<usize>, Response)> = Vec::new();
         let mut todo: Vec<usize> = (0..n).collect();
         loop {
-            let partitions: Vec<u16> = req.routes_mut().iter().map(|r| r.partition_id).collect();
+            let partitions = req.partitions();
             let mut by_owner: Vec<(String, Vec<usize>)> = Vec::new();
             for &i in &todo {
                 let owner = self.owner_of(partitions[i]);
@@ -1476,6 +1547,17 @@ impl Inner {
                 parts.push((at, resp));
             }
             if again.is_empty() || Instant::now() >= deadline {
+                // Every part failed as a whole: the batch did, with that part's code.
+                let whole: Vec<ErrorCode> = parts
+                    .iter()
+                    .filter_map(|(_, r)| match r {
+                        Response::Error(c) => Some(*c),
+                        _ => None,
+                    })
+                    .collect();
+                if let (true, Some(&code)) = (whole.len() == parts.len(), whole.last()) {
+                    return Err(code);
+                }
                 return Response::merge_batch(n, parts).ok_or(ErrorCode::INTERNAL_ERROR);
             }
             let before: Vec<String> = again.iter().map(|&i| self.owner_of(partitions[i])).collect();
@@ -1498,6 +1580,7 @@ impl Inner {
     /// Reusable replica lists and peer mappings go too.
     fn remount(&self) -> Result<(), ErrorCode> {
         self.leases.lock().clear();
+        self.mounted_on.lock().clear();
         let segments = {
             let mut segs = self.segments.lock();
             for s in segs.iter_mut() {
@@ -1530,12 +1613,14 @@ impl Inner {
                     return;
                 }
             }
+            let pinged = self.call(&Request::Ping { client: self.id });
             // With several groups, who serves them moves (claims, failovers): the route table is
-            // read again each beat, so that every primary hears from this client in time.
+            // read again each beat (after the pings, which must not wait for it), so that every
+            // primary hears from this client in time.
             if self.routes.read().groups > 1 {
                 self.reroute(self.master());
             }
-            match self.call(&Request::Ping { client: self.id }) {
+            match pinged {
                 Ok(Response::Ping(PingReply { status: ClientStatus::NeedRemount, master_instance })) => {
                     self.saw_master(master_instance);
                     tracing::info!(client = %self.id, "master asks for a remount");

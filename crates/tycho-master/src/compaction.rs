@@ -244,7 +244,7 @@ impl Snapshots {
                 Err(e) => {
                     tracing::error!(group = rank, snapshot = ?id, error = %e, "snapshot unreadable");
                     why = e.to_string();
-                    master.reset();
+                    master.reset_group(rank);
                 }
             }
         }

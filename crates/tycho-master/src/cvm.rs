@@ -107,7 +107,11 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
     to_fill.extend((0..g).filter(|&r| {
         native(r).is_some() && live_standbys(live, groups[r].record.as_ref().expect("native")).is_empty()
     }));
-    let mine = free.iter().position(|id| id.as_str() == me).and_then(|i| to_fill.get(i).copied());
+    // Roles are filled only once every group exists: a master that chose from a view where the
+    // first master had created some groups only would pair up with a native primary while a
+    // group created a moment later waits for a primary of its own.
+    let all_exist = groups.iter().all(|v| v.record.is_some());
+    let mine = free.iter().position(|id| id.as_str() == me).and_then(|i| to_fill.get(i).copied()).filter(|_| all_exist);
     for (r, v) in groups.iter().enumerate() {
         let rank = r as u32;
         let Some(rec) = &v.record else {
@@ -255,6 +259,20 @@ mod tests {
     }
 
     /// Over many random views, two masters never both act to change who serves one group.
+    #[test]
+    fn no_role_is_filled_before_every_group_exists() {
+        // The first master has created groups 0 and 1 of 4 so far.
+        let mut groups = vec![view(0, "a", &[], false), view(1, "a", &[], true)];
+        groups.extend(vec![GroupView { record: None, caretaken: false }; 2]);
+        let l = live(&["a", "b", "c"]);
+        assert!(plan("b", &l, &groups, all).is_empty());
+        assert!(plan("c", &l, &groups, all).is_empty());
+        groups[2] = view(2, "a", &[], true);
+        groups[3] = view(3, "a", &[], true);
+        assert_eq!(plan("b", &l, &groups, all), vec![(1, Action::JoinAsStandby)]);
+        assert_eq!(plan("c", &l, &groups, all), vec![(2, Action::JoinAsStandby)]);
+    }
+
     /// With G = 1 the rules are those of a single group with a standby (the HA issue).
     #[test]
     fn with_one_group_the_rules_are_the_single_masters() {

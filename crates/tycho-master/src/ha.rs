@@ -349,11 +349,13 @@ async fn group_loop(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_
                 tracing::warn!(group = rank, error = %e, "coordination store call failed; retrying");
                 tokio::time::sleep(STORE_RETRY).await;
             }
-            // The group's log could not be opened under the record just read: another master
-            // changed it. This group starts over; the others go on.
-            Err(HaError::Fenced(e)) => {
-                drop_group(ctx.master, rank, role, board, &format!("its log refused this master: {e}"));
-                tokio::time::sleep(STORE_RETRY).await;
+            // The group's log could not be opened under the record just read (another master
+            // changed it), or a takeover of it failed (the log's end was not reached in time,
+            // no snapshot to start from, a log that does not replay): this group starts over
+            // after a pause; the others go on.
+            Err(e @ (HaError::Fenced(_) | HaError::Promote(_) | HaError::Snapshot(_) | HaError::Follow(_))) => {
+                drop_group(ctx.master, rank, role, board, &e.to_string());
+                tokio::time::sleep(SNAPSHOT_RETRY).await;
             }
             Err(e) => return Err(e),
         }
@@ -496,6 +498,8 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
             Ok(created) => {
                 let log = open_as_primary(ctx, rank, &created).await?;
                 master.take_over(rank, created.0.epoch);
+                master.adopt_segments(rank);
+                master.note_route(rank, created.0.epoch, &cfg.address);
                 board.set(rank, GroupRole::Primary { epoch: created.0.epoch, caretaker: caretake });
                 tracing::info!(group = rank, epoch = created.0.epoch, caretake, "created the group: serving it");
                 role.log = Some(log);
@@ -504,8 +508,10 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
             Err(e) => return Err(e.into()),
         },
         (Some(Action::Serve), Some(read)) if role.log.is_none() => {
-            // Named primary by a restarted primary that handed the group over: take it.
-            promote_here(ctx, rank, role, board, read, false).await?;
+            // Named primary by a restarted primary that handed the group over, or by a
+            // promotion of this master that did not finish: take it, as what it was named.
+            let caretake = read.0.caretaken;
+            promote_here(ctx, rank, role, board, read, caretake).await?;
         }
         (Some(Action::Serve), group) => {
             let log = role.log.clone().expect("a serving primary has its log");
@@ -715,7 +721,9 @@ fn drop_group(master: &Master, rank: u32, role: &mut Roles, board: &Board<'_>, w
         tokio::spawn(async move { log.finish(LOG_DRAIN).await });
     }
     role.follower = None;
-    master.set_record_sink(rank, None);
+    // The group keeps its ended log as its sink until a new one replaces it: a request admitted
+    // before the group stopped being served that logs now gets the log's error, never an
+    // answer without a record.
     master.reset_group(rank);
     board.set(rank, GroupRole::Idle);
 }
@@ -830,6 +838,7 @@ async fn promote_here(
         Ok((record, log)) => {
             tracing::info!(group = rank, epoch = record.epoch, caretake, took = ?started.elapsed(), "took the group over");
             board.set(rank, GroupRole::Primary { epoch: record.epoch, caretaker: record.caretaken });
+            master.note_route(rank, record.epoch, &cfg.address);
             role.follower = None;
             role.log = Some(log);
             Ok(())

@@ -224,9 +224,14 @@ impl Master {
         self.serving().find_map(|g| g.segments.get(id))
     }
 
-    /// Slice capacity and used bytes over the groups served.
+    /// Slice capacity and used bytes over the groups held (served, or replayed as a standby):
+    /// what the figures report.
     pub fn usage(&self) -> (u64, u64) {
-        self.serving().map(|g| g.segments.usage()).fold((0, 0), |(t, u), (a, b)| (t + a, u + b))
+        Self::sum_usage(self.groups())
+    }
+
+    fn sum_usage<'a>(groups: impl Iterator<Item = &'a Group>) -> (u64, u64) {
+        groups.map(|g| g.segments.usage()).fold((0, 0), |(t, u), (a, b)| (t + a, u + b))
     }
 
     fn now(&self) -> u64 {
@@ -1131,6 +1136,27 @@ impl Master {
         true
     }
 
+    /// Mounts in group `rank` every segment the other groups served here have and it has not:
+    /// for a group created after clients mounted their segments on this master (they mount
+    /// on the masters they know of, once), so that it can allocate on them too.
+    pub fn adopt_segments(&self, rank: u32) {
+        let Some(group) = self.group(rank) else { return };
+        let mut seen = std::collections::HashSet::new();
+        let others: Vec<(ClientId, SegmentDesc)> = self
+            .serving()
+            .filter(|g| g.rank() != rank)
+            .flat_map(|g| g.segments.live().iter().map(|s| (s.client, s.desc.clone())).collect::<Vec<_>>())
+            .filter(|(_, d)| seen.insert(d.id))
+            .collect();
+        for (client, desc) in others {
+            if group.segments.get(desc.id).is_none() {
+                if let Err(e) = self.mount_in(group, client, &desc) {
+                    tracing::warn!(group = rank, segment = %desc.id, error = ?e, "could not mount a segment in a new group");
+                }
+            }
+        }
+    }
+
     /// The longest a capability this master mints lasts: a write's (the put-start discard
     /// timeout) or a read's (two read leases).
     fn grant_lifetime_ms(&self) -> u64 {
@@ -1153,11 +1179,17 @@ impl Master {
     /// writes it, ends: another master may own the group then.
     pub fn stop_serving_when_log_ends(self: &Arc<Self>, log: &crate::oplog::OpLogWriter, rank: u32) {
         let weak = Arc::downgrade(self);
+        let this = log as *const crate::oplog::OpLogWriter as usize;
         log.on_end(move |why| {
-            if let Some(m) = weak.upgrade() {
-                tracing::warn!(group = rank, reason = %why, "the group's log ended: no longer serving it");
-                m.stand_by(rank);
+            let Some(m) = weak.upgrade() else { return };
+            // An old log of the group finishing after the master took the group again (with a
+            // new log) says nothing about the group now.
+            let current = m.group(rank).and_then(Group::sink).map(|s| Arc::as_ptr(&s) as *const () as usize);
+            if current.is_some_and(|c| c != this) {
+                return;
             }
+            tracing::warn!(group = rank, reason = %why, "the group's log ended: no longer serving it");
+            m.stand_by(rank);
         });
     }
 
@@ -1175,10 +1207,40 @@ impl Master {
     }
 
     /// Records who serves each group (from the cluster's records), for [`Master::route_table`].
+    /// A group's entry only moves forward: one read before a later change (another role loop's
+    /// older view) does not undo it.
     pub fn publish_routes(&self, table: tycho_proto::RouteTable) {
         let mut routes = self.routes.write();
-        if routes.as_deref() != Some(&table) {
-            *routes = Some(Arc::new(table));
+        let merged = match routes.as_deref() {
+            Some(old) if old.groups == table.groups => {
+                let mut t = table.clone();
+                for r in 0..t.epochs.len().min(old.epochs.len()) {
+                    if old.epochs[r] > t.epochs[r] {
+                        t.epochs[r] = old.epochs[r];
+                        t.owners[r] = old.owners.get(r).cloned().unwrap_or_default();
+                    }
+                }
+                t
+            }
+            _ => table,
+        };
+        if routes.as_deref() != Some(&merged) {
+            *routes = Some(Arc::new(merged));
+        }
+    }
+
+    /// Notes that `owner` serves group `rank` at `epoch` from now on (this master, right after
+    /// it took the group), before its next read of the records says so.
+    pub fn note_route(&self, rank: u32, epoch: u64, owner: &str) {
+        let mut routes = self.routes.write();
+        let Some(old) = routes.as_deref() else { return };
+        let mut t = old.clone();
+        if let (Some(e), Some(o)) = (t.epochs.get_mut(rank as usize), t.owners.get_mut(rank as usize)) {
+            if *e <= epoch {
+                *e = epoch;
+                *o = owner.to_string();
+                *routes = Some(Arc::new(t));
+            }
         }
     }
 
@@ -1278,10 +1340,10 @@ impl Master {
 
     /// Mounted segments with usage.
     pub fn list_segments(&self) -> Vec<SegmentStatus> {
-        // One entry per segment, with the bytes used in every slice served here.
+        // One entry per segment, with the bytes used in every slice held here.
         let mut out: Vec<SegmentStatus> = Vec::new();
         let mut at: HashMap<SegmentId, usize> = HashMap::new();
-        for group in self.serving() {
+        for group in self.groups() {
             for s in group.segments.live().iter() {
                 match at.get(&s.desc.id) {
                     Some(&i) => out[i].used += s.used(),
@@ -1383,7 +1445,7 @@ impl Master {
         MasterStats {
             capacity_bytes,
             used_bytes,
-            objects: self.all_shards().map(|s| s.read().len() as u64).sum(),
+            objects: self.groups().flat_map(|g| g.shards.iter()).map(|s| s.read().len() as u64).sum(),
             clients: self.clients.read().len() as u64,
             segments: self.list_segments().len() as u64,
             sweep_progress: self.counters.sweep_visited.load(Ordering::Relaxed),
@@ -1429,7 +1491,12 @@ impl Master {
     /// Runs eviction rounds as they are asked for, on the calling thread, until
     /// [`Master::stop_evictor`]. While it runs, no RPC worker evicts.
     pub fn run_evictor(&self) {
-        self.evictor.run(|r| self.evict_round(r).1);
+        self.evictor.run(|r| {
+            let freed = self.evict_round(r).1;
+            // Nobody waits for what eviction logs: forget it (and the logs it names).
+            drop(Master::take_logged());
+            freed
+        });
     }
 
     /// Whether [`Master::run_evictor`] is running (eviction is then off the request path).
@@ -1629,7 +1696,7 @@ impl Master {
             if req.watermark { ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1) } else { 0 };
         let (capacity, _) = match req.group.and_then(|g| self.group(g)) {
             Some(g) => g.segments.usage(),
-            None => self.usage(),
+            None => Self::sum_usage(self.serving()),
         };
         let bytes_goal = if req.bytes > 0 { req.bytes.max(capacity / 100) } else { 0 };
         if !self.cfg.allow_evict_soft_pinned_objects {
@@ -1806,7 +1873,8 @@ impl Master {
     pub fn object_gauges(&self) -> ObjectGauges {
         let now = self.now();
         let mut g = ObjectGauges::default();
-        for shard in self.all_shards() {
+        // Every group held, replayed ones too: a standby reports what it would serve.
+        for shard in self.groups().flat_map(|g| g.shards.iter()) {
             let Some(map) = shard.try_read() else {
                 g.shards_skipped += 1;
                 continue;

@@ -106,7 +106,7 @@ pub struct GroupRecord {
 }
 
 /// A group record as version 1 stored it (no caretaking).
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct GroupRecordV1 {
     rank: u32,
     primary: String,
@@ -140,8 +140,20 @@ pub enum OwnershipError {
 }
 
 impl GroupRecord {
-    /// The record as stored.
+    /// The record as stored. One that is not caretaken is stored at version 1, which a build
+    /// from before caretaking reads too (a G = 1 cluster upgraded one master at a time).
     pub fn encode(&self) -> Vec<u8> {
+        if !self.caretaken {
+            let v1 = GroupRecordV1 {
+                rank: self.rank,
+                primary: self.primary.clone(),
+                standbys: self.standbys.clone(),
+                state: self.state,
+                migrating_to: self.migrating_to.clone(),
+                epoch: self.epoch,
+            };
+            return envelope::seal(RecordKind::Ownership, 1, &postcard::to_stdvec(&v1).expect("records serialize"));
+        }
         envelope::seal(
             RecordKind::Ownership,
             GROUP_RECORD_VERSION,
@@ -397,7 +409,10 @@ mod tests {
         let v1 = V1(g.rank, &g.primary, &g.standbys, g.state, None, g.epoch);
         let old = envelope::seal(RecordKind::Ownership, 1, &postcard::to_stdvec(&v1).unwrap());
         assert_eq!(GroupRecord::decode(&old), Ok(g.clone()));
+        // And one that is not caretaken is written so, for builds from before caretaking.
+        assert_eq!(g.encode(), old);
         let cg = GroupRecord { caretaken: true, ..g };
+        assert_eq!(envelope::open(RecordKind::Ownership, GROUP_RECORD_VERSION, &cg.encode()).unwrap().0, 2);
         assert_eq!(GroupRecord::decode(&cg.encode()), Ok(cg));
         let meta = ClusterMeta { groups: 4 };
         assert_eq!(ClusterMeta::decode(&meta.encode()), Ok(meta));

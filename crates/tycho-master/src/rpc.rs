@@ -140,7 +140,8 @@ impl Service for MasterRpc {
         // its thread).
         Master::take_logged();
         // A master that serves no group (a standby) answers only probes.
-        if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck) {
+        // (and who serves each group, so that a client asking it finds the primaries).
+        if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck | Request::Routes) {
             let resp = Response::Error(ErrorCode::KVPT_NOT_OWNED);
             self.metrics.record(index, start.elapsed(), &resp);
             return Reply::Ready(resp);
@@ -149,7 +150,7 @@ impl Service for MasterRpc {
         // once decided and applied, a record must be logged.
         let checked = self.authorize(&req, peer).and_then(|r| {
             if req.mutates() {
-                self.master.admit()?;
+                self.master.admit_request(&req)?;
             }
             Ok(r)
         });

@@ -1837,7 +1837,9 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
         standby.m.replay(0, r).unwrap_or_else(|e| panic!("record {i} ({r:?}) does not replay: {e}"));
     }
     let (objects, segments) = state(m);
-    assert!(objects.len() > 10 && objects.iter().any(|o| o.0 == "pending" && !o.3), "{objects:?}");
+    // (How many objects are left depends on where random placement put them: those only on
+    // the unmounted segment went with it. About 13 of 20, rarely 10 or fewer.)
+    assert!(objects.len() > 3 && objects.iter().any(|o| o.0 == "pending" && !o.3), "{objects:?}");
     assert!(segments.len() == 2 && segments.iter().all(|s| s.1 > 0), "{segments:?}");
     assert_eq!(state(&standby.m), (objects, segments), "the standby holds what the primary holds");
 

@@ -303,6 +303,31 @@ impl Request {
         }
     }
 
+    /// The partition of every key the request names, in order (none for a request of no key).
+    pub fn partitions(&self) -> Vec<u16> {
+        let one = |k: &KeyRef| vec![k.route.partition_id];
+        let many = |ks: &[KeyRef]| ks.iter().map(|k| k.route.partition_id).collect();
+        match self {
+            Request::PutStart(r) | Request::UpsertStart(r) => one(&r.key),
+            Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
+                one(&r.key)
+            }
+            Request::BatchPutStart(r) | Request::BatchUpsertStart(r) => {
+                r.items.iter().map(|(k, _)| k.route.partition_id).collect()
+            }
+            Request::BatchPutEnd(r)
+            | Request::BatchPutRevoke(r)
+            | Request::BatchUpsertEnd(r)
+            | Request::BatchUpsertRevoke(r) => many(&r.keys),
+            Request::GetReplicaList(q) | Request::ExistKey(q) => one(&q.key),
+            Request::BatchGetReplicaList(q) | Request::BatchExistKey(q) => many(&q.keys),
+            Request::Remove(r) => one(&r.key),
+            Request::BatchRemove(r) => many(&r.keys),
+            Request::BatchReplicaClear(r) => many(&r.keys),
+            _ => Vec::new(),
+        }
+    }
+
     /// The batch request of the keys at `at` (indices into its keys, in that order), with
     /// everything else as in `self`: the part of a batch for one master. `None` for a request
     /// that is not a batch.

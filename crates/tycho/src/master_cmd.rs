@@ -573,7 +573,19 @@ fn run_up_cluster(args: UpArgs) -> i32 {
     }
     let auth = probe_auth(masters[0].0.secret.clone());
     let master_addr = masters[0].0.addr.to_string();
-    let node = match embedded_node(&master_addr, args.segment_size, &auth) {
+    // Roles may still be moving (a claim under way): the node tries again for a while.
+    let mut tries = 0;
+    let node = loop {
+        match embedded_node(&master_addr, args.segment_size, &auth) {
+            Err(e) if tries < 40 => {
+                tracing::debug!(error = %e, "the embedded node could not start yet; retrying");
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            r => break r,
+        }
+    };
+    let node = match node {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: {e}");
@@ -750,7 +762,6 @@ pub fn run_up(args: UpArgs) -> i32 {
     0
 }
 
-/// Puts, gets and removes a test object through a separate client; reports the latencies.
 /// `tycho up`'s node: a client of `master` contributing `size` bytes.
 fn embedded_node(master: &str, size: u64, auth: &ClientAuth) -> Result<tycho_client::Client, String> {
     let mut cfg = tycho_client::ClientConfig::new(master);
@@ -760,6 +771,7 @@ fn embedded_node(master: &str, size: u64, auth: &ClientAuth) -> Result<tycho_cli
     tycho_client::Client::connect(cfg).map_err(|e| format!("the embedded node could not start: {e}: {}", e.hint()))
 }
 
+/// Puts, gets and removes a test object through a separate client; reports the latencies.
 fn self_check(master: &str, auth: &ClientAuth) -> Result<String, String> {
     let mut cfg = tycho_client::ClientConfig::new(master);
     cfg.auth = auth.clone();

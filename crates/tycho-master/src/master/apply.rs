@@ -168,6 +168,32 @@ impl Master {
         self.groups().filter(|g| g.is_serving()).filter_map(Group::sink).try_for_each(|s| s.admit())
     }
 
+    /// [`Master::admit`] for the groups of the keys `req` names alone (every group served when
+    /// it names none: a mount, a removal of many): one group's full log does not hold up the
+    /// others'.
+    pub fn admit_request(&self, req: &tycho_proto::Request) -> Result<(), ErrorCode> {
+        if self.sinks.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let partitions = req.partitions();
+        if partitions.is_empty() {
+            return self.admit();
+        }
+        let groups = self.cfg.group_count.max(1);
+        let mut seen: Vec<u32> = Vec::new();
+        for p in partitions {
+            let rank = tycho_routing::kvpt_to_rank(p, groups);
+            if seen.contains(&rank) {
+                continue;
+            }
+            seen.push(rank);
+            if let Some(s) = self.group(rank).filter(|g| g.is_serving()).and_then(Group::sink) {
+                s.admit()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Resolves once every record in `logged` is durable, or with the error of a log that will
     /// never make one durable; `None` when there is nothing to wait for.
     pub fn durable(&self, logged: Logged) -> Option<crate::record::DurableFuture> {
