@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use tycho_proto::auth::handshake::Identity;
 use tycho_proto::*;
+use tycho_routing::RouteCache;
 use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
 use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferServer, Transport};
 
@@ -111,9 +112,9 @@ struct Inner {
     closed: AtomicBool,
     /// The master instance last seen in a heartbeat; a new one means a restarted master.
     master_instance: AtomicU64,
-    /// The KVPT groups' epochs, for the routes of key-addressed requests: the initial epoch
-    /// until a request answers STALE_EPOCH, then as the master says.
-    routes: parking_lot::RwLock<RouteTable>,
+    /// The KVPT groups' epochs and primaries, for the routes of key-addressed requests: the
+    /// initial epoch until a master says otherwise; each group's entry only moves forward.
+    routes: parking_lot::RwLock<RouteCache>,
     heartbeat: Heartbeat,
     /// The process that connected; a forked child that inherits the client never closes it.
     pid: u32,
@@ -316,7 +317,7 @@ impl Client {
             leases: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             master_instance: AtomicU64::new(0),
-            routes: parking_lot::RwLock::new(RouteTable { groups: 1, epochs: Vec::new(), owners: Vec::new() }),
+            routes: parking_lot::RwLock::new(RouteCache::new()),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
         });
@@ -382,7 +383,7 @@ impl Client {
 
     fn key(&self, key: &str) -> KeyRef {
         let mut route = tycho_routing::route_for(&self.inner.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH);
-        route.epoch = epoch_of(&self.inner.routes.read(), route.partition_id);
+        route.epoch = self.inner.routes.read().epoch_of(route.partition_id);
         KeyRef { key: key.to_string(), route }
     }
 
@@ -1175,12 +1176,6 @@ fn all_stale(resp: &Response) -> bool {
     }
 }
 
-/// The epoch of partition `partition_id`'s group in `t` (the initial epoch when unknown).
-fn epoch_of(t: &RouteTable, partition_id: u16) -> u64 {
-    let rank = tycho_routing::kvpt_to_rank(partition_id, t.groups.max(1));
-    t.epochs.get(rank as usize).copied().filter(|&e| e > 0).unwrap_or(tycho_routing::INITIAL_GROUP_EPOCH)
-}
-
 /// How long a client keeps looking for a serving master among its addresses (a failover
 /// takes the old primary's lease TTL, 5 s by default, plus the standby's catch-up).
 const FAILOVER_WAIT: Duration = Duration::from_secs(15);
@@ -1256,12 +1251,7 @@ impl Inner {
             Ok(resp) if !all_stale(&resp) => Ok(resp),
             Ok(_) | Err(ErrorCode::STALE_EPOCH) => {
                 self.refresh_routes()?;
-                let mut again = req.clone();
-                let routes = self.routes.read().clone();
-                for r in again.routes_mut() {
-                    r.epoch = epoch_of(&routes, r.partition_id);
-                }
-                call_with_retry(self.master(), &again, self.cfg.rpc_timeout)
+                call_with_retry(self.master(), &self.retag(req), self.cfg.rpc_timeout)
             }
             r => r,
         }
@@ -1276,8 +1266,7 @@ impl Inner {
     fn refresh_routes_from(&self, master: &BlockingClient) -> Result<(), ErrorCode> {
         match call_with_retry(master, &Request::Routes, self.cfg.rpc_timeout)? {
             Response::Routes(t) => {
-                tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
-                *self.routes.write() = t;
+                self.learn_routes(&t);
                 Ok(())
             }
             _ => Err(ErrorCode::INTERNAL_ERROR),
@@ -1290,8 +1279,7 @@ impl Inner {
     fn reroute(&self, failed: &BlockingClient) {
         let ask = |m: &BlockingClient| match m.call::<Request, Response>(&Request::Routes, self.cfg.rpc_timeout) {
             Ok(Response::Routes(t)) => {
-                tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
-                *self.routes.write() = t;
+                self.learn_routes(&t);
                 true
             }
             _ => false,
@@ -1330,20 +1318,21 @@ impl Inner {
             .clone()
     }
 
+    /// Learns a route table a master answered (entries older than the cache's are ignored).
+    fn learn_routes(&self, t: &RouteTable) {
+        if self.routes.write().learn(t) {
+            tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
+        }
+    }
+
     /// The address of the primary of `partition`'s group as the route table says ("": unknown).
     fn owner_of(&self, partition: u16) -> String {
-        let t = self.routes.read();
-        let rank = tycho_routing::kvpt_to_rank(partition, t.groups.max(1));
-        t.owners.get(rank as usize).cloned().unwrap_or_default()
+        self.routes.read().owner_of(partition).to_string()
     }
 
     /// Every group primary the route table names, each once.
     fn owners(&self) -> Vec<String> {
-        let t = self.routes.read();
-        let mut all: Vec<String> = t.owners.iter().filter(|o| !o.is_empty()).cloned().collect();
-        all.sort();
-        all.dedup();
-        all
+        self.routes.read().owners()
     }
 
     /// `req` with every key's epoch set from the route table.
@@ -1351,7 +1340,7 @@ impl Inner {
         let mut again = req.clone();
         let routes = self.routes.read();
         for r in again.routes_mut() {
-            r.epoch = epoch_of(&routes, r.partition_id);
+            r.epoch = routes.epoch_of(r.partition_id);
         }
         again
     }
@@ -1617,7 +1606,7 @@ impl Inner {
             // With several groups, who serves them moves (claims, failovers): the route table is
             // read again each beat (after the pings, which must not wait for it), so that every
             // primary hears from this client in time.
-            if self.routes.read().groups > 1 {
+            if self.routes.read().table().groups > 1 {
                 self.reroute(self.master());
             }
             match pinged {

@@ -6,6 +6,7 @@
 mod admin;
 mod alloc;
 mod clock;
+pub mod commit;
 pub mod compaction;
 mod config;
 pub mod cvm;

@@ -21,6 +21,9 @@
 //! is renewed, else the writer is fenced for good: every waiting and later mutation fails with
 //! KVPT_NOT_OWNED, and the master must stop serving the group. Records committed while a batch
 //! is in flight form the next batch.
+//!
+//! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the writer's task
+//! only carries its messages to the store and back.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,10 +32,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
-use tycho_meta::{Compare, MetaError, MetaStore, RangeRequest, Revision, Txn, TxnOp};
+use tycho_meta::{MetaError, MetaStore, RangeRequest, Revision};
 use tycho_proto::envelope::{self, RecordKind};
 use tycho_proto::ErrorCode;
 
+use crate::commit::{BatchCommit, Io, Reply};
 use crate::record::{Record, RecordBatch, MAX_BATCH_RECORDS};
 
 /// Figures of one group's log on this master, for `/metrics`: what a primary appended and
@@ -338,7 +342,8 @@ impl OpLogWriter {
             cfg,
         });
         shared.cfg.stats.appended(durable);
-        let committer = Committer { store, keys, fence, group, epoch, durable, durable_rev, shared: shared.clone() };
+        let machine = BatchCommit::new(keys.clone(), fence, group, durable, durable_rev);
+        let committer = Committer { store, keys, machine, group, epoch, shared: shared.clone() };
         let task = tokio::spawn(committer.run());
         Ok(OpLogWriter { shared, task })
     }
@@ -548,11 +553,9 @@ async fn read_prefix(store: &dyn MetaStore, keys: &LogKeys) -> Result<(u64, Revi
 struct Committer {
     store: Arc<dyn MetaStore>,
     keys: LogKeys,
-    fence: Fence,
+    machine: BatchCommit,
     group: u32,
     epoch: u64,
-    durable: u64,
-    durable_rev: Revision,
     shared: Arc<Shared>,
 }
 
@@ -564,14 +567,6 @@ impl Drop for EndsLog {
     fn drop(&mut self) {
         end(&self.0, LogError::Closed);
     }
-}
-
-/// How a transaction that did not succeed turned out.
-enum Outcome {
-    /// The batch is in the log.
-    Committed,
-    /// It is not: send it again.
-    Retry,
 }
 
 impl Committer {
@@ -634,111 +629,31 @@ impl Committer {
         Ok(Some(RecordBatch { group: self.group, epoch: self.epoch, first_seq, records }))
     }
 
-    /// Commits one batch, resolving failed and unknown outcomes by reading the prefix back.
+    /// Commits one batch: drives the fencing machine ([`BatchCommit`]) against the store,
+    /// retrying reads the store does not answer.
     async fn commit(&mut self, batch: &RecordBatch) -> Result<(), LogError> {
-        debug_assert_eq!(batch.first_seq, self.durable + 1, "batches continue the log");
-        let last = batch.last_seq();
-        let encoded = batch.encode();
+        let mut io = self.machine.begin(batch.first_seq, batch.last_seq(), batch.encode());
         loop {
-            let txn = Txn::new()
-                .when([
-                    Compare::mod_revision_eq(self.fence.key.clone(), self.fence.mod_revision),
-                    Compare::mod_revision_eq(self.keys.durable(), self.durable_rev),
-                ])
-                .and_then([
-                    TxnOp::put(self.keys.batch(batch.first_seq), encoded.clone()),
-                    TxnOp::put(self.keys.durable(), encode_prefix(last)),
-                ]);
-            let unknown = match self.store.txn(txn).await {
-                Ok(r) if r.succeeded => {
-                    self.durable = last;
-                    self.durable_rev = r.revision;
-                    return Ok(());
+            let reply = match io {
+                Io::Send(txn) => Reply::Sent(self.store.txn(txn).await),
+                Io::ReadPrefix { pause } => {
+                    if pause {
+                        tokio::time::sleep(self.shared.cfg.retry_backoff).await;
+                    }
+                    Reply::Prefix(read_prefix(&*self.store, &self.keys).await)
                 }
-                Ok(_) => false,
-                Err(e) if e.is_unavailable() || matches!(e, MetaError::Other(_)) => {
-                    tracing::warn!(group = self.group, error = %e, "OpLog commit outcome unknown; reading it back");
-                    tokio::time::sleep(self.shared.cfg.retry_backoff).await;
-                    true
-                }
-                Err(e) => return Err(LogError::Refused(e.to_string())),
+                Io::Read(key) => Reply::Read(self.read(&key).await),
+                Io::Done(r) => return r,
             };
-            match self.resolve(batch.first_seq, last, &encoded, unknown).await? {
-                Outcome::Committed => return Ok(()),
-                Outcome::Retry => {}
-            }
+            io = self.machine.on(reply);
         }
     }
 
-    /// Finds out what became of a batch whose transaction failed its compares or went
-    /// unanswered (`unknown`).
-    async fn resolve(&mut self, first_seq: u64, last: u64, encoded: &[u8], unknown: bool) -> Result<Outcome, LogError> {
-        let (durable, rev) = read_prefix(&*self.store, &self.keys).await?;
-        // (Another writer may have appended after it already: the batch is committed all the
-        // same, and this writer's next batch finds the prefix moved.)
-        if durable >= last && rev != self.durable_rev && self.holds(first_seq, encoded).await? {
-            // An earlier attempt went through; its answer was lost, or arrived after the
-            // read-back that sent the batch again.
-            self.durable = last;
-            self.durable_rev = rev;
-            return Ok(Outcome::Committed);
-        }
-        if durable != self.durable || rev != self.durable_rev {
-            return Err(LogError::Fenced(format!(
-                "the log's durable prefix moved to {durable} under this writer (expected {})",
-                self.durable
-            )));
-        }
-        if unknown {
-            return Ok(Outcome::Retry);
-        }
-        // The prefix is in place, so the ownership record failed its compare.
-        self.renew_fence().await?;
-        Ok(Outcome::Retry)
-    }
-
-    /// Re-reads the ownership record after it changed: still this primary at this epoch renews
-    /// the fence at its new revision; anything else fences the writer.
-    async fn renew_fence(&mut self) -> Result<(), LogError> {
-        let Some((primary, epoch)) = self.fence.owner.clone() else {
-            return Err(LogError::Fenced("the ownership record changed".into()));
-        };
-        let kv = loop {
-            match self.store.get(&self.fence.key).await {
-                Ok(r) => break r.kv,
-                Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
-                Err(e) => return Err(LogError::Refused(e.to_string())),
-            }
-        };
-        let Some(kv) = kv else { return Err(LogError::Fenced("the ownership record is gone".into())) };
-        let record = crate::ownership::GroupRecord::decode(&kv.value).map_err(|e| {
-            LogError::Fenced(format!("the ownership record changed into one this build cannot read: {e}"))
-        })?;
-        if record.primary != primary || record.epoch != epoch || record.state != crate::ownership::GroupState::Stable {
-            return Err(LogError::Fenced(format!(
-                "the group is now {} under {} at epoch {} (this writer: {primary} at epoch {epoch})",
-                match record.state {
-                    crate::ownership::GroupState::Stable => "stable",
-                    crate::ownership::GroupState::Migrating => "migrating",
-                },
-                record.primary,
-                record.epoch
-            )));
-        }
-        tracing::info!(
-            group = self.group,
-            revision = kv.mod_revision,
-            "ownership record changed, same primary and epoch: fence renewed"
-        );
-        self.fence.mod_revision = kv.mod_revision;
-        Ok(())
-    }
-
-    /// Whether the log holds exactly `encoded` as the batch starting at `first_seq`.
-    async fn holds(&self, first_seq: u64, encoded: &[u8]) -> Result<bool, LogError> {
+    /// Reads `key`, waiting out a store that does not answer.
+    async fn read(&self, key: &[u8]) -> Result<Option<tycho_meta::KeyValue>, LogError> {
         loop {
-            match self.store.get(&self.keys.batch(first_seq)).await {
-                Ok(r) => return Ok(r.kv.is_some_and(|kv| kv.value == encoded)),
+            match self.store.get(key).await {
+                Ok(r) => return Ok(r.kv),
                 Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
                 Err(e) => return Err(LogError::Refused(e.to_string())),
             }

@@ -7,6 +7,9 @@
 //! The tenant is prefixed with its length (u32, little-endian) so that `("ab", "c")` and
 //! `("a", "bc")` hash differently.
 
+mod cache;
+
+pub use cache::RouteCache;
 use tycho_proto::{ErrorCode, RouteTag, MAX_KEY_LEN, MAX_TENANT_LEN};
 
 /// Number of fixed KV partitions (spec 01).

@@ -1,0 +1,1214 @@
+//! A deterministic simulation of the partitioned plane's control logic: the CVM's role rules
+//! ([`cvm::plan`]), the route cache ([`RouteCache`]) and commit-time fencing
+//! ([`BatchCommit`]), all sans-IO, driven by a seeded scheduler over a real [`MemStore`] (with
+//! a manual clock, so that leases expire when the scheduler says).
+//!
+//! Masters, clients and the store exchange messages through a simulated network that the
+//! scheduler delivers in any order, delays, loses (a request lost, an answer lost after the
+//! store applied it, a request applied after its sender gave up on it), and cuts masters off
+//! (partitions); masters crash, losing everything, and come back under the same id. After
+//! every step it checks that
+//!
+//! - a transaction that commits a group's log batch comes from the master the group's record
+//!   names primary, at the record's epoch (no commit by any other master succeeds);
+//! - every master that believes it serves a group under the record's current revision is the
+//!   one the record names (one primary per group);
+//!
+//! and at the end, after a quiet phase without faults, that every group is served by its
+//! recorded primary, every client's route cache names it, a fresh write to each group is
+//! acknowledged, and each group's log holds every acknowledged write exactly once, no refused
+//! write, no write twice, and exactly what its primary serves.
+//!
+//! `TYCHO_SIM_SCHEDULES` (default 20,000, about 20 s on two cores) sets how many schedules run; a failure prints its
+//! seed, and `TYCHO_SIM_SEED=<seed>` replays that one schedule alone (add
+//! `TYCHO_SIM_TRACE=1` to print every step).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tycho_master::commit::{BatchCommit, Io, Reply};
+use tycho_master::cvm::{self, Action, GroupView};
+use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys};
+use tycho_master::ownership::{self, ClusterKeys, GroupRecord, GroupState, OwnershipError};
+use tycho_master::record::{Record, RecordBatch};
+use tycho_meta::{
+    KeyValue, LeaseId, ManualClock, MemConfig, MemStore, MetaError, MetaResult, MetaStore, RangeRequest, Revision, Txn,
+    TxnOp, TxnResponse,
+};
+use tycho_proto::cluster::{MasterRegistration, Role};
+use tycho_proto::{ClientId, ErrorCode, RouteTable};
+use tycho_routing::RouteCache;
+
+/// Lease TTL of a master's registration.
+const LEASE_TTL: Duration = Duration::from_secs(3);
+/// Rounds of the quiet phase (each delivers everything and ticks every master).
+const QUIET_ROUNDS: usize = 80;
+/// Most records in one log batch.
+const BATCH: usize = 3;
+
+/// splitmix64: small, and the same on every platform and toolchain.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Which of a master's sequential activities a store message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Task {
+    View,
+    Lease,
+    Group(u32),
+}
+
+/// A request to the coordination store.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Registrations (oldest first) and every group record.
+    View,
+    /// Grant a lease and register under it.
+    Register,
+    KeepAlive(LeaseId),
+    Create {
+        rank: u32,
+        caretake: bool,
+    },
+    /// `change_group`: the record read at `read.1`, with this primary.
+    Change {
+        read: (GroupRecord, Revision),
+        primary: String,
+        caretaken: bool,
+    },
+    /// `change_standbys`: add the sender.
+    Join {
+        read: (GroupRecord, Revision),
+    },
+    /// A log batch's transaction, made under `epoch`.
+    Txn {
+        txn: Txn,
+        epoch: u64,
+    },
+    Get(Vec<u8>),
+    /// Every log batch of group `rank` from sequence number `from` on.
+    ReadLog {
+        rank: u32,
+        from: u64,
+    },
+}
+
+type View = (Vec<String>, Vec<Option<(GroupRecord, Revision)>>);
+
+/// The store's answer (`Lost`: the request or its answer was lost; the sender knows nothing).
+#[derive(Debug)]
+enum Ans {
+    View(View),
+    Registered(LeaseId),
+    KeptAlive(MetaResult<Duration>),
+    Owned(Result<(GroupRecord, Revision), OwnershipError>),
+    Txn(MetaResult<TxnResponse>),
+    Got(Option<KeyValue>),
+    Log(Vec<KeyValue>),
+    Lost,
+}
+
+#[derive(Debug, Clone)]
+enum ClientReq {
+    Put { op: u64, rank: u32, epoch: u64 },
+    Routes,
+}
+
+#[derive(Debug)]
+enum ClientResp {
+    Acked(u64),
+    Refused(u64, ErrorCode),
+    Unknown(u64),
+    Routes(RouteTable),
+}
+
+#[derive(Debug)]
+enum Msg {
+    ToStore { m: usize, tok: u64, task: Task, op: Op },
+    FromStore { m: usize, tok: u64, task: Task, ans: Ans },
+    ToMaster { c: usize, m: usize, req: ClientReq },
+    ToClient { c: usize, resp: ClientResp },
+}
+
+/// The I/O a serving group's commit machine waits on.
+#[derive(Debug, Clone)]
+enum Pending {
+    Send,
+    Prefix,
+    Read(Vec<u8>),
+}
+
+struct Serving {
+    commit: BatchCommit,
+    epoch: u64,
+    queue: Vec<(u64, usize)>,
+    batch: Option<Vec<(u64, usize)>>,
+    pending: Option<Pending>,
+    /// Given up: answers what is in flight, then leaves the group.
+    dropping: bool,
+}
+
+enum GRole {
+    None,
+    Standby,
+    /// Named primary by the record read at `rev`: reading the log to its end.
+    CatchingUp {
+        record: GroupRecord,
+        rev: Revision,
+    },
+    Serving(Box<Serving>),
+}
+
+struct GroupSide {
+    /// The token of the store request in flight (0: none).
+    busy: u64,
+    role: GRole,
+    /// Whether `ops` is the group's state up to `applied` (it followed or served the group).
+    holds: bool,
+    applied: u64,
+    ops: Vec<u64>,
+}
+
+impl GroupSide {
+    fn new() -> GroupSide {
+        GroupSide { busy: 0, role: GRole::None, holds: false, applied: 0, ops: Vec::new() }
+    }
+
+    fn forget(&mut self) {
+        self.holds = false;
+        self.applied = 0;
+        self.ops.clear();
+    }
+}
+
+struct MasterSim {
+    id: String,
+    up: bool,
+    inc: u64,
+    lease: Option<LeaseId>,
+    /// Tokens of the view and lease requests in flight (0: none). An answer whose token is not
+    /// the one awaited (the sender gave up on it and asked again) is dropped.
+    view_busy: u64,
+    lease_busy: u64,
+    /// Steps left cut off from everyone.
+    cut: usize,
+    /// Steps left paused (a long GC or scheduling pause): its messages wait, none is lost.
+    paused: usize,
+    groups: Vec<GroupSide>,
+    routes: RouteCache,
+}
+
+struct ClientSim {
+    cache: RouteCache,
+}
+
+struct World {
+    rng: Rng,
+    trace: bool,
+    clock: Arc<ManualClock>,
+    store: MemStore,
+    keys: ClusterKeys,
+    g: u32,
+    masters: Vec<MasterSim>,
+    clients: Vec<ClientSim>,
+    net: Vec<Msg>,
+    next_op: u64,
+    next_tok: u64,
+    /// How likely each kind of event is in this schedule (see [`World::chaos_step`]): each
+    /// schedule draws its own mix, from calm to stormy.
+    weights: [u32; 9],
+    /// Steps of the faulty phase.
+    steps: usize,
+    acked: BTreeSet<u64>,
+    refused: BTreeSet<u64>,
+    /// What happened, for the summary: writes whose outcome their client never learned,
+    /// ownership changes won, and log writers fenced.
+    figures: Figures,
+    step: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Figures {
+    acked: usize,
+    refused: usize,
+    unknown: usize,
+    promotions: usize,
+    fenced: usize,
+}
+
+impl std::ops::AddAssign for Figures {
+    fn add_assign(&mut self, o: Figures) {
+        self.acked += o.acked;
+        self.refused += o.refused;
+        self.unknown += o.unknown;
+        self.promotions += o.promotions;
+        self.fenced += o.fenced;
+    }
+}
+
+/// What a master knows of the routes before it reads the records: the group count only.
+fn no_routes(g: u32) -> RouteCache {
+    let mut c = RouteCache::new();
+    c.learn(&RouteTable { groups: g, epochs: vec![0; g as usize], owners: vec![String::new(); g as usize] });
+    c
+}
+
+/// Runs `f` on the store: MemStore answers at once, so the future is ready on its first poll.
+fn now<T>(f: impl std::future::Future<Output = T>) -> T {
+    f.now_or_never().expect("MemStore answers without waiting")
+}
+
+fn unavailable() -> MetaError {
+    MetaError::Unavailable("the simulated network lost the message".into())
+}
+
+impl World {
+    fn new(seed: u64, trace: bool) -> World {
+        let mut rng = Rng(seed);
+        let g = 1 + rng.below(3) as u32;
+        let m = 2 + rng.below(3);
+        let clock = ManualClock::new();
+        let store = MemStore::with_clock(clock.clone(), MemConfig::default());
+        let masters = (0..m)
+            .map(|i| MasterSim {
+                id: format!("m{i}"),
+                up: true,
+                inc: 0,
+                lease: None,
+                view_busy: 0,
+                lease_busy: 0,
+                cut: 0,
+                paused: 0,
+                groups: (0..g).map(|_| GroupSide::new()).collect(),
+                routes: no_routes(g),
+            })
+            .collect();
+        // deliver, tick, put, routes, clock, crash, cut, pause, lose.
+        let base = [45, 15, 15, 4, 2, 2, 2, 2, 7];
+        let weights = base.map(|w| w * (1 + rng.below(4) as u32) / 2);
+        let steps = 150 + rng.below(300);
+        let clients = (0..2).map(|_| ClientSim { cache: RouteCache::new() }).collect();
+        World {
+            rng,
+            trace,
+            clock,
+            store,
+            keys: ClusterKeys::new("sim"),
+            g,
+            masters,
+            clients,
+            net: Vec::new(),
+            next_op: 1,
+            next_tok: 1,
+            weights,
+            steps,
+            acked: BTreeSet::new(),
+            refused: BTreeSet::new(),
+            figures: Figures::default(),
+            step: 0,
+        }
+    }
+
+    fn log(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("[{:4}] {}", self.step, what());
+        }
+    }
+
+    fn log_keys(&self, rank: u32) -> LogKeys {
+        LogKeys::new(self.keys.cluster(), rank)
+    }
+
+    fn index_of(&self, id: &str) -> Option<usize> {
+        self.masters.iter().position(|m| m.id == id)
+    }
+
+    /// Sends `op` for `task` of master `m`, which awaits its answer from now on.
+    fn send(&mut self, m: usize, task: Task, op: Op) {
+        let tok = self.next_tok;
+        self.next_tok += 1;
+        let master = &mut self.masters[m];
+        match task {
+            Task::View => master.view_busy = tok,
+            Task::Lease => master.lease_busy = tok,
+            Task::Group(rank) => master.groups[rank as usize].busy = tok,
+        }
+        self.net.push(Msg::ToStore { m, tok, task, op });
+    }
+
+    // ---- the scheduler ----
+
+    /// One step of the faulty phase.
+    fn chaos_step(&mut self) {
+        let total: u32 = self.weights.iter().sum();
+        let mut roll = self.rng.below(total as usize) as u32;
+        let mut event = 0;
+        while roll >= self.weights[event] {
+            roll -= self.weights[event];
+            event += 1;
+        }
+        match event {
+            0 => self.deliver_any(),
+            1 => {
+                let m = self.rng.below(self.masters.len());
+                self.tick(m);
+            }
+            2 => self.client_put(),
+            3 => {
+                let c = self.rng.below(self.clients.len());
+                let m = self.rng.below(self.masters.len());
+                self.net.push(Msg::ToMaster { c, m, req: ClientReq::Routes });
+            }
+            4 => {
+                self.log(|| "clock +1s".into());
+                self.clock.advance(Duration::from_secs(1));
+            }
+            5 => self.crash_or_restart(),
+            6 => {
+                let m = self.rng.below(self.masters.len());
+                let steps = 5 + self.rng.below(40);
+                self.log(|| format!("m{m} cut off for {steps} steps"));
+                self.masters[m].cut = steps;
+            }
+            7 => {
+                let m = self.rng.below(self.masters.len());
+                let steps = 10 + self.rng.below(60);
+                self.log(|| format!("m{m} paused for {steps} steps"));
+                self.masters[m].paused = steps;
+            }
+            _ => self.lose_one(),
+        }
+        for m in &mut self.masters {
+            m.cut = m.cut.saturating_sub(1);
+            m.paused = m.paused.saturating_sub(1);
+        }
+    }
+
+    /// Delivers one message, chosen at random among those not held by a paused master.
+    fn deliver_any(&mut self) {
+        let ready: Vec<usize> = (0..self.net.len())
+            .filter(|&i| {
+                let m = match &self.net[i] {
+                    Msg::ToStore { m, .. } | Msg::FromStore { m, .. } | Msg::ToMaster { m, .. } => *m,
+                    Msg::ToClient { .. } => return true,
+                };
+                self.masters[m].paused == 0
+            })
+            .collect();
+        if ready.is_empty() {
+            return;
+        }
+        let i = ready[self.rng.below(ready.len())];
+        let msg = self.net.swap_remove(i);
+        self.deliver(msg);
+    }
+
+    /// Loses a message: a request to the store is lost before it runs, or applied and its
+    /// answer lost, or left in the network to be applied late while its sender hears nothing
+    /// back; any other message is simply lost (a client's request goes unanswered).
+    fn lose_one(&mut self) {
+        if self.net.is_empty() {
+            return;
+        }
+        let i = self.rng.below(self.net.len());
+        let how = self.rng.below(3);
+        match &self.net[i] {
+            Msg::ToStore { m, tok, task, .. } => {
+                let (m, tok, task) = (*m, *tok, *task);
+                let lost = Msg::FromStore { m, tok, task, ans: Ans::Lost };
+                match how {
+                    0 => {
+                        self.log(|| format!("lost a request of m{m} ({task:?})"));
+                        self.net.swap_remove(i);
+                    }
+                    1 => {
+                        self.log(|| format!("applied a request of m{m} ({task:?}), lost its answer"));
+                        let msg = self.net.swap_remove(i);
+                        if let Msg::ToStore { m, task, op, .. } = msg {
+                            let _ = self.apply(m, task, op);
+                        }
+                    }
+                    _ => self.log(|| format!("m{m} gives up on a request ({task:?}) still in the network")),
+                }
+                self.net.push(lost);
+            }
+            Msg::FromStore { m, tok, task, .. } => {
+                let (m, tok, task) = (*m, *tok, *task);
+                self.log(|| format!("lost an answer to m{m} ({task:?})"));
+                self.net[i] = Msg::FromStore { m, tok, task, ans: Ans::Lost };
+            }
+            Msg::ToMaster { c, req: ClientReq::Put { op, .. }, .. } => {
+                let (c, op) = (*c, *op);
+                self.net[i] = Msg::ToClient { c, resp: ClientResp::Unknown(op) };
+            }
+            _ => {
+                self.net.swap_remove(i);
+            }
+        }
+    }
+
+    fn crash_or_restart(&mut self) {
+        let m = self.rng.below(self.masters.len());
+        let master = &mut self.masters[m];
+        if master.up {
+            master.up = false;
+            master.inc += 1;
+            master.lease = None;
+            master.view_busy = 0;
+            master.lease_busy = 0;
+            master.routes = no_routes(self.g);
+            for g in &mut master.groups {
+                *g = GroupSide::new();
+            }
+            self.log(|| format!("m{m} crashed"));
+        } else {
+            master.up = true;
+            self.log(|| format!("m{m} restarted"));
+        }
+    }
+
+    fn client_put(&mut self) {
+        let c = self.rng.below(self.clients.len());
+        let rank = self.rng.below(self.g as usize) as u32;
+        let op = self.next_op;
+        self.next_op += 1;
+        let cache = &self.clients[c].cache;
+        let owner = cache.owner(rank).to_string();
+        let epoch = cache.table().epochs.get(rank as usize).copied().filter(|&e| e > 0).unwrap_or(1);
+        let m = match self.index_of(&owner) {
+            Some(m) => m,
+            None => self.rng.below(self.masters.len()),
+        };
+        self.log(|| format!("client {c} puts op {op} (group {rank}, epoch {epoch}) at m{m}"));
+        self.net.push(Msg::ToMaster { c, m, req: ClientReq::Put { op, rank, epoch } });
+    }
+
+    // ---- delivery ----
+
+    fn deliver(&mut self, msg: Msg) {
+        match msg {
+            Msg::ToStore { m, tok, task, op } => {
+                if self.masters[m].cut > 0 {
+                    self.log(|| format!("m{m} is cut off: its request ({task:?}) is lost"));
+                    self.net.push(Msg::FromStore { m, tok, task, ans: Ans::Lost });
+                    return;
+                }
+                let ans = self.apply(m, task, op);
+                self.net.push(Msg::FromStore { m, tok, task, ans });
+            }
+            Msg::FromStore { m, tok, task, ans } => {
+                let master = &mut self.masters[m];
+                let awaited = match task {
+                    Task::View => &mut master.view_busy,
+                    Task::Lease => &mut master.lease_busy,
+                    Task::Group(rank) => &mut master.groups[rank as usize].busy,
+                };
+                // A crashed master awaits nothing; one that gave up on a request awaits its
+                // next one.
+                if !master.up || *awaited != tok {
+                    return;
+                }
+                *awaited = 0;
+                let ans = if master.cut > 0 { Ans::Lost } else { ans };
+                self.answer(m, task, ans);
+            }
+            Msg::ToMaster { c, m, req } => self.client_request(c, m, req),
+            Msg::ToClient { c, resp } => self.client_answer(c, resp),
+        }
+    }
+
+    /// Applies a request to the store, checking that a log commit comes from the primary.
+    fn apply(&mut self, m: usize, task: Task, op: Op) -> Ans {
+        let store: &dyn MetaStore = &self.store;
+        let keys = &self.keys;
+        let id = self.masters[m].id.clone();
+        match op {
+            Op::View => {
+                let live = match now(ownership::masters(store, keys)) {
+                    Ok(l) => l.into_iter().map(|(r, _)| r.id).collect(),
+                    Err(_) => return Ans::Lost,
+                };
+                let records =
+                    (0..self.g).map(|r| now(ownership::read_group(store, keys, r)).expect("a readable record"));
+                Ans::View((live, records.collect()))
+            }
+            Op::Register => {
+                let grant = now(store.lease_grant(LEASE_TTL)).expect("lease");
+                let reg = MasterRegistration { id: id.clone(), address: id, role: Role::Idle, registered_at_ms: 0 };
+                now(ownership::register(store, keys, &reg, grant.id)).expect("register");
+                Ans::Registered(grant.id)
+            }
+            Op::KeepAlive(lease) => Ans::KeptAlive(now(store.lease_keep_alive_once(lease))),
+            Op::Create { rank, caretake } => Ans::Owned(now(ownership::create_group(store, keys, rank, &id, caretake))),
+            Op::Change { read, primary, caretaken } => {
+                Ans::Owned(now(ownership::change_group(store, keys, &read, |g| {
+                    g.standbys.retain(|s| *s != primary);
+                    g.primary = primary.clone();
+                    g.caretaken = caretaken;
+                })))
+            }
+            Op::Join { read } => {
+                Ans::Owned(now(ownership::change_standbys(store, keys, &read, |s| s.push(id.clone()))))
+            }
+            Op::Txn { txn, epoch } => {
+                let Task::Group(rank) = task else { panic!("a log transaction outside a group task") };
+                let record = now(ownership::read_group(store, keys, rank)).expect("a readable record");
+                let writes_batch = txn
+                    .success
+                    .iter()
+                    .any(|o| matches!(o, TxnOp::Put { key, .. } if key.starts_with(&self.log_keys(rank).batches())));
+                let r = now(store.txn(txn));
+                if let (Ok(resp), true) = (&r, writes_batch) {
+                    if resp.succeeded {
+                        let (rec, _) = record.expect("a log commit without a group record");
+                        assert!(
+                            rec.primary == id && rec.epoch == epoch && rec.state == GroupState::Stable,
+                            "a log batch of group {rank} committed by {id} at epoch {epoch} while the record names {} at epoch {}",
+                            rec.primary,
+                            rec.epoch
+                        );
+                        self.log(|| format!("{id} committed a batch of group {rank} at epoch {epoch}"));
+                    }
+                }
+                Ans::Txn(r)
+            }
+            Op::Get(key) => match now(store.get(&key)) {
+                Ok(r) => Ans::Got(r.kv),
+                Err(_) => Ans::Lost,
+            },
+            Op::ReadLog { rank, from } => {
+                let lk = self.log_keys(rank);
+                let mut req = RangeRequest::prefix(lk.batches(), 0);
+                req.start = Some(lk.batch(from));
+                match now(store.range(req)) {
+                    Ok(page) => Ans::Log(page.kvs),
+                    Err(_) => Ans::Lost,
+                }
+            }
+        }
+    }
+
+    // ---- masters ----
+
+    /// A master's periodic work: register, keep its lease, read the records and decide.
+    fn tick(&mut self, m: usize) {
+        let master = &mut self.masters[m];
+        if !master.up || master.paused > 0 {
+            return;
+        }
+        if master.lease_busy == 0 {
+            let op = match master.lease {
+                None => Op::Register,
+                Some(l) => Op::KeepAlive(l),
+            };
+            self.send(m, Task::Lease, op);
+        }
+        let master = &mut self.masters[m];
+        if master.lease.is_some() && master.view_busy == 0 {
+            self.send(m, Task::View, Op::View);
+        }
+        // Primaries catching up read the log on (standbys read it when the view says Follow).
+        for rank in 0..self.g {
+            let side = &self.masters[m].groups[rank as usize];
+            if side.busy == 0 && matches!(side.role, GRole::CatchingUp { .. }) {
+                let from = side.applied + 1;
+                self.send(m, Task::Group(rank), Op::ReadLog { rank, from });
+            }
+        }
+    }
+
+    fn answer(&mut self, m: usize, task: Task, ans: Ans) {
+        match task {
+            Task::Lease => match ans {
+                Ans::Registered(lease) => self.masters[m].lease = Some(lease),
+                Ans::KeptAlive(Err(MetaError::LeaseNotFound { .. })) => self.lease_lost(m),
+                _ => {}
+            },
+            Task::View => {
+                if let Ans::View(view) = ans {
+                    self.decide(m, view);
+                }
+            }
+            Task::Group(rank) => self.group_answer(m, rank, ans),
+        }
+    }
+
+    /// The lease expired: the master gives up every group and registers again.
+    fn lease_lost(&mut self, m: usize) {
+        self.log(|| format!("m{m} lost its lease"));
+        self.masters[m].lease = None;
+        for rank in 0..self.g {
+            self.drop_group(m, rank);
+        }
+    }
+
+    /// Gives group `rank` up: what waits is refused; a batch in flight is answered first.
+    fn drop_group(&mut self, m: usize, rank: u32) {
+        let side = &mut self.masters[m].groups[rank as usize];
+        match &mut side.role {
+            GRole::Serving(s) => {
+                let queued = std::mem::take(&mut s.queue);
+                if s.batch.is_some() {
+                    s.dropping = true;
+                } else {
+                    side.role = GRole::None;
+                    side.forget();
+                }
+                for (op, c) in queued {
+                    self.net.push(Msg::ToClient { c, resp: ClientResp::Refused(op, ErrorCode::KVPT_NOT_OWNED) });
+                }
+            }
+            GRole::CatchingUp { .. } => {
+                side.role = GRole::None;
+                side.forget();
+            }
+            GRole::Standby | GRole::None => side.role = GRole::None,
+        }
+    }
+
+    /// The role loop: plans from a view of the records and starts each group's action.
+    fn decide(&mut self, m: usize, (live, records): View) {
+        if self.masters[m].lease.is_none() {
+            return;
+        }
+        let me = self.masters[m].id.clone();
+        let table = RouteTable {
+            groups: self.g,
+            epochs: records.iter().map(|r| r.as_ref().map_or(0, |(g, _)| g.epoch)).collect(),
+            owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| g.primary.clone())).collect(),
+        };
+        self.masters[m].routes.learn(&table);
+        let views: Vec<GroupView> =
+            records.iter().map(|r| GroupView::from(r.as_ref().map(|(g, _)| g.clone()))).collect();
+        let holds: Vec<bool> = self.masters[m].groups.iter().map(|s| s.holds).collect();
+        let plan = cvm::plan(&me, &live, &views, |r| holds[r as usize]);
+        self.log(|| format!("{me} plans {plan:?} (live {live:?})"));
+        for rank in 0..self.g {
+            let action = plan.iter().find(|(r, _)| *r == rank).map(|(_, a)| a.clone());
+            let side = &self.masters[m].groups[rank as usize];
+            let serving = matches!(&side.role, GRole::Serving(s) if !s.dropping);
+            if serving && action != Some(Action::Serve) {
+                self.log(|| format!("{me} gives group {rank} up ({action:?})"));
+                self.drop_group(m, rank);
+            }
+            let side = &self.masters[m].groups[rank as usize];
+            if side.busy != 0 || matches!(side.role, GRole::Serving(_) | GRole::CatchingUp { .. }) {
+                continue;
+            }
+            let read = records[rank as usize].clone();
+            let op = match (action, read) {
+                (Some(Action::Create { caretake }), _) => Op::Create { rank, caretake },
+                (Some(Action::Serve), Some(read)) => {
+                    let caretaken = read.0.caretaken;
+                    Op::Change { read, primary: me.clone(), caretaken }
+                }
+                (Some(Action::HandTo(heir)), Some(read)) => Op::Change { read, primary: heir, caretaken: false },
+                (Some(Action::TakeOver { caretake }), Some(read)) => {
+                    Op::Change { read, primary: me.clone(), caretaken: caretake }
+                }
+                (Some(Action::Claim), Some(read)) => Op::Change { read, primary: me.clone(), caretaken: false },
+                (Some(Action::JoinAsStandby), Some(read)) => Op::Join { read },
+                (Some(Action::Follow), Some(_)) => {
+                    let side = &mut self.masters[m].groups[rank as usize];
+                    if !matches!(side.role, GRole::Standby) {
+                        side.role = GRole::Standby;
+                        if !side.holds {
+                            side.forget();
+                            side.holds = true;
+                        }
+                    }
+                    Op::ReadLog { rank, from: side.applied + 1 }
+                }
+                _ => continue,
+            };
+            if matches!(&op, Op::Change { primary, .. } if *primary == me) {
+                // Promoting: the state is what it replayed, or (holding nothing) the log from
+                // its start, as a restore from snapshot and log.
+                let side = &mut self.masters[m].groups[rank as usize];
+                if !side.holds {
+                    side.forget();
+                    side.holds = true;
+                }
+            }
+            self.log(|| format!("{me} group {rank}: {op:?}"));
+            self.send(m, Task::Group(rank), op);
+        }
+    }
+
+    fn group_answer(&mut self, m: usize, rank: u32, ans: Ans) {
+        let me = self.masters[m].id.clone();
+        let durable_key = self.log_keys(rank).durable();
+        let side = &mut self.masters[m].groups[rank as usize];
+        if let GRole::Serving(_) = side.role {
+            return self.commit_answer(m, rank, ans);
+        }
+        match ans {
+            Ans::Owned(Ok((record, rev))) if record.primary == me => {
+                // Named primary: replay the log to its end (from scratch without the state).
+                if !side.holds {
+                    side.forget();
+                }
+                side.holds = true;
+                let epoch = record.epoch;
+                side.role = GRole::CatchingUp { record, rev };
+                self.figures.promotions += 1;
+                self.log(|| format!("{me} is primary of group {rank} at epoch {epoch}"));
+            }
+            Ans::Log(kvs) => {
+                if !matches!(side.role, GRole::Standby | GRole::CatchingUp { .. }) {
+                    return;
+                }
+                for kv in kvs {
+                    let batch = RecordBatch::decode(&kv.value).expect("a readable log batch");
+                    if batch.last_seq() <= side.applied {
+                        continue;
+                    }
+                    assert_eq!(batch.first_seq, side.applied + 1, "group {rank}'s log has a gap");
+                    for rec in &batch.records {
+                        let Record::WriteEnd { write_id, .. } = rec else { panic!("unexpected record {rec:?}") };
+                        side.ops.push(*write_id);
+                    }
+                    side.applied = batch.last_seq();
+                }
+                if matches!(side.role, GRole::CatchingUp { .. }) {
+                    self.send(m, Task::Group(rank), Op::Get(durable_key));
+                }
+            }
+            Ans::Got(prefix) => {
+                let GRole::CatchingUp { record, rev } = &side.role else { return };
+                let (durable, durable_rev) = match prefix {
+                    None => (0, 0),
+                    Some(kv) => (decode_prefix(&kv.value).expect("a readable prefix"), kv.mod_revision),
+                };
+                if durable > side.applied {
+                    return; // more to read: the next tick reads on
+                }
+                assert_eq!(durable, side.applied, "replayed past the durable prefix");
+                let fence =
+                    Fence { key: self.keys.group(rank), mod_revision: *rev, owner: Some((me.clone(), record.epoch)) };
+                let epoch = record.epoch;
+                let commit =
+                    BatchCommit::new(LogKeys::new(self.keys.cluster(), rank), fence, rank, durable, durable_rev);
+                side.role = GRole::Serving(Box::new(Serving {
+                    commit,
+                    epoch,
+                    queue: Vec::new(),
+                    batch: None,
+                    pending: None,
+                    dropping: false,
+                }));
+                self.masters[m].routes.note(rank, epoch, &me);
+                self.log(|| format!("{me} serves group {rank} at epoch {epoch}"));
+            }
+            _ => {}
+        }
+    }
+
+    /// Starts the next batch of a serving group, if one waits and none is in flight.
+    fn start_batch(&mut self, m: usize, rank: u32) {
+        let side = &mut self.masters[m].groups[rank as usize];
+        let GRole::Serving(s) = &mut side.role else { return };
+        if s.batch.is_some() || s.queue.is_empty() || s.dropping {
+            return;
+        }
+        let n = s.queue.len().min(BATCH);
+        let taken: Vec<(u64, usize)> = s.queue.drain(..n).collect();
+        let records = taken
+            .iter()
+            .map(|&(op, c)| Record::WriteEnd {
+                key: op.to_le_bytes().to_vec(),
+                writer: ClientId(c as u128 + 1),
+                write_id: op,
+                at_ms: 0,
+                dropped: Vec::new(),
+            })
+            .collect();
+        let batch = RecordBatch { group: rank, epoch: s.epoch, first_seq: s.commit.durable() + 1, records };
+        let io = s.commit.begin(batch.first_seq, batch.last_seq(), batch.encode());
+        s.batch = Some(taken);
+        self.commit_io(m, rank, io);
+    }
+
+    /// Carries out what the commit machine asks.
+    fn commit_io(&mut self, m: usize, rank: u32, io: Io) {
+        let durable_key = self.log_keys(rank).durable();
+        let side = &mut self.masters[m].groups[rank as usize];
+        let GRole::Serving(s) = &mut side.role else { return };
+        let (pending, op) = match io {
+            Io::Send(txn) => (Pending::Send, Op::Txn { txn, epoch: s.epoch }),
+            Io::ReadPrefix { .. } => (Pending::Prefix, Op::Get(durable_key)),
+            Io::Read(key) => (Pending::Read(key.clone()), Op::Get(key)),
+            Io::Done(result) => {
+                let batch = s.batch.take().unwrap_or_default();
+                s.pending = None;
+                let mut answers = Vec::new();
+                for &(op, c) in &batch {
+                    answers.push(Msg::ToClient {
+                        c,
+                        resp: match &result {
+                            Ok(()) => ClientResp::Acked(op),
+                            // Fenced or closed: the batch is not in the log and never will be.
+                            Err(LogError::Fenced(_) | LogError::Closed) => {
+                                ClientResp::Refused(op, ErrorCode::KVPT_NOT_OWNED)
+                            }
+                            Err(_) => ClientResp::Unknown(op),
+                        },
+                    });
+                }
+                let go_on = result.is_ok() && !s.dropping;
+                if result.is_ok() {
+                    side.applied = s.commit.durable();
+                    side.ops.extend(batch.iter().map(|(op, _)| *op));
+                }
+                if !go_on {
+                    // The log ended or the group was given up: what waits is refused.
+                    for (op, c) in std::mem::take(&mut s.queue) {
+                        answers.push(Msg::ToClient { c, resp: ClientResp::Refused(op, ErrorCode::KVPT_NOT_OWNED) });
+                    }
+                    side.role = GRole::None;
+                    side.forget();
+                }
+                if let Err(e) = &result {
+                    self.figures.fenced += usize::from(matches!(e, LogError::Fenced(_)));
+                    self.log(|| format!("m{m} group {rank}: log ended: {e}"));
+                }
+                self.net.extend(answers);
+                if go_on {
+                    self.start_batch(m, rank);
+                }
+                return;
+            }
+        };
+        s.pending = Some(pending);
+        self.send(m, Task::Group(rank), op);
+    }
+
+    /// A store answer to a serving group's commit machine.
+    fn commit_answer(&mut self, m: usize, rank: u32, ans: Ans) {
+        let side = &mut self.masters[m].groups[rank as usize];
+        let GRole::Serving(s) = &mut side.role else { return };
+        let Some(pending) = s.pending.take() else { return };
+        let reply = match (pending, ans) {
+            (Pending::Send, Ans::Txn(r)) => Reply::Sent(r),
+            (Pending::Send, Ans::Lost) => Reply::Sent(Err(unavailable())),
+            (Pending::Prefix, Ans::Got(kv)) => Reply::Prefix(match kv {
+                None => Ok((0, 0)),
+                Some(kv) => decode_prefix(&kv.value).map(|d| (d, kv.mod_revision)),
+            }),
+            (Pending::Read(_), Ans::Got(kv)) => Reply::Read(Ok(kv)),
+            // A read the store did not answer is sent again.
+            (Pending::Prefix, Ans::Lost) => return self.commit_io(m, rank, Io::ReadPrefix { pause: true }),
+            (Pending::Read(key), Ans::Lost) => return self.commit_io(m, rank, Io::Read(key)),
+            (p, a) => panic!("commit answer {a:?} does not match {p:?}"),
+        };
+        let io = s.commit.on(reply);
+        self.commit_io(m, rank, io);
+    }
+
+    fn client_request(&mut self, c: usize, m: usize, req: ClientReq) {
+        let master = &mut self.masters[m];
+        if !master.up || master.cut > 0 {
+            if let ClientReq::Put { op, .. } = req {
+                self.net.push(Msg::ToClient { c, resp: ClientResp::Unknown(op) });
+            }
+            return;
+        }
+        match req {
+            ClientReq::Routes => {
+                let t = master.routes.table().clone();
+                self.net.push(Msg::ToClient { c, resp: ClientResp::Routes(t) });
+            }
+            ClientReq::Put { op, rank, epoch } => {
+                let refuse = match &mut master.groups[rank as usize].role {
+                    GRole::Serving(s) if !s.dropping && s.epoch == epoch => {
+                        s.queue.push((op, c));
+                        None
+                    }
+                    GRole::Serving(s) if !s.dropping && epoch < s.epoch => Some(ErrorCode::STALE_EPOCH),
+                    _ => Some(ErrorCode::KVPT_NOT_OWNED),
+                };
+                match refuse {
+                    None => self.start_batch(m, rank),
+                    Some(code) => self.net.push(Msg::ToClient { c, resp: ClientResp::Refused(op, code) }),
+                }
+            }
+        }
+    }
+
+    fn client_answer(&mut self, c: usize, resp: ClientResp) {
+        match resp {
+            ClientResp::Routes(t) => {
+                self.clients[c].cache.learn(&t);
+            }
+            ClientResp::Acked(op) => {
+                assert!(!self.refused.contains(&op), "op {op} acknowledged after it was refused");
+                assert!(self.acked.insert(op), "op {op} acknowledged twice");
+            }
+            ClientResp::Refused(op, code) => {
+                assert!(
+                    matches!(code, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH),
+                    "op {op} refused with {code:?}, not a routing error"
+                );
+                assert!(!self.acked.contains(&op), "op {op} refused after it was acknowledged");
+                self.refused.insert(op);
+                // Route again: ask some master.
+                let m = self.rng.below(self.masters.len());
+                self.net.push(Msg::ToMaster { c, m, req: ClientReq::Routes });
+            }
+            ClientResp::Unknown(op) => {
+                self.log(|| format!("client {c} never learns what became of op {op}"));
+                self.figures.unknown += 1;
+            }
+        }
+    }
+
+    // ---- invariants ----
+
+    /// After every step: a master that believes it serves a group under the record's current
+    /// revision is the record's primary.
+    fn check_step(&self) {
+        for rank in 0..self.g {
+            let Some((rec, rev)) = now(ownership::read_group(&self.store, &self.keys, rank)).expect("readable") else {
+                continue;
+            };
+            for master in self.masters.iter().filter(|m| m.up) {
+                if let GRole::Serving(s) = &master.groups[rank as usize].role {
+                    if s.commit.fence_revision() == rev {
+                        assert_eq!(
+                            master.id, rec.primary,
+                            "{} serves group {rank} under the record's revision {rev}, which names {}",
+                            master.id, rec.primary
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The log of group `rank`: its write ids in order, checked contiguous and sealed.
+    fn log_of(&self, rank: u32) -> Vec<u64> {
+        let lk = self.log_keys(rank);
+        let page = now(self.store.range(RangeRequest::prefix(lk.batches(), 0))).expect("range");
+        let mut next = 1;
+        let mut ops = Vec::new();
+        for kv in page.kvs {
+            let batch = RecordBatch::decode(&kv.value).expect("a readable batch");
+            assert_eq!(batch.first_seq, next, "group {rank}'s log is not contiguous");
+            next = batch.last_seq() + 1;
+            for r in batch.records {
+                let Record::WriteEnd { write_id, .. } = r else { panic!("unexpected record") };
+                ops.push(write_id);
+            }
+        }
+        let prefix = now(self.store.get(&lk.durable())).expect("get").kv;
+        let durable = prefix.map_or(0, |kv| decode_prefix(&kv.value).expect("prefix"));
+        assert_eq!(durable, next - 1, "group {rank}'s durable prefix is not its last record");
+        ops
+    }
+
+    /// What each master is, for failure messages.
+    fn dump(&self) -> String {
+        let mut out = String::new();
+        for m in &self.masters {
+            out += &format!("\n  {} up={} lease={:?} cut={}:", m.id, m.up, m.lease, m.cut);
+            for (rank, side) in m.groups.iter().enumerate() {
+                let role = match &side.role {
+                    GRole::None => "none".to_string(),
+                    GRole::Standby => "standby".to_string(),
+                    GRole::CatchingUp { record, rev } => format!("catching up (epoch {} at {rev})", record.epoch),
+                    GRole::Serving(s) => format!(
+                        "serving (epoch {}, fence {}, dropping {}, batch {})",
+                        s.epoch,
+                        s.commit.fence_revision(),
+                        s.dropping,
+                        s.batch.is_some()
+                    ),
+                };
+                out +=
+                    &format!(" [g{rank}: {role}, holds {}, applied {}, busy {}]", side.holds, side.applied, side.busy);
+            }
+        }
+        out
+    }
+
+    // ---- the quiet phase ----
+
+    /// Delivers everything in the network, oldest first, until it is empty (bounded).
+    fn drain(&mut self) {
+        for _ in 0..10_000 {
+            if self.net.is_empty() {
+                return;
+            }
+            let msg = self.net.remove(0);
+            self.deliver(msg);
+            self.check_step();
+        }
+        panic!("the network does not drain");
+    }
+
+    /// Heals every fault, then runs `rounds` rounds without any: each ticks every master and
+    /// delivers everything; the clock moves a second every other round.
+    fn quiet(&mut self, rounds: usize) {
+        for m in &mut self.masters {
+            m.cut = 0;
+            m.paused = 0;
+            m.up = true;
+        }
+        for round in 0..rounds {
+            self.step += 1;
+            for m in 0..self.masters.len() {
+                self.tick(m);
+            }
+            self.drain();
+            if round % 2 == 1 {
+                self.clock.advance(Duration::from_secs(1));
+            }
+        }
+    }
+
+    /// After the quiet phase: every group served by its primary, clients routed to it, a fresh
+    /// write acknowledged, and the logs complete, without duplicates or refused writes.
+    fn check_end(&mut self) {
+        let mut primaries = Vec::new();
+        for rank in 0..self.g {
+            let (rec, rev) = now(ownership::read_group(&self.store, &self.keys, rank))
+                .expect("readable")
+                .unwrap_or_else(|| panic!("group {rank} was never created"));
+            let m = self.index_of(&rec.primary).expect("a known primary");
+            // (Its fence may lag a change of the standbys: the next commit renews it.)
+            let serving = matches!(&self.masters[m].groups[rank as usize].role,
+                GRole::Serving(s) if !s.dropping && s.epoch == rec.epoch && s.commit.fence_revision() <= rev);
+            assert!(
+                serving,
+                "group {rank}'s primary {} does not serve it after the quiet phase (record {rec:?} at {rev}); {}",
+                rec.primary,
+                self.dump()
+            );
+            primaries.push((rec, m));
+        }
+        // Every client learns the routes from every master and converges on the owners.
+        for c in 0..self.clients.len() {
+            for m in 0..self.masters.len() {
+                self.net.push(Msg::ToMaster { c, m, req: ClientReq::Routes });
+            }
+        }
+        self.drain();
+        for (c, client) in self.clients.iter().enumerate() {
+            for (rank, (rec, _)) in primaries.iter().enumerate() {
+                assert_eq!(
+                    (client.cache.owner(rank as u32), client.cache.table().epochs[rank]),
+                    (rec.primary.as_str(), rec.epoch),
+                    "client {c} does not route group {rank} to its primary"
+                );
+            }
+        }
+        // A fresh write to each group through each client's routes is acknowledged.
+        let mut fresh = Vec::new();
+        for c in 0..self.clients.len() {
+            for rank in 0..self.g {
+                let op = self.next_op;
+                self.next_op += 1;
+                let owner = self.clients[c].cache.owner(rank).to_string();
+                let epoch = self.clients[c].cache.table().epochs[rank as usize];
+                let m = self.index_of(&owner).expect("routed");
+                self.net.push(Msg::ToMaster { c, m, req: ClientReq::Put { op, rank, epoch } });
+                fresh.push(op);
+            }
+        }
+        self.drain();
+        for op in fresh {
+            assert!(self.acked.contains(&op), "a write after the quiet phase was not acknowledged (op {op})");
+        }
+        // The logs: every acknowledged write once, no refused one, no duplicate; and the state
+        // each primary serves is its log.
+        let mut seen = BTreeSet::new();
+        for rank in 0..self.g {
+            let ops = self.log_of(rank);
+            for op in &ops {
+                assert!(seen.insert(*op), "op {op} is in the logs twice");
+                assert!(!self.refused.contains(op), "op {op} was refused, yet it is in group {rank}'s log");
+            }
+            let m = primaries[rank as usize].1;
+            assert_eq!(self.masters[m].groups[rank as usize].ops, ops, "group {rank}'s primary serves another state");
+        }
+        let lost: Vec<&u64> = self.acked.iter().filter(|op| !seen.contains(op)).collect();
+        assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+    }
+}
+
+/// One schedule; panics (with what broke) on a violated invariant.
+fn run(seed: u64, trace: bool) -> Figures {
+    let mut w = World::new(seed, trace);
+    // Most schedules start from a settled cluster; the others race its bootstrap too.
+    if w.rng.below(4) != 0 {
+        w.quiet(10);
+    }
+    for _ in 0..w.steps {
+        w.step += 1;
+        w.chaos_step();
+        w.check_step();
+    }
+    w.quiet(QUIET_ROUNDS);
+    w.check_end();
+    Figures { acked: w.acked.len(), refused: w.refused.len(), ..w.figures }
+}
+
+fn seeds(range: std::ops::Range<u64>) {
+    if let Ok(seed) = std::env::var("TYCHO_SIM_SEED") {
+        if range.start == 0 {
+            let seed = seed.parse().expect("TYCHO_SIM_SEED is a number");
+            let trace = std::env::var_os("TYCHO_SIM_TRACE").is_some();
+            eprintln!("seed {seed}: {:?}", run(seed, trace));
+        }
+        return;
+    }
+    let mut all = Figures::default();
+    for seed in range.clone() {
+        let r = std::panic::catch_unwind(|| run(seed, false));
+        match r {
+            Ok(f) => all += f,
+            Err(e) => {
+                let why = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!(
+                    "schedule {seed} failed: {why}\nreplay it: TYCHO_SIM_SEED={seed} TYCHO_SIM_TRACE=1 cargo test -p tycho-master --test sim -- --nocapture"
+                );
+            }
+        }
+    }
+    eprintln!("schedules {range:?}: every invariant held; {all:?}");
+    assert!(all.acked > 0 && all.promotions > 0 && all.fenced > 0, "the schedules exercised too little: {all:?}");
+}
+
+/// How many schedules to run in all (half in each test, which run in parallel).
+fn total() -> u64 {
+    std::env::var("TYCHO_SIM_SCHEDULES").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000)
+}
+
+#[test]
+fn schedules_first_half() {
+    seeds(0..total() / 2);
+}
+
+#[test]
+fn schedules_second_half() {
+    seeds(total() / 2..total());
+}
