@@ -14,7 +14,7 @@ use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
 use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferServer, Transport};
 
 use crate::config::{ClientAuth, ClientConfig, Protocol};
-use crate::retry::call_with_retry;
+use crate::retry::{call_noting, call_with_retry};
 
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,7 +175,7 @@ fn shut_down(
         let req = Request::UnmountSegment { client: inner.id, segment: s.desc.id };
         let r = if quick {
             match inner.master().call::<Request, Response>(&req, QUICK_CLOSE_TIMEOUT) {
-                Ok(Response::Error(e)) => Err(e),
+                Ok(r) if r.error_code().is_some() => Err(r.error_code().unwrap_or(ErrorCode::INTERNAL_ERROR)),
                 Ok(_) => Ok(()),
                 Err(e) => Err(e.code()),
             }
@@ -1432,7 +1432,7 @@ impl Inner {
                 .map(|owner| {
                     let conn = self.conn(owner);
                     s.spawn(move || match conn.call::<Request, Response>(req, self.cfg.rpc_timeout) {
-                        Ok(Response::Error(e)) => Err(e),
+                        Ok(r) if r.error_code().is_some() => Err(r.error_code().unwrap_or(ErrorCode::INTERNAL_ERROR)),
                         Ok(r) => Ok(r),
                         Err(e) => Err(e.code()),
                     })
@@ -1463,7 +1463,13 @@ impl Inner {
         loop {
             let owner = self.owner_of(partition);
             let conn = self.conn(&owner);
-            let code = match call_with_retry(&conn, &req, self.cfg.rpc_timeout) {
+            // A refusal naming the owner is noted in the route cache (when it is newer).
+            let learn = |r: &Redirect| {
+                if self.routes.write().note(r.group, r.epoch, &r.owner) {
+                    tracing::debug!(group = r.group, epoch = r.epoch, owner = %r.owner, "redirected");
+                }
+            };
+            let code = match call_noting(&conn, &req, self.cfg.rpc_timeout, learn) {
                 Err(ErrorCode::CLIENT_NOT_FOUND) if !remounted => {
                     remounted = true;
                     self.engine.forget_mappings();
@@ -1477,9 +1483,11 @@ impl Inner {
             if Instant::now() >= deadline {
                 return Err(code);
             }
-            self.reroute(&conn);
-            // Redirected to another primary: at once. Same one (its group is moving, or the
-            // records have not caught up): after a pause.
+            // Redirected to another primary: at once. Else the route table again, and the same
+            // one (its group is moving, or the records have not caught up): after a pause.
+            if self.owner_of(partition) == owner {
+                self.reroute(&conn);
+            }
             if self.owner_of(partition) == owner {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(500));

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use tycho_proto::{ErrorCode, Request, Response, RetryClass};
+use tycho_proto::{ErrorCode, Redirect, Request, Response, RetryClass};
 use tycho_rpc::BlockingClient;
 
 /// Attempts per call, the first included.
@@ -27,10 +27,25 @@ pub fn is_idempotent(req: &Request) -> bool {
 /// Calls the master, retrying as each error's retry class says, within [`MAX_ATTEMPTS`].
 /// A transport error (the outcome is unknown) is retried only for idempotent requests.
 pub fn call_with_retry(master: &BlockingClient, req: &Request, timeout: Duration) -> Result<Response, ErrorCode> {
+    call_noting(master, req, timeout, |_| {})
+}
+
+/// As [`call_with_retry`]; a refusal that names the group's primary (KVPT_NOT_OWNED with a
+/// [`Redirect`]) is shown to `redirected` before it is returned as KVPT_NOT_OWNED.
+pub fn call_noting(
+    master: &BlockingClient,
+    req: &Request,
+    timeout: Duration,
+    redirected: impl Fn(&Redirect),
+) -> Result<Response, ErrorCode> {
     let mut attempt = 1;
     loop {
         let (code, transport) = match master.call::<Request, Response>(req, timeout) {
             Ok(Response::Error(code)) => (code, false),
+            Ok(Response::NotOwned(r)) => {
+                redirected(&r);
+                (ErrorCode::KVPT_NOT_OWNED, false)
+            }
             Ok(resp) => return Ok(resp),
             Err(e) => (e.code(), true),
         };

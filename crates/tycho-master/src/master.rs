@@ -1249,6 +1249,11 @@ impl Master {
         self.serving_groups.load(Ordering::Acquire) > 0
     }
 
+    /// Whether this master serves every group (a single master, or a cluster's only one).
+    pub fn serves_every_group(&self) -> bool {
+        self.serving_groups.load(Ordering::Acquire) >= self.cfg.group_count.max(1) as usize
+    }
+
     /// Remove one object; a leased or unfinished one only with `force`.
     pub fn remove(&self, req: &RemoveKey) -> WireResult<()> {
         let r = self.route(&req.tenant, &req.key)?;

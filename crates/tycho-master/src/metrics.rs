@@ -85,7 +85,7 @@ impl RpcMetrics {
     pub fn record(&self, index: usize, elapsed: Duration, resp: &Response) {
         let s = &self.series[index];
         s.requests.fetch_add(1, Ordering::Relaxed);
-        if matches!(resp, Response::Error(_)) {
+        if resp.error_code().is_some() {
             s.failures.fetch_add(1, Ordering::Relaxed);
         }
         let items = failed_items(resp);

@@ -21,7 +21,13 @@ pub struct MasterRpc {
     health_budget: Duration,
     /// Key scans (listings, removal by pattern or all) running now.
     scans: Arc<AtomicUsize>,
+    /// Connections to the other masters of the cluster, for reads forwarded to a group's
+    /// primary (made on first use; as the admin of the shared secret when there is one).
+    forward: Arc<std::sync::OnceLock<tycho_rpc::RpcPool>>,
 }
+
+/// How long a master waits for the primary it forwarded a read to.
+const FORWARD_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Most key scans run at once; more are answered SCANS_BUSY. Each walks every shard on a
 /// blocking thread: two keep a third thread free for the rest of the master's blocking work.
@@ -30,7 +36,13 @@ pub const MAX_CONCURRENT_SCANS: usize = 2;
 impl MasterRpc {
     /// Serves `master`, recording into `metrics`.
     pub fn new(master: Arc<Master>, metrics: Arc<RpcMetrics>) -> MasterRpc {
-        MasterRpc { master, metrics, health_budget: HEALTH_CHECK_BUDGET, scans: Arc::new(AtomicUsize::new(0)) }
+        MasterRpc {
+            master,
+            metrics,
+            health_budget: HEALTH_CHECK_BUDGET,
+            scans: Arc::new(AtomicUsize::new(0)),
+            forward: Arc::default(),
+        }
     }
 
     /// Runs a key scan on a blocking thread, unless [`MAX_CONCURRENT_SCANS`] already run.
@@ -139,6 +151,14 @@ impl Service for MasterRpc {
         // while it runs the request inline is waited for below (`blocking` does the same on
         // its thread).
         Master::take_logged();
+        // A key's request at a master that does not serve its group but knows who does.
+        if let Some(reply) = self.elsewhere(&req) {
+            let reply = match self.authorize(&req, peer) {
+                Ok(_) => reply,
+                Err(code) => Reply::Ready(Response::Error(code)),
+            };
+            return self.recorded(index, start, reply);
+        }
         // A master that serves no group (a standby) answers only probes.
         // (and who serves each group, so that a client asking it finds the primaries).
         if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck | Request::Routes) {
@@ -175,6 +195,17 @@ impl Service for MasterRpc {
                 }
             })),
         };
+        self.recorded(index, start, reply)
+    }
+
+    fn malformed(&self, _err: &FrameError) -> Response {
+        Response::Error(ErrorCode::INVALID_PARAMS)
+    }
+}
+
+impl MasterRpc {
+    /// `reply`, its figures recorded when it is ready.
+    fn recorded(&self, index: usize, start: Instant, reply: Reply<Response>) -> Reply<Response> {
         match reply {
             Reply::Ready(resp) => {
                 self.metrics.record(index, start.elapsed(), &resp);
@@ -191,8 +222,69 @@ impl Service for MasterRpc {
         }
     }
 
-    fn malformed(&self, _err: &FrameError) -> Response {
-        Response::Error(ErrorCode::INVALID_PARAMS)
+    /// The answer to a one-key request for a group this master does not serve, when its route
+    /// table names the group's primary: a read sent under an older epoch than the table's (a
+    /// badly stale route) is forwarded to that primary, under the table's epoch, and its answer
+    /// relayed; anything else (a write, whatever its route) is refused with the owner named, so
+    /// that the client goes there itself. `None`: serve (or refuse) the request here.
+    ///
+    /// Forwarding cannot loop: each hop carries a strictly higher epoch than the one before.
+    fn elsewhere(&self, req: &Request) -> Option<Reply<Response>> {
+        // (The common case first, without looking at the request.)
+        if self.master.serves_every_group() || req.batch_len() > 0 {
+            return None;
+        }
+        let partitions = req.partitions();
+        let [partition] = partitions[..] else { return None };
+        let groups = self.master.config().group_count.max(1);
+        let rank = tycho_routing::kvpt_to_rank(partition, groups);
+        if self.master.group(rank).is_some_and(|g| g.is_serving()) {
+            return None;
+        }
+        let table = self.master.route_table();
+        let owner = table.owners.get(rank as usize).filter(|o| !o.is_empty())?.clone();
+        let epoch = table.epochs.get(rank as usize).copied().unwrap_or(0);
+        let redirect = Response::NotOwned(tycho_proto::Redirect { group: rank, epoch, owner: owner.clone() });
+        let mut forwarded = match req {
+            Request::GetReplicaList(_) | Request::ExistKey(_) => req.clone(),
+            _ => return Some(Reply::Ready(redirect)),
+        };
+        let mut stale = false;
+        for r in forwarded.routes_mut() {
+            stale |= r.epoch < epoch;
+            r.epoch = epoch;
+        }
+        if !stale {
+            return Some(Reply::Ready(redirect));
+        }
+        let pool = self.forward.clone();
+        let secret = self.master.secret().cloned();
+        Some(Reply::Later(Box::pin(async move {
+            let pool = pool.get_or_init(|| {
+                use tycho_proto::auth::handshake::{admin_credential, Identity};
+                use tycho_proto::auth::ClientAuth;
+                let (auth, identity) = match secret {
+                    Some(s) => {
+                        let identity = Identity::Admin { credential: admin_credential(&s) };
+                        (ClientAuth::Secret(s), Some(identity))
+                    }
+                    None => (ClientAuth::Insecure, None),
+                };
+                tycho_rpc::RpcPool::new(tycho_rpc::ClientConfig { auth, identity, ..Default::default() })
+            });
+            let answer = match pool.get(&owner).await {
+                Ok(conn) => conn.call::<Request, Response>(&forwarded, FORWARD_DEADLINE).await,
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(resp) => resp,
+                Err(e) => {
+                    tracing::debug!(%owner, error = %e, "could not forward a read to its group's primary");
+                    pool.evict(&owner);
+                    redirect
+                }
+            }
+        })))
     }
 }
 

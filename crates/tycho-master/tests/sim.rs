@@ -19,7 +19,7 @@
 //! acknowledged, and each group's log holds every acknowledged write exactly once, no refused
 //! write, no write twice, and exactly what its primary serves.
 //!
-//! `TYCHO_SIM_SCHEDULES` (default 20,000, about 20 s on two cores) sets how many schedules run; a failure prints its
+//! `TYCHO_SIM_SCHEDULES` (default 20,000, about 25 s on two cores) sets how many schedules run; a failure prints its
 //! seed, and `TYCHO_SIM_SEED=<seed>` replays that one schedule alone (add
 //! `TYCHO_SIM_TRACE=1` to print every step).
 
@@ -34,8 +34,8 @@ use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys};
 use tycho_master::ownership::{self, ClusterKeys, GroupRecord, GroupState, OwnershipError};
 use tycho_master::record::{Record, RecordBatch};
 use tycho_meta::{
-    KeyValue, LeaseId, ManualClock, MemConfig, MemStore, MetaError, MetaResult, MetaStore, RangeRequest, Revision, Txn,
-    TxnOp, TxnResponse,
+    Clock, KeyValue, LeaseId, ManualClock, MemConfig, MemStore, MetaError, MetaResult, MetaStore, RangeRequest,
+    Revision, Txn, TxnOp, TxnResponse,
 };
 use tycho_proto::cluster::{MasterRegistration, Role};
 use tycho_proto::{ClientId, ErrorCode, RouteTable};
@@ -115,6 +115,8 @@ type View = (Vec<String>, Vec<Option<(GroupRecord, Revision)>>);
 enum Ans {
     View(View),
     Registered(LeaseId),
+    /// The master's id is still registered (its former life's lease lives on): wait.
+    StillRegistered,
     KeptAlive(MetaResult<Duration>),
     Owned(Result<(GroupRecord, Revision), OwnershipError>),
     Txn(MetaResult<TxnResponse>),
@@ -209,6 +211,10 @@ struct MasterSim {
     cut: usize,
     /// Steps left paused (a long GC or scheduling pause): its messages wait, none is lost.
     paused: usize,
+    /// When the lease request in flight was sent, and the local deadline of the lease: past
+    /// it, without a renewal, the master stops serving by itself (as `ha`'s deadline fence).
+    renew_sent: Option<std::time::Instant>,
+    deadline: Option<std::time::Instant>,
     groups: Vec<GroupSide>,
     routes: RouteCache,
 }
@@ -294,12 +300,14 @@ impl World {
                 lease_busy: 0,
                 cut: 0,
                 paused: 0,
+                renew_sent: None,
+                deadline: None,
                 groups: (0..g).map(|_| GroupSide::new()).collect(),
                 routes: no_routes(g),
             })
             .collect();
         // deliver, tick, put, routes, clock, crash, cut, pause, lose.
-        let base = [45, 15, 15, 4, 2, 2, 2, 2, 7];
+        let base = [45, 15, 15, 4, 2, 2, 2, 6, 7];
         let weights = base.map(|w| w * (1 + rng.below(4) as u32) / 2);
         let steps = 150 + rng.below(300);
         let clients = (0..2).map(|_| ClientSim { cache: RouteCache::new() }).collect();
@@ -387,7 +395,7 @@ impl World {
             }
             7 => {
                 let m = self.rng.below(self.masters.len());
-                let steps = 10 + self.rng.below(60);
+                let steps = 20 + self.rng.below(200);
                 self.log(|| format!("m{m} paused for {steps} steps"));
                 self.masters[m].paused = steps;
             }
@@ -397,6 +405,7 @@ impl World {
             m.cut = m.cut.saturating_sub(1);
             m.paused = m.paused.saturating_sub(1);
         }
+        self.deadlines();
     }
 
     /// Delivers one message, chosen at random among those not held by a paused master.
@@ -469,6 +478,8 @@ impl World {
             master.up = false;
             master.inc += 1;
             master.lease = None;
+            master.renew_sent = None;
+            master.deadline = None;
             master.view_busy = 0;
             master.lease_busy = 0;
             master.routes = no_routes(self.g);
@@ -548,10 +559,19 @@ impl World {
                 Ans::View((live, records.collect()))
             }
             Op::Register => {
+                // As `ha` registers: a new key under a new lease, once the id's earlier
+                // registration has ended (so a restarted master rejoins as the youngest).
                 let grant = now(store.lease_grant(LEASE_TTL)).expect("lease");
-                let reg = MasterRegistration { id: id.clone(), address: id, role: Role::Idle, registered_at_ms: 0 };
-                now(ownership::register(store, keys, &reg, grant.id)).expect("register");
-                Ans::Registered(grant.id)
+                let reg =
+                    MasterRegistration { id: id.clone(), address: id.clone(), role: Role::Idle, registered_at_ms: 0 };
+                match now(store.create_if_absent(&keys.master(&id), &reg.encode(), Some(grant.id))) {
+                    Ok(_) => Ans::Registered(grant.id),
+                    Err(MetaError::CompareFailed { .. }) => {
+                        now(store.lease_revoke(grant.id)).expect("revoke");
+                        Ans::StillRegistered
+                    }
+                    Err(e) => panic!("register: {e}"),
+                }
             }
             Op::KeepAlive(lease) => Ans::KeptAlive(now(store.lease_keep_alive_once(lease))),
             Op::Create { rank, caretake } => Ans::Owned(now(ownership::create_group(store, keys, rank, &id, caretake))),
@@ -612,6 +632,7 @@ impl World {
             return;
         }
         if master.lease_busy == 0 {
+            master.renew_sent = Some(self.clock.now());
             let op = match master.lease {
                 None => Op::Register,
                 Some(l) => Op::KeepAlive(l),
@@ -634,11 +655,19 @@ impl World {
 
     fn answer(&mut self, m: usize, task: Task, ans: Ans) {
         match task {
-            Task::Lease => match ans {
-                Ans::Registered(lease) => self.masters[m].lease = Some(lease),
-                Ans::KeptAlive(Err(MetaError::LeaseNotFound { .. })) => self.lease_lost(m),
-                _ => {}
-            },
+            Task::Lease => {
+                let master = &mut self.masters[m];
+                let renewed = master.renew_sent.map(|at| at + LEASE_TTL / 2);
+                match ans {
+                    Ans::Registered(lease) => {
+                        master.lease = Some(lease);
+                        master.deadline = renewed;
+                    }
+                    Ans::KeptAlive(Ok(_)) if master.lease.is_some() => master.deadline = renewed,
+                    Ans::KeptAlive(Err(MetaError::LeaseNotFound { .. })) => self.lease_lost(m),
+                    _ => {}
+                }
+            }
             Task::View => {
                 if let Ans::View(view) = ans {
                     self.decide(m, view);
@@ -648,10 +677,25 @@ impl World {
         }
     }
 
-    /// The lease expired: the master gives up every group and registers again.
+    /// Every running master whose lease's local deadline passed without a renewal stops
+    /// serving (a paused one cannot: that is the case commit-time fencing is for).
+    fn deadlines(&mut self) {
+        let now = self.clock.now();
+        for m in 0..self.masters.len() {
+            let master = &self.masters[m];
+            if master.up && master.paused == 0 && master.deadline.is_some_and(|d| now > d) {
+                self.log(|| format!("m{m}'s lease deadline passed"));
+                self.lease_lost(m);
+            }
+        }
+    }
+
+    /// The lease expired, or its deadline passed: the master gives up every group and
+    /// registers again (under a new lease, once the old one ended).
     fn lease_lost(&mut self, m: usize) {
         self.log(|| format!("m{m} lost its lease"));
         self.masters[m].lease = None;
+        self.masters[m].deadline = None;
         for rank in 0..self.g {
             self.drop_group(m, rank);
         }
@@ -1078,6 +1122,7 @@ impl World {
             if round % 2 == 1 {
                 self.clock.advance(Duration::from_secs(1));
             }
+            self.deadlines();
         }
     }
 
@@ -1195,7 +1240,9 @@ fn seeds(range: std::ops::Range<u64>) {
         }
     }
     eprintln!("schedules {range:?}: every invariant held; {all:?}");
-    assert!(all.acked > 0 && all.promotions > 0 && all.fenced > 0, "the schedules exercised too little: {all:?}");
+    if range.end - range.start >= 1000 {
+        assert!(all.acked > 0 && all.promotions > 0 && all.fenced > 0, "the schedules exercised too little: {all:?}");
+    }
 }
 
 /// How many schedules to run in all (half in each test, which run in parallel).

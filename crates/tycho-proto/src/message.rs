@@ -432,6 +432,32 @@ pub enum Response {
     },
     /// Answer to Routes.
     Routes(RouteTable),
+    /// A key-addressed request at a master that does not serve the key's group, which knows
+    /// who does (KVPT_NOT_OWNED, with the owner): send it there.
+    NotOwned(Redirect),
+}
+
+/// Where a group is served, as the master that refused a request knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct Redirect {
+    /// The group's rank.
+    pub group: u32,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Its primary's address.
+    pub owner: String,
+}
+
+impl Response {
+    /// The error the answer is, if it is one (a redirect is KVPT_NOT_OWNED).
+    pub fn error_code(&self) -> Option<ErrorCode> {
+        match self {
+            Response::Error(code) => Some(*code),
+            Response::NotOwned(_) => Some(ErrorCode::KVPT_NOT_OWNED),
+            _ => None,
+        }
+    }
 }
 
 impl RouteTable {

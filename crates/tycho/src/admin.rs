@@ -2,7 +2,7 @@
 //! and the cluster's layout from a master's admin HTTP: `groups`, `masters`.
 
 use clap::Args;
-use tycho_proto::{ErrorCode, KeyQuery, RemoveKey, Request, Response};
+use tycho_proto::{ErrorCode, KeyQuery, KeyRef, RemoveKey, Request, Response, SegmentStatus};
 
 use crate::master_client::{key_ref, MasterClient};
 
@@ -22,8 +22,9 @@ pub struct HttpTarget {
     pub admin: String,
 }
 
-/// The JSON body of `GET path` on the admin server at `addr`.
-fn http_json(addr: &str, path: &str) -> Result<serde_json::Value, String> {
+/// The body of `GET path` from the HTTP server at `addr` (a master's admin server, etcd's
+/// metrics). HTTP/1.0, so that the answer is never chunked.
+pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
     use std::io::{Read, Write};
     let timeout = std::time::Duration::from_secs(10);
     let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -34,14 +35,21 @@ fn http_json(addr: &str, path: &str) -> Result<serde_json::Value, String> {
         format!("cannot reach the admin server at {addr}: {e}; is the master running? (--admin HOST:PORT)")
     })?;
     s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
     let mut out = String::new();
     s.read_to_string(&mut out).map_err(|e| format!("reading from {addr}: {e}"))?;
     let (head, body) = out.split_once("\r\n\r\n").ok_or_else(|| format!("{addr} answered no HTTP"))?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(format!("{addr}{path}: {} {}", head.lines().next().unwrap_or(""), body.trim()));
+    let status = head.lines().next().unwrap_or("");
+    if !(status.starts_with("HTTP/1.") && status.split_whitespace().nth(1) == Some("200")) {
+        return Err(format!("{addr}{path}: {status} {}", body.trim()));
     }
-    serde_json::from_str(body).map_err(|e| format!("{addr}{path}: not JSON: {e}"))
+    Ok(body.to_string())
+}
+
+/// The JSON body of `GET path` on the admin server at `addr`.
+fn http_json(addr: &str, path: &str) -> Result<serde_json::Value, String> {
+    let body = http_get(addr, path)?;
+    serde_json::from_str(&body).map_err(|e| format!("{addr}{path}: not JSON: {e}"))
 }
 
 /// `tycho groups`.
@@ -152,57 +160,134 @@ fn report(code: ErrorCode) -> i32 {
     1
 }
 
+/// The masters a command talks to. In a cluster whose route table names the primaries of
+/// several groups, each primary answers for its own groups only: listings and figures are
+/// gathered from every one of them, and a key's command goes to its group's primary.
+/// Otherwise the master given answers for everything.
+struct Fleet {
+    routes: tycho_routing::RouteCache,
+    /// The master given, then every other primary the table names.
+    masters: Vec<(String, MasterClient)>,
+}
+
+impl Fleet {
+    async fn connect(addr: &str) -> Result<Fleet, String> {
+        let given = MasterClient::connect(addr)
+            .await
+            .map_err(|code| format!("cannot reach the master at {addr}: {code}; is it running? (--master ADDR)"))?;
+        let mut routes = tycho_routing::RouteCache::new();
+        if let Ok(Response::Routes(t)) = given.call(&Request::Routes).await {
+            routes.learn(&t);
+        }
+        let mut masters = vec![(addr.to_string(), given)];
+        if routes.partitioned() {
+            masters.clear();
+            for owner in routes.owners() {
+                let c = MasterClient::connect(&owner)
+                    .await
+                    .map_err(|code| format!("cannot reach the primary at {owner}: {code}"))?;
+                masters.push((owner, c));
+            }
+        }
+        Ok(Fleet { routes, masters })
+    }
+
+    /// The master to ask about `key`, and the key's reference under its group's epoch.
+    fn for_key(&self, tenant: &str, key: &str) -> (&MasterClient, KeyRef) {
+        let mut k = key_ref(tenant, key);
+        k.route.epoch = self.routes.epoch_of(k.route.partition_id);
+        let owner = self.routes.owner_of(k.route.partition_id);
+        let c = self.masters.iter().find(|(a, _)| a == owner).unwrap_or(&self.masters[0]);
+        (&c.1, k)
+    }
+
+    /// `req`'s answer from every master.
+    async fn each(&self, req: &Request) -> Result<Vec<Response>, ErrorCode> {
+        let mut out = Vec::with_capacity(self.masters.len());
+        for (_, c) in &self.masters {
+            out.push(c.call(req).await?);
+        }
+        Ok(out)
+    }
+}
+
 fn with_master<F, Fut>(addr: &str, f: F) -> i32
 where
-    F: FnOnce(MasterClient) -> Fut,
+    F: FnOnce(Fleet) -> Fut,
     Fut: std::future::Future<Output = Result<i32, ErrorCode>>,
 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
-        let client = match MasterClient::connect(addr).await {
-            Ok(c) => c,
-            Err(code) => {
-                eprintln!("error: cannot reach the master at {addr}: {code}; is it running? (--master ADDR)");
+        let fleet = match Fleet::connect(addr).await {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("error: {e}");
                 return 1;
             }
         };
-        f(client).await.unwrap_or_else(report)
+        f(fleet).await.unwrap_or_else(report)
     })
 }
 
-/// `tycho stat`.
+/// `tycho stat`: over every primary of a cluster, the sums (each serves its own slices and
+/// objects); clients and segments are counted once (every primary has them all).
 pub fn stat(t: Target) -> i32 {
-    with_master(&t.master, |c| async move {
-        let Response::Stats(s) = c.call(&Request::Stats).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
-        let pct = if s.capacity_bytes > 0 { 100.0 * s.used_bytes as f64 / s.capacity_bytes as f64 } else { 0.0 };
-        println!("capacity  {} bytes", s.capacity_bytes);
-        println!("used      {} bytes ({pct:.1}%)", s.used_bytes);
-        println!("objects   {}", s.objects);
-        println!("clients   {}", s.clients);
-        println!("segments  {}", s.segments);
+    with_master(&t.master, |f| async move {
+        let (mut capacity, mut used, mut objects, mut clients, mut segments) = (0, 0, 0, 0, 0);
+        for r in f.each(&Request::Stats).await? {
+            let Response::Stats(s) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
+            capacity += s.capacity_bytes;
+            used += s.used_bytes;
+            objects += s.objects;
+            clients = clients.max(s.clients);
+            segments = segments.max(s.segments);
+        }
+        let pct = if capacity > 0 { 100.0 * used as f64 / capacity as f64 } else { 0.0 };
+        println!("capacity  {capacity} bytes");
+        println!("used      {used} bytes ({pct:.1}%)");
+        println!("objects   {objects}");
+        println!("clients   {clients}");
+        println!("segments  {segments}");
+        if f.masters.len() > 1 {
+            println!("primaries {}", f.masters.len());
+        }
         Ok(0)
     })
 }
 
-/// `tycho segments`.
+/// `tycho segments`: each segment once, with the bytes used in it on every primary.
 pub fn segments(t: Target) -> i32 {
-    with_master(&t.master, |c| async move {
-        let Response::Segments(list) = c.call(&Request::ListSegments).await? else {
-            return Err(ErrorCode::INTERNAL_ERROR);
-        };
+    with_master(&t.master, |f| async move {
+        let mut all: Vec<SegmentStatus> = Vec::new();
+        for r in f.each(&Request::ListSegments).await? {
+            let Response::Segments(list) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
+            for s in list {
+                match all.iter_mut().find(|a| a.desc.id == s.desc.id) {
+                    Some(a) => a.used += s.used,
+                    None => all.push(s),
+                }
+            }
+        }
+        all.sort_by_key(|s| s.desc.id);
         println!("{:<34} {:<24} {:>16} {:>16}", "segment", "name", "size", "used");
-        for s in list {
+        for s in all {
             println!("{:<34} {:<24} {:>16} {:>16}", s.desc.id.to_string(), s.desc.name, s.desc.size, s.used);
         }
         Ok(0)
     })
 }
 
-/// `tycho ls`.
+/// `tycho ls`: the keys of every primary, sorted, at most `--limit`.
 pub fn ls(a: LsArgs) -> i32 {
-    with_master(&a.target.master, |c| async move {
+    with_master(&a.target.master, |f| async move {
         let req = Request::ListKeys { tenant: a.tenant, regex: a.regex, limit: a.limit };
-        let Response::Keys(keys) = c.call(&req).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
+        let mut keys = Vec::new();
+        for r in f.each(&req).await? {
+            let Response::Keys(k) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
+            keys.extend(k);
+        }
+        keys.sort_by(|x, y| (&x.tenant, &x.key).cmp(&(&y.tenant, &y.key)));
+        keys.truncate(a.limit as usize);
         for k in keys {
             let state = if k.complete { "" } else { " (writing)" };
             let tenant = if k.tenant.is_empty() { String::new() } else { format!("{}/", k.tenant) };
@@ -214,32 +299,45 @@ pub fn ls(a: LsArgs) -> i32 {
 
 /// `tycho exist`: prints 1 or 0; exit code 0 if the key exists, 1 if not.
 pub fn exist(a: KeyArgs) -> i32 {
-    with_master(&a.target.master, |c| async move {
-        let req = Request::ExistKey(KeyQuery { key: key_ref(&a.tenant, &a.key), tenant: a.tenant });
+    with_master(&a.target.master, |f| async move {
+        let (c, key) = f.for_key(&a.tenant, &a.key);
+        let req = Request::ExistKey(KeyQuery { key, tenant: a.tenant.clone() });
         let Response::Exists(found) = c.call(&req).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
         println!("{}", u8::from(found));
         Ok(if found { 0 } else { 1 })
     })
 }
 
-/// `tycho rm`.
+/// `tycho rm`: a key at its group's primary; `--all` and `--regex` at every primary.
 pub fn rm(a: RmArgs) -> i32 {
-    with_master(&a.target.master, |c| async move {
-        let req = if a.all && a.tenant.is_empty() {
-            Request::RemoveAll { force: a.force }
+    with_master(&a.target.master, |f| async move {
+        let every = if a.all && a.tenant.is_empty() {
+            Some(Request::RemoveAll { force: a.force })
         } else if a.all {
             // `(?s)`: keys may contain newlines, which `.` alone does not match.
-            Request::RemoveByRegex { tenant: a.tenant, regex: "(?s).*".into(), force: a.force }
-        } else if let Some(regex) = a.regex {
-            Request::RemoveByRegex { tenant: a.tenant, regex, force: a.force }
+            Some(Request::RemoveByRegex { tenant: a.tenant.clone(), regex: "(?s).*".into(), force: a.force })
         } else {
-            let key = a.key.expect("clap requires a key");
-            Request::Remove(RemoveKey { key: key_ref(&a.tenant, &key), tenant: a.tenant, force: a.force })
+            a.regex.clone().map(|regex| Request::RemoveByRegex { tenant: a.tenant.clone(), regex, force: a.force })
         };
-        match c.call(&req).await? {
-            Response::Removed(n) => println!("removed {n}"),
-            _ => println!("removed 1"),
-        }
+        let removed = match every {
+            Some(req) => {
+                let mut n = 0;
+                for r in f.each(&req).await? {
+                    n += match r {
+                        Response::Removed(k) => k,
+                        _ => return Err(ErrorCode::INTERNAL_ERROR),
+                    };
+                }
+                n
+            }
+            None => {
+                let key = a.key.as_deref().expect("clap requires a key");
+                let (c, key) = f.for_key(&a.tenant, key);
+                c.call(&Request::Remove(RemoveKey { key, tenant: a.tenant.clone(), force: a.force })).await?;
+                1
+            }
+        };
+        println!("removed {removed}");
         Ok(0)
     })
 }

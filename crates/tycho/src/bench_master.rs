@@ -25,22 +25,22 @@ pub struct BenchMasterArgs {
     master: Option<String>,
     /// Connections.
     #[arg(long, short = 'c', default_value_t = 50)]
-    connections: usize,
+    pub connections: usize,
     /// Calls in flight per connection.
     #[arg(long, short = 'm', default_value_t = 1)]
-    inflight: usize,
+    pub inflight: usize,
     /// Seconds per workload.
     #[arg(long, default_value_t = 5.0)]
-    duration: f64,
+    pub duration: f64,
     /// Keys pre-populated for the read workloads.
     #[arg(long, default_value_t = 100_000)]
-    keys: usize,
+    pub keys: usize,
     /// Keys per batch call.
     #[arg(long, default_value_t = 16)]
-    batch: usize,
+    pub batch: usize,
     /// Workloads to run (comma-separated): put, get, exist, batch-put, batch-get, batch-exist.
     #[arg(long, value_delimiter = ',', default_value = "put,get,exist,batch-put,batch-get,batch-exist")]
-    workloads: Vec<String>,
+    pub workloads: Vec<String>,
     /// Also run redis-benchmark at the same concurrency and print the ratios.
     #[arg(long, value_parser = ["redis"])]
     baseline: Option<String>,
@@ -59,7 +59,7 @@ pub struct BenchMasterArgs {
     probe_interval: f64,
     /// Rounds per master in `--probe-compare` and `--compare-insecure`.
     #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    pub rounds: usize,
     /// Compare two masters, one with authentication and capabilities (the benchmark then acts
     /// as a registered client) and one started `--insecure`, in alternating rounds of each
     /// workload; prints each workload's median ratio and its spread.
@@ -74,13 +74,23 @@ pub struct BenchMasterArgs {
     /// client, measured between them. Both masters run `--insecure`.
     #[arg(long)]
     oplog: bool,
+    /// KVPT groups. Above 1 (with one master): a master of G groups against a master of one,
+    /// in alternating rounds, by ops per master CPU-second, without and then with the OpLog
+    /// (on an etcd the bench starts, whose request counts it reads per gRPC method).
+    #[arg(long, alias = "kvpt-groups", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16384))]
+    pub groups: u32,
+    /// Masters. Above 1: a cluster of M masters on an etcd the bench starts, each pinned to
+    /// its own core and the primary of its share of the groups (G = M unless `--groups` says
+    /// more), against one master serving every group, in alternating rounds.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub masters: u32,
 }
 
 const VALUE_SIZE: u64 = 4096;
 const FAKE_SEGMENT: u64 = 256 << 30;
-const FAKE_SEGMENTS: u128 = 4;
+pub(crate) const FAKE_SEGMENTS: u128 = 4;
 
-struct Stats {
+pub(crate) struct Stats {
     name: String,
     ops: u64,
     keys: u64,
@@ -106,7 +116,7 @@ impl Stats {
     }
 }
 
-fn cpu_self() -> f64 {
+pub(crate) fn cpu_self() -> f64 {
     // SAFETY: getrusage writes into the struct we pass and reads nothing else.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
@@ -114,7 +124,7 @@ fn cpu_self() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-fn cpu_of(pid: u32) -> Option<f64> {
+pub(crate) fn cpu_of(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
     let rest = &stat[stat.rfind(')')? + 2..];
@@ -153,12 +163,18 @@ pub fn wait_for_port(port: u16, what: &str) -> Result<(), String> {
 }
 
 fn start_master(client_ttl_s: u64, extra: &[&str]) -> Result<(ChildGuard, String), String> {
+    let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+    cmd.args(["master", "--metrics-port", "0"]).args(extra);
+    start_master_with(client_ttl_s, cmd)
+}
+
+/// Starts `tycho master` from `cmd` (the executable and the caller's arguments) on a free
+/// loopback RPC port and waits until it listens.
+pub(crate) fn start_master_with(client_ttl_s: u64, mut cmd: Command) -> Result<(ChildGuard, String), String> {
     let port = free_port();
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let child = Command::new(exe)
-        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string(), "--metrics-port", "0"])
+    let child = cmd
+        .args(["--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
         .args(["--client-ttl", &client_ttl_s.to_string()])
-        .args(extra)
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("cannot start master: {e}"))?;
@@ -179,6 +195,9 @@ pub fn run(args: BenchMasterArgs) -> i32 {
 }
 
 fn run_inner(args: BenchMasterArgs) -> Result<(), String> {
+    if args.groups > 1 || args.masters > 1 {
+        return crate::bench_scale::run(&args);
+    }
     if args.probe_compare {
         return probe_compare(&args);
     }
@@ -231,7 +250,7 @@ fn fake_segment_name(client: ClientId, n: u128) -> String {
     format!("bench-{client}-{n}")
 }
 
-async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), String> {
+pub(crate) async fn mount_fake(c: &MasterClient, client: ClientId, n: u128) -> Result<(), String> {
     let desc = SegmentDesc {
         id: SegmentId(client.0 ^ (n + 1)),
         name: fake_segment_name(client, n),
@@ -255,7 +274,7 @@ async fn prepare(c: &MasterClient, owner: ClientId, keys: &[KeyRef], alive: &Arc
     populate(c, owner, keys, 1000, ReplicateConfig::default()).await
 }
 
-fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
+pub(crate) fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
     tokio::spawn(async move {
         while on.load(Ordering::Relaxed) {
             let _ = c.call(&Request::Ping { client }).await;
@@ -264,7 +283,7 @@ fn keep_alive(c: MasterClient, client: ClientId, on: Arc<AtomicBool>) {
     });
 }
 
-async fn populate(
+pub(crate) async fn populate(
     c: &MasterClient,
     client: ClientId,
     keys: &[KeyRef],
@@ -295,7 +314,46 @@ async fn populate(
     Ok(())
 }
 
+/// Which groups a connection writes to, and their epochs (the keys of a master of a cluster).
+pub(crate) struct Routing {
+    /// The cluster's routes.
+    pub cache: tycho_routing::RouteCache,
+    /// Whether each group (by rank) is this connection's master's.
+    pub mine: Vec<bool>,
+}
+
+impl Routing {
+    /// `key`'s reference with its group's epoch, if its group is this connection's.
+    pub fn tag(&self, key: &str) -> Option<KeyRef> {
+        let mut k = key_ref("", key);
+        let rank = self.cache.rank_of(k.route.partition_id) as usize;
+        if !self.mine.get(rank).copied().unwrap_or(false) {
+            return None;
+        }
+        k.route.epoch = self.cache.epoch_of(k.route.partition_id);
+        Some(k)
+    }
+}
+
+/// The next key a write workload writes: `{prefix}/{seq}`, skipping keys of other masters'
+/// groups when `routing` says which are this connection's.
+fn next_key(prefix: &str, seq: &mut u64, routing: Option<&Routing>) -> KeyRef {
+    loop {
+        *seq += 1;
+        let name = format!("{prefix}/{seq}");
+        match routing {
+            None => return key_ref("", &name),
+            Some(r) => {
+                if let Some(k) = r.tag(&name) {
+                    return k;
+                }
+            }
+        }
+    }
+}
+
 /// One call of workload `w`; returns the keys it touched.
+#[allow(clippy::too_many_arguments)]
 async fn one_op(
     c: &MasterClient,
     w: &str,
@@ -304,6 +362,7 @@ async fn one_op(
     batch: usize,
     seq: &mut u64,
     prefix: &str,
+    routing: Option<&Routing>,
 ) -> Result<u64, ErrorCode> {
     let mut rng = rand::thread_rng();
     let mut pick = || keys[rng.gen_range(0..keys.len())].clone();
@@ -324,8 +383,7 @@ async fn one_op(
             Ok(batch as u64)
         }
         "put" => {
-            *seq += 1;
-            let key = key_ref("", &format!("{prefix}/{seq}"));
+            let key = next_key(prefix, seq, routing);
             let start = WriteStart {
                 client: owner,
                 tenant: tenant(),
@@ -339,12 +397,7 @@ async fn one_op(
             Ok(1)
         }
         "batch-put" => {
-            let ks: Vec<KeyRef> = (0..batch)
-                .map(|_| {
-                    *seq += 1;
-                    key_ref("", &format!("{prefix}/{seq}"))
-                })
-                .collect();
+            let ks: Vec<KeyRef> = (0..batch).map(|_| next_key(prefix, seq, routing)).collect();
             let items = ks.iter().map(|k| (k.clone(), VALUE_SIZE)).collect();
             let write_ids: Vec<u64> = (1..=batch as u64).map(|i| *seq * 1000 + i).collect();
             let start = BatchWriteStart {
@@ -366,13 +419,16 @@ async fn one_op(
 /// Latency samples with their completion times.
 type Samples = Vec<(Instant, u32)>;
 
-async fn drive(
+/// Runs workload `w` against the master at `addr` on `args.connections` connections until
+/// `until`; returns calls, keys, latencies and failed calls.
+pub(crate) async fn drive(
     addr: &str,
     w: &str,
     args: &BenchMasterArgs,
     owner: ClientId,
     keys: Rc<Vec<KeyRef>>,
     until: Rc<dyn Fn() -> bool>,
+    routing: Option<Rc<Routing>>,
 ) -> Result<(u64, u64, Samples, u64), String> {
     let run_id: u32 = rand::random();
     // Every connection is open (and greeted) before the first call: the measurement covers
@@ -385,6 +441,7 @@ async fn drive(
     for (conn, c) in conns.into_iter().enumerate() {
         for slot in 0..args.inflight {
             let (c, keys, until, w) = (c.clone(), keys.clone(), until.clone(), w.to_string());
+            let routing = routing.clone();
             let batch = args.batch;
             let prefix = format!("bench/{w}/{run_id:08x}/{conn}/{slot}");
             tasks.push(tokio::task::spawn_local(async move {
@@ -392,7 +449,7 @@ async fn drive(
                 let mut lat: Samples = Vec::with_capacity(1 << 16);
                 while !until() {
                     let t0 = Instant::now();
-                    match one_op(&c, &w, owner, &keys, batch, &mut seq, &prefix).await {
+                    match one_op(&c, &w, owner, &keys, batch, &mut seq, &prefix, routing.as_deref()).await {
                         Ok(k) => {
                             let now = Instant::now();
                             lat.push((now, (now - t0).as_micros() as u32));
@@ -439,7 +496,7 @@ async fn run_workload(
         });
         t0.elapsed() >= duration
     });
-    let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until)).await?;
+    let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until, None)).await?;
     let (t0, cpu0, srv0) = started.get().unwrap_or((Instant::now(), cpu_self(), server_pid.and_then(cpu_of)));
     let secs = t0.elapsed().as_secs_f64();
     if errs > 0 {
@@ -525,7 +582,7 @@ async fn expire_during(
                 }
             });
             let gets = BenchMasterArgs { inflight: 1, ..args.clone() };
-            drive(addr, "get", &gets, owner, keys, until).await
+            drive(addr, "get", &gets, owner, keys, until, None).await
         })
         .await?;
     let (Some(start), Some(end)) = *window.borrow() else { return Err("sweep was not observed".into()) };
@@ -637,7 +694,7 @@ async fn measure(
 /// Runs `a` and `b` once each, `a` first in even rounds and `b` first in odd ones, so that
 /// drift over a run and whatever the first run leaves behind hit both alike. Returns `a`'s
 /// result, then `b`'s.
-async fn paired<T, A, B, FA, FB>(round: usize, a: A, b: B) -> Result<(T, T), String>
+pub(crate) async fn paired<T, A, B, FA, FB>(round: usize, a: A, b: B) -> Result<(T, T), String>
 where
     A: FnOnce() -> FA,
     B: FnOnce() -> FB,
@@ -746,7 +803,7 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
 
 /// Mounts the fake segments of a new client of `addr`, waiting (bounded) until the master
 /// serves (an HA master serves once it has created or taken its group), and keeps it alive.
-async fn serving_owner(addr: &str, alive: &Arc<AtomicBool>) -> Result<ClientId, String> {
+pub(crate) async fn serving_owner(addr: &str, alive: &Arc<AtomicBool>) -> Result<ClientId, String> {
     let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
     let owner = ClientId(rand::random());
     let deadline = Instant::now() + Duration::from_secs(30);

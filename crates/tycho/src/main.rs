@@ -4,6 +4,7 @@ mod admin;
 mod bench_e2e;
 mod bench_fill;
 mod bench_master;
+mod bench_scale;
 mod fuzz;
 mod master_client;
 mod master_cmd;

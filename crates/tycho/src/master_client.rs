@@ -51,8 +51,10 @@ impl MasterClient {
     /// One call; a request-level error comes back as `Err`.
     pub async fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
         match self.rpc.call::<Request, Response>(req, CALL_DEADLINE).await {
-            Ok(Response::Error(code)) => Err(code),
-            Ok(r) => Ok(r),
+            Ok(r) => match r.error_code() {
+                Some(code) => Err(code),
+                None => Ok(r),
+            },
             Err(e) => Err(e.code()),
         }
     }

@@ -313,6 +313,14 @@ pub struct UpArgs {
     /// KVPT groups G of the local cluster.
     #[arg(long = "groups", alias = "kvpt-groups", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16384))]
     pub groups: u32,
+    /// With them, the masters are separate `tycho master` processes of cluster `--cluster-name`
+    /// on this etcd (comma-separated URLs), instead of tasks of this process on an in-memory
+    /// store: kill one and watch its groups fail over.
+    #[arg(long = "etcd-endpoints", value_parser = parse_endpoints, value_name = "URLS", default_value = "")]
+    pub etcd_endpoints: Endpoints,
+    /// Name of the cluster in etcd (with `--etcd-endpoints`).
+    #[arg(long = "cluster-name", default_value = "tycho-up", value_name = "NAME")]
+    pub cluster_name: String,
     /// Cluster secret and authentication.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -573,19 +581,7 @@ fn run_up_cluster(args: UpArgs) -> i32 {
     }
     let auth = probe_auth(masters[0].0.secret.clone());
     let master_addr = masters[0].0.addr.to_string();
-    // Roles may still be moving (a claim under way): the node tries again for a while.
-    let mut tries = 0;
-    let node = loop {
-        match embedded_node(&master_addr, args.segment_size, &auth) {
-            Err(e) if tries < 40 => {
-                tracing::debug!(error = %e, "the embedded node could not start yet; retrying");
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(250));
-            }
-            r => break r,
-        }
-    };
-    let node = match node {
+    let node = match embedded_node_settling(&master_addr, args.segment_size, &auth) {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: {e}");
@@ -632,6 +628,202 @@ fn run_up_cluster(args: UpArgs) -> i32 {
         drop(admin);
     }
     0
+}
+
+/// A `tycho master` child of `tycho up`, stopped (SIGTERM, then SIGKILL after 10 s) when
+/// dropped.
+struct MasterChild(std::process::Child);
+
+impl Drop for MasterChild {
+    fn drop(&mut self) {
+        // SAFETY: kill has no memory effects; the pid is our child's, not yet reaped.
+        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free loopback port (for a child whose port must be known before it starts).
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+/// `tycho up --masters N --groups G --etcd-endpoints URLS`: N `tycho master` processes of one
+/// cluster on that etcd, and the node in this process. Returns the exit code.
+fn run_up_processes(args: UpArgs) -> i32 {
+    let port = |base: u16, i: u16| match base {
+        0 => free_port(),
+        b => b.checked_add(i).ok_or_else(|| format!("port {b} + {i} is out of range")),
+    };
+    let mut ports = Vec::new();
+    for i in 0..args.masters {
+        match (port(args.rpc_port, i), port(args.metrics_port, i)) {
+            (Ok(rpc), Ok(admin)) => ports.push((rpc, admin)),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        }
+    }
+    // Every master proves the secret of the first one's port (or the one given).
+    let secret = match args.security.server_secret(ports[0].0) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let secret_flags: Vec<String> = match (&secret, &args.security.secret_file) {
+        (None, _) => vec!["--insecure".into()],
+        (Some(_), Some(f)) => vec!["--secret-file".into(), f.display().to_string()],
+        (Some(_), None) if tycho_proto::auth::files::from_env().ok().flatten().is_some() => Vec::new(),
+        (Some(_), None) => {
+            use tycho_proto::auth::files::{port_name, runtime_dir};
+            let path = runtime_dir().join(port_name(ports[0].0));
+            // The same secret under every master's port, so that tools on this host find it
+            // for whichever master they talk to (a file left there by an earlier master is
+            // replaced).
+            for (rpc, _) in &ports[1..] {
+                let other = runtime_dir().join(port_name(*rpc));
+                let _ = std::fs::remove_file(&other);
+                if let Err(e) = std::fs::hard_link(&path, &other) {
+                    eprintln!("warning: cannot link the secret to {}: {e}", other.display());
+                }
+            }
+            vec!["--secret-file".into(), path.display().to_string()]
+        }
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("error: cannot find this executable: {e}");
+            return 1;
+        }
+    };
+    let endpoints = args.etcd_endpoints.0.join(",");
+    let mut children = Vec::new();
+    for (i, (rpc, admin)) in ports.iter().enumerate() {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &rpc.to_string()])
+            .args(["--metrics-address", "127.0.0.1", "--metrics-port", &admin.to_string()])
+            .args(["--etcd-endpoints", &endpoints, "--cluster-name", &args.cluster_name])
+            .args(["--kvpt-groups", &args.groups.to_string(), "--master-id", &format!("m{i}")])
+            .args(&secret_flags)
+            .stdout(std::process::Stdio::null());
+        match cmd.spawn() {
+            Ok(c) => children.push(MasterChild(c)),
+            Err(e) => {
+                eprintln!("error: cannot start master m{i}: {e}");
+                return 1;
+            }
+        }
+        // The first master fixes the cluster's layout before the others look for it.
+        let addr = format!("127.0.0.1:{rpc}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            if let Ok(Some(status)) = children[i].0.try_wait() {
+                eprintln!("error: master m{i} exited ({status}); is another cluster named {:?} on that etcd with another --groups? (pass --cluster-name)", args.cluster_name);
+                return 1;
+            }
+            if std::time::Instant::now() > deadline {
+                eprintln!("error: master m{i} did not listen on {addr} within 20 s");
+                return 1;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let auth = probe_auth(secret);
+    let first = format!("127.0.0.1:{}", ports[0].0);
+    // The node comes once every group has the primary it will keep (bounded), then retries
+    // while a claim is still under way.
+    let want = (args.masters as usize).min(args.groups as usize);
+    let routes = settle_routes(&first, &auth, args.groups, want, Duration::from_secs(30));
+    let node = match embedded_node_settling(&first, args.segment_size, &auth) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let rt = runtime(1);
+    let signals = rt.block_on(async { Signals::install() });
+    println!(
+        "tycho up: {} masters (separate processes), {} KVPT groups, cluster {:?} on etcd {endpoints}",
+        args.masters, args.groups, args.cluster_name
+    );
+    for (i, ((rpc, admin), child)) in ports.iter().zip(&children).enumerate() {
+        println!("  master m{i}      RPC 127.0.0.1:{rpc}  admin http://127.0.0.1:{admin}  pid {}", child.0.id());
+    }
+    match routes {
+        Some(t) => {
+            for (rank, owner) in t.owners.iter().enumerate() {
+                let name = ports
+                    .iter()
+                    .position(|(rpc, _)| format!("127.0.0.1:{rpc}") == *owner)
+                    .map_or("?".into(), |i| format!("m{i}"));
+                let epoch = t.epochs.get(rank).copied().unwrap_or(0);
+                println!("  group {rank:<5}    primary {name} ({owner}), epoch {epoch}");
+            }
+        }
+        None => println!("  groups         the masters had not settled their roles after 30 s"),
+    }
+    println!(
+        "  node segment   {} bytes ({} per group), transfer server {}",
+        args.segment_size,
+        args.segment_size / args.groups as u64,
+        node.hostname()
+    );
+    match self_check(&first, &auth) {
+        Ok(line) => println!("  self-check     {line}"),
+        Err(e) => println!("  self-check     FAILED: {e}"),
+    }
+    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
+    println!("                 tycho groups --admin 127.0.0.1:{}", ports[0].1);
+    println!("                 kill one master's pid: its groups fail over to the others");
+    println!("  stop           Ctrl-C");
+    rt.block_on(signals.wait());
+    let _ = node.close();
+    // The masters stop (SIGTERM: each hands its groups over) as `children` drops.
+    drop(children);
+    0
+}
+
+/// Polls the route table of the master at `addr` until it names a primary for each of
+/// `groups` groups, `distinct` different ones; `None` if that does not happen within `wait`.
+fn settle_routes(
+    addr: &str,
+    auth: &ClientAuth,
+    groups: u32,
+    distinct: usize,
+    wait: Duration,
+) -> Option<tycho_proto::RouteTable> {
+    use tycho_proto::{Request, Response};
+    let cfg = tycho_rpc::ClientConfig { auth: auth.clone(), ..Default::default() };
+    let client = tycho_rpc::BlockingClient::new(addr, cfg);
+    let deadline = std::time::Instant::now() + wait;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Response::Routes(t)) = client.call::<Request, Response>(&Request::Routes, Duration::from_secs(2)) {
+            let mut owners: Vec<&String> = t.owners.iter().filter(|o| !o.is_empty()).collect();
+            let named = owners.len() == groups as usize;
+            owners.sort();
+            owners.dedup();
+            if named && owners.len() == distinct {
+                return Some(t);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
 }
 
 /// This host's name, as `gethostname` gives it.
@@ -697,6 +889,9 @@ async fn run_ha(
 /// Runs the all-in-one: a master and a node with a DRAM segment on loopback, then a
 /// self-check. Returns the process exit code.
 pub fn run_up(args: UpArgs) -> i32 {
+    if !args.etcd_endpoints.is_empty() {
+        return run_up_processes(args);
+    }
     if args.masters > 1 || args.groups > 1 {
         return run_up_cluster(args);
     }
@@ -769,6 +964,22 @@ fn embedded_node(master: &str, size: u64, auth: &ClientAuth) -> Result<tycho_cli
     cfg.staging_buffer_size = 0;
     cfg.auth = auth.clone();
     tycho_client::Client::connect(cfg).map_err(|e| format!("the embedded node could not start: {e}: {}", e.hint()))
+}
+
+/// [`embedded_node`] in a cluster whose roles may still be moving (a claim under way): it tries
+/// again for up to 10 s.
+fn embedded_node_settling(master: &str, size: u64, auth: &ClientAuth) -> Result<tycho_client::Client, String> {
+    let mut tries = 0;
+    loop {
+        match embedded_node(master, size, auth) {
+            Err(e) if tries < 40 => {
+                tracing::debug!(error = %e, "the embedded node could not start yet; retrying");
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            r => return r,
+        }
+    }
 }
 
 /// Puts, gets and removes a test object through a separate client; reports the latencies.

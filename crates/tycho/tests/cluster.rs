@@ -374,8 +374,44 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
             matches!(code, tycho_proto::ErrorCode::KVPT_NOT_OWNED | tycho_proto::ErrorCode::STALE_EPOCH),
             "{code:?}"
         ),
+        Response::NotOwned(r) => assert_eq!((r.group, r.owner.as_str()), (1, b.rpc.as_str()), "{r:?}"),
         other => panic!("the former primary answered a delayed PutEnd with {other:?}"),
     }
+    // Once a's route table names b, a refuses a write of group 1 naming b, and forwards a
+    // read sent under the old epoch to b, relaying b's answer.
+    let deadline = Instant::now() + ROLE_WAIT;
+    let epoch = loop {
+        if let Ok(Response::Routes(r)) = raw.call::<Request, Response>(&Request::Routes, t) {
+            if r.owners.get(1) == Some(&b.rpc) {
+                break r.epochs[1];
+            }
+        }
+        assert!(Instant::now() < deadline, "a's route table never named b");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(epoch > 1, "a claim raises the epoch");
+    let fresh = KeyRef { key: ours[1].clone(), route: tycho_routing::route_for("", &ours[1], epoch) };
+    let write = WriteStart {
+        client: id,
+        tenant: String::new(),
+        key: fresh,
+        size: 512,
+        config: Default::default(),
+        write_id: 8,
+    };
+    match raw.call::<Request, Response>(&Request::PutStart(write), t).unwrap() {
+        Response::NotOwned(r) => {
+            assert_eq!((r.group, r.epoch, r.owner.as_str()), (1, epoch, b.rpc.as_str()), "{r:?}")
+        }
+        other => panic!("a write of a group a does not serve got {other:?}"),
+    }
+    let stale = KeyRef { key: ours[0].clone(), route: tycho_routing::route_for("", &ours[0], 1) };
+    let query = tycho_proto::KeyQuery { tenant: String::new(), key: stale };
+    match raw.call::<Request, Response>(&Request::GetReplicaList(query.clone()), t).unwrap() {
+        Response::Replicas(list) => assert!(!list.replicas.is_empty(), "{list:?}"),
+        other => panic!("a stale read was not forwarded to the group's primary: {other:?}"),
+    }
+    assert_eq!(raw.call::<Request, Response>(&Request::ExistKey(query), t).unwrap(), Response::Exists(true));
     // The stale client is redirected: its next put of a group 1 key lands at b, and reads too.
     quiet.put(&ours[1], &value_of(&ours[1], 2000), &Default::default()).unwrap();
     assert_eq!(quiet.get(&ours[1]).unwrap(), value_of(&ours[1], 2000));
@@ -538,4 +574,50 @@ fn tycho_up_runs_several_masters_of_one_cluster() {
     up.signal(libc::SIGTERM);
     let end = up.wait_line("never printed", ROLE_WAIT).unwrap_err().to_string();
     assert!(end.contains("exit status: 0"), "{end}");
+}
+
+#[test]
+fn tycho_up_with_etcd_runs_the_masters_as_separate_processes() {
+    let _one = serial();
+    let etcd = EtcdServer::start_new().expect("etcd starts (scripts/test installs it)");
+    let home = TempDir::new("tycho-up-etcd").unwrap();
+    std::fs::set_permissions(home.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let runtime = home.path().to_str().unwrap();
+    let mut cmd = std::process::Command::new(TYCHO);
+    cmd.args(["up", "--masters", "2", "--groups", "2", "--rpc-port", "0", "--metrics-port", "0"])
+        .args(["--segment-size", "64MB", "--etcd-endpoints", &etcd.endpoint()])
+        .env("TYCHO_RUNTIME_DIR", runtime);
+    let mut up = tycho_testkit::Proc::spawn(&mut cmd).unwrap();
+    let lines: Vec<String> =
+        (0..2).map(|i| up.wait_line(&format!("  master m{i}      RPC "), ROLE_WAIT).unwrap()).collect();
+    let pid = |l: &str| l.split("pid ").nth(1).unwrap().trim().parse::<u32>().unwrap();
+    let rpc = |l: &str| l.split_whitespace().next().unwrap().to_string();
+    let pids = [pid(&lines[0]), pid(&lines[1])];
+    assert!(pids[0] != pids[1] && !pids.contains(&up.pid()), "separate processes: {pids:?}, up {}", up.pid());
+    let groups: Vec<String> = (0..2).map(|r| up.wait_line(&format!("  group {r}  "), ROLE_WAIT).unwrap()).collect();
+    assert!(groups[0].contains("primary m0") && groups[1].contains("primary m1"), "one group each: {groups:?}");
+    let check = up.wait_line("  self-check     ", ROLE_WAIT).unwrap();
+    assert!(check.starts_with("ok"), "{check}");
+    // The CLI finds the secret under either master's port, and aggregates over both primaries.
+    let env = [("TYCHO_RUNTIME_DIR", runtime)];
+    for k in 0..8 {
+        let out = tycho_testkit::run_cli(TYCHO, &rpc(&lines[1]), &["put", &format!("up/{k}"), "-"], &env, b"hello");
+        assert!(out.status.success(), "put: {}", tycho_testkit::text(&out.stderr));
+    }
+    let out = tycho_testkit::run_cli(TYCHO, &rpc(&lines[1]), &["ls"], &env, b"");
+    let listed = tycho_testkit::text(&out.stdout);
+    assert_eq!(listed.lines().filter(|l| l.starts_with("up/")).count(), 8, "{listed}");
+    let out = tycho_testkit::run_cli(TYCHO, &rpc(&lines[0]), &["stat"], &env, b"");
+    let stat = tycho_testkit::text(&out.stdout);
+    assert!(stat.contains("objects   8") && stat.contains("primaries 2"), "{stat}");
+    for k in 0..8 {
+        let out = tycho_testkit::run_cli(TYCHO, &rpc(&lines[0]), &["exist", &format!("up/{k}")], &env, b"");
+        assert_eq!(tycho_testkit::text(&out.stdout).trim(), "1", "{}", tycho_testkit::text(&out.stderr));
+    }
+    up.signal(libc::SIGTERM);
+    let end = up.wait_line("never printed", ROLE_WAIT).unwrap_err().to_string();
+    assert!(end.contains("exit status: 0"), "{end}");
+    for p in pids {
+        assert!(!std::path::Path::new(&format!("/proc/{p}")).exists(), "master {p} outlived tycho up");
+    }
 }
