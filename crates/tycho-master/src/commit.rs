@@ -95,6 +95,13 @@ impl BatchCommit {
         self.durable
     }
 
+    /// Whether a failed compare is settled by reading the ownership record back (the fence
+    /// names its owner): only such a writer may share transactions with other groups, whose
+    /// failures it must survive.
+    pub fn renewable(&self) -> bool {
+        self.fence.owner.is_some()
+    }
+
     /// The revision the ownership record is expected at.
     pub fn fence_revision(&self) -> Revision {
         self.fence.mod_revision

@@ -216,6 +216,12 @@ pub async fn run(
 ) -> Result<(), HaError> {
     tokio::pin!(stop);
     let groups = master.config().group_count.max(1);
+    // Every group this master writes commits through one combiner (group commit across
+    // groups), unless the caller chose otherwise.
+    let mut cfg = cfg;
+    if cfg.writer.combiner.is_none() && groups > 1 {
+        cfg.writer.combiner = Some(crate::oplog::TxnCombiner::start(store.clone()));
+    }
     stand_by_all(&master);
     status.send_replace(HaStatus::Starting);
     let keys = ClusterKeys::new(&cfg.cluster);

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
-use tycho_meta::{MetaError, MetaStore, RangeRequest, Revision};
+use tycho_meta::{MetaError, MetaResult, MetaStore, RangeRequest, Revision, Txn, TxnResponse};
 use tycho_proto::envelope::{self, RecordKind};
 use tycho_proto::ErrorCode;
 
@@ -236,6 +236,9 @@ pub struct WriterConfig {
     pub retry_backoff: Duration,
     /// Where the writer reports its figures (the group's, for `/metrics`).
     pub stats: Arc<LogStats>,
+    /// Sends the commit transactions of every group this master writes, several at once
+    /// ([`TxnCombiner`]); `None`: each writer sends its own.
+    pub combiner: Option<Arc<TxnCombiner>>,
 }
 
 impl Default for WriterConfig {
@@ -246,7 +249,103 @@ impl Default for WriterConfig {
             max_queued_records: 64 * 1024,
             retry_backoff: Duration::from_millis(50),
             stats: Arc::default(),
+            combiner: None,
         }
+    }
+}
+
+/// Times the combiner yields before it sends what it has: long enough for the groups an answer
+/// just woke to queue their next batches, far shorter than a transaction.
+const COMBINE_YIELDS: usize = 4;
+
+/// One group's commit transaction waiting for the combiner, and where its answer goes.
+type Part = (Txn, tokio::sync::oneshot::Sender<MetaResult<TxnResponse>>);
+
+/// Group commit across groups: the commit transactions of the logs of every group a master
+/// writes, sent as one coordination-store transaction while the previous one is in flight, so
+/// that a master of G groups makes about as many transactions as a master of one (each group
+/// with its own log would otherwise send its own, G times smaller, and the store's per-request
+/// cost would dominate). The merged transaction holds only if every part's compares hold; each
+/// part gets the merged answer. A part whose compares held, in a transaction that failed
+/// because of another part's, reads its prefix and ownership record back, finds both where it
+/// left them, and sends again (see [`crate::commit`]); a lost answer is unknown for every part
+/// alike, and each finds out from its own prefix. Parts never share a key (each group writes
+/// only its own log), and a merged transaction stays within the store's limits.
+pub struct TxnCombiner {
+    parts: tokio::sync::mpsc::UnboundedSender<Part>,
+    /// Parts sent and not yet taken into a transaction.
+    queued: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for TxnCombiner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxnCombiner").finish_non_exhaustive()
+    }
+}
+
+impl TxnCombiner {
+    /// Starts the combiner's task on the current runtime; it ends once every handle is gone.
+    pub fn start(store: Arc<dyn MetaStore>) -> Arc<TxnCombiner> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Part>();
+        let queued = Arc::new(AtomicU64::new(0));
+        let taken = queued.clone();
+        tokio::spawn(async move {
+            let limits = store.limits();
+            let mut held: Option<Part> = None;
+            loop {
+                let first = match held.take() {
+                    Some(p) => p,
+                    None => match rx.recv().await {
+                        Some(p) => p,
+                        None => return,
+                    },
+                };
+                // The answer to the last transaction woke every group in it at once: let them
+                // send their next parts before this one goes out alone.
+                for _ in 0..COMBINE_YIELDS {
+                    tokio::task::yield_now().await;
+                }
+                taken.fetch_sub(1, Ordering::AcqRel);
+                let (mut merged, reply) = first;
+                let mut size = tycho_meta::Limits::txn_size(&merged);
+                let mut replies = vec![reply];
+                while let Ok((txn, reply)) = rx.try_recv() {
+                    let fits = merged.compares.len() + txn.compares.len() <= limits.max_txn_ops
+                        && merged.success.len() + txn.success.len() <= limits.max_txn_ops
+                        && merged.failure.len() + txn.failure.len() <= limits.max_txn_ops
+                        && size + tycho_meta::Limits::txn_size(&txn) <= limits.max_request_bytes;
+                    if !fits {
+                        held = Some((txn, reply));
+                        break;
+                    }
+                    taken.fetch_sub(1, Ordering::AcqRel);
+                    size += tycho_meta::Limits::txn_size(&txn);
+                    merged.compares.extend(txn.compares);
+                    merged.success.extend(txn.success);
+                    merged.failure.extend(txn.failure);
+                    replies.push(reply);
+                }
+                let answer = store.txn(merged).await;
+                for reply in replies {
+                    let _ = reply.send(answer.clone());
+                }
+            }
+        });
+        Arc::new(TxnCombiner { parts: tx, queued })
+    }
+
+    /// Parts waiting for the next transaction.
+    pub fn queued(&self) -> u64 {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// Sends `txn` with whatever other groups send meanwhile; the merged transaction's answer.
+    pub async fn txn(&self, txn: Txn) -> MetaResult<TxnResponse> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let gone = || MetaError::Unavailable("the OpLog transaction combiner stopped".into());
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        self.parts.send((txn, tx)).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 }
 
@@ -635,7 +734,10 @@ impl Committer {
         let mut io = self.machine.begin(batch.first_seq, batch.last_seq(), batch.encode());
         loop {
             let reply = match io {
-                Io::Send(txn) => Reply::Sent(self.store.txn(txn).await),
+                Io::Send(txn) => Reply::Sent(match &self.shared.cfg.combiner {
+                    Some(c) if self.machine.renewable() => c.txn(txn).await,
+                    _ => self.store.txn(txn).await,
+                }),
                 Io::ReadPrefix { pause } => {
                     if pause {
                         tokio::time::sleep(self.shared.cfg.retry_backoff).await;

@@ -569,3 +569,76 @@ async fn a_full_log_turns_mutations_away_before_deciding_them() {
     log.wait(3).await.unwrap();
     assert_eq!(log.admit(), Ok(()));
 }
+
+/// Every record of group `rank`'s log, in order.
+async fn log_of(store: &Store, rank: u32) -> Vec<Record> {
+    let keys = LogKeys::new("test", rank);
+    let page = store.range(RangeRequest::prefix(keys.batches(), 1000)).await.unwrap();
+    page.kvs.iter().flat_map(|kv| RecordBatch::decode(&kv.value).unwrap().records).collect()
+}
+
+/// Two groups' writers on one combiner: what they send while a transaction is in flight goes
+/// out as one transaction; a group whose record changed is fenced alone.
+#[tokio::test]
+async fn a_combiner_sends_several_groups_batches_in_one_transaction_and_fences_each_alone() {
+    use tycho_master::oplog::TxnCombiner;
+    use tycho_master::ownership::{GroupRecord, GroupState};
+    const OWNER_1: &[u8] = b"/tycho/test/kvpt_groups/00001";
+    const OWNER_2: &[u8] = b"/tycho/test/kvpt_groups/00002";
+    let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
+    let combiner = TxnCombiner::start(store.clone());
+    let shared = WriterConfig { combiner: Some(combiner.clone()), ..cfg() };
+    let mut writers = Vec::new();
+    let record = |rank, primary: &str| GroupRecord {
+        rank,
+        primary: primary.into(),
+        standbys: Vec::new(),
+        state: GroupState::Stable,
+        migrating_to: None,
+        epoch: 1,
+        caretaken: false,
+    };
+    for (rank, owner) in [(0u32, OWNER), (1, OWNER_1), (2, OWNER_2)] {
+        let rev = store.put(owner, &record(rank, "a").encode(), None).await.unwrap();
+        // (Writers that share transactions name their owner: another group's failure is then
+        // told apart from a change of their own record.)
+        let fence = Fence { key: owner.to_vec(), mod_revision: rev, owner: Some(("a".into(), 1)) };
+        let keys = LogKeys::new("test", rank);
+        writers.push(OpLogWriter::open(store.clone(), keys, fence, rank, 1, shared.clone()).await.unwrap());
+    }
+    let before = store.txns();
+    // Group 0's batch is held in the store; meanwhile groups 1 and 2 append.
+    store.set_txn_fault(TxnFault::Hold);
+    writers[0].append(rec(1)).unwrap();
+    until_txns(&store, before + 1).await;
+    writers[1].append(rec(2)).unwrap();
+    writers[2].append(rec(3)).unwrap();
+    // Both reach the combiner while the held transaction is in flight.
+    for _ in 0..5000 {
+        if combiner.queued() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!((combiner.queued(), store.txns() - before), (2, 1));
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
+    for w in &writers {
+        w.wait(1).await.unwrap();
+    }
+    assert_eq!(store.txns() - before, 2, "three groups' batches in two transactions");
+    assert_eq!(log_of(&store, 0).await, vec![rec(1)]);
+    assert_eq!(log_of(&store, 1).await, vec![rec(2)]);
+    assert_eq!(log_of(&store, 2).await, vec![rec(3)]);
+
+    // Group 1 moves to another master: its next commit, sent with group 0's, makes the merged
+    // transaction fail; group 0 finds its own record and prefix unchanged and commits again,
+    // group 1 is fenced.
+    store.put(OWNER_1, &GroupRecord { epoch: 2, ..record(1, "b") }.encode(), None).await.unwrap();
+    let s0 = writers[0].append(rec(4)).unwrap();
+    let s1 = writers[1].append(rec(5)).unwrap();
+    writers[0].wait(s0).await.unwrap();
+    assert!(matches!(writers[1].wait(s1).await, Err(LogError::Fenced(_))));
+    assert_eq!(log_of(&store, 0).await, vec![rec(1), rec(4)]);
+    assert_eq!(log_of(&store, 1).await, vec![rec(2)], "nothing of the fenced group was committed");
+}

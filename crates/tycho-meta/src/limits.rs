@@ -92,6 +92,14 @@ impl Limits {
         self.check_size(size)
     }
 
+    /// The estimated encoded size of `txn` (what [`Limits::check_txn`] compares with
+    /// `max_request_bytes`).
+    pub fn txn_size(txn: &Txn) -> usize {
+        let compares: usize = txn.compares.iter().map(|c| ITEM_OVERHEAD + compare_size(c)).sum();
+        let ops: usize = txn.success.iter().chain(&txn.failure).map(|o| ITEM_OVERHEAD + op_size(o)).sum();
+        REQUEST_OVERHEAD + compares + ops
+    }
+
     fn check_size(&self, size: usize) -> MetaResult<()> {
         if size > self.max_request_bytes {
             return Err(MetaError::RequestTooLarge { size, limit: self.max_request_bytes });
