@@ -14,9 +14,11 @@
 //!   - The prefix moved otherwise: another writer appended; fenced for good.
 //!   - The prefix is where it was and the answer was lost: nothing landed; send it again, under
 //!     the same sequence numbers (the log never has a gap or a record twice).
-//!   - The prefix is where it was and the compares failed: the ownership record changed. Read
-//!     it: still this primary at this epoch and stable (a standby joined or left) renews the
-//!     fence at its new revision and sends again; anything else fences the writer.
+//!   - The prefix is where it was and the compares failed: the ownership record changed, or
+//!     the transaction carried other groups' batches too ([`crate::oplog::TxnCombiner`]) and
+//!     one of theirs failed. Read the record: still this primary at this epoch and stable (a
+//!     standby joined or left, or nothing changed) renews the fence at its revision and sends
+//!     again; anything else fences the writer.
 
 use tycho_meta::{Compare, KeyValue, MetaError, MetaResult, Revision, Txn, TxnOp, TxnResponse};
 
@@ -208,11 +210,15 @@ impl BatchCommit {
                 record.epoch
             )));
         }
-        tracing::info!(
-            group = self.group,
-            revision = kv.mod_revision,
-            "ownership record changed, same primary and epoch: fence renewed"
-        );
+        if kv.mod_revision == self.fence.mod_revision {
+            tracing::debug!(group = self.group, "a shared transaction failed for another group: sending again");
+        } else {
+            tracing::info!(
+                group = self.group,
+                revision = kv.mod_revision,
+                "ownership record changed, same primary and epoch: fence renewed"
+            );
+        }
         self.fence.mod_revision = kv.mod_revision;
         Ok(())
     }

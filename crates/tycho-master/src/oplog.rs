@@ -269,8 +269,11 @@ type Part = (Txn, tokio::sync::oneshot::Sender<MetaResult<TxnResponse>>);
 /// part gets the merged answer. A part whose compares held, in a transaction that failed
 /// because of another part's, reads its prefix and ownership record back, finds both where it
 /// left them, and sends again (see [`crate::commit`]); a lost answer is unknown for every part
-/// alike, and each finds out from its own prefix. Parts never share a key (each group writes
-/// only its own log), and a merged transaction stays within the store's limits.
+/// alike, and each finds out from its own prefix. Two parts that write the same key (two writers
+/// of one group: the one a master finishes after giving the group up, and the one of its next
+/// term) never go out together, a part whose writer is gone is dropped, and a merged
+/// transaction stays within the store's limits; one the store refuses as a whole is sent again
+/// part by part, so that a part's fault stays its own.
 pub struct TxnCombiner {
     parts: tokio::sync::mpsc::UnboundedSender<Part>,
     /// Parts sent and not yet taken into a transaction.
@@ -306,28 +309,59 @@ impl TxnCombiner {
                     tokio::task::yield_now().await;
                 }
                 taken.fetch_sub(1, Ordering::AcqRel);
-                let (mut merged, reply) = first;
-                let mut size = tycho_meta::Limits::txn_size(&merged);
-                let mut replies = vec![reply];
+                let mut parts = vec![first];
+                let mut size = tycho_meta::Limits::txn_size(&parts[0].0);
+                let mut written: std::collections::HashSet<Vec<u8>> =
+                    parts[0].0.success.iter().map(|op| op.key().to_vec()).collect();
                 while let Ok((txn, reply)) = rx.try_recv() {
-                    let fits = merged.compares.len() + txn.compares.len() <= limits.max_txn_ops
-                        && merged.success.len() + txn.success.len() <= limits.max_txn_ops
-                        && merged.failure.len() + txn.failure.len() <= limits.max_txn_ops
-                        && size + tycho_meta::Limits::txn_size(&txn) <= limits.max_request_bytes;
+                    taken.fetch_sub(1, Ordering::AcqRel);
+                    // A writer that is gone (closed, aborted) waits for nothing.
+                    if reply.is_closed() {
+                        continue;
+                    }
+                    let ops = |f: fn(&Txn) -> usize| parts.iter().map(|(t, _)| f(t)).sum::<usize>() + f(&txn);
+                    let fits = ops(|t| t.compares.len()) <= limits.max_txn_ops
+                        && ops(|t| t.success.len()) <= limits.max_txn_ops
+                        && ops(|t| t.failure.len()) <= limits.max_txn_ops
+                        && size + tycho_meta::Limits::txn_size(&txn) <= limits.max_request_bytes
+                        // Two writers of one group (one finishing after the group was given up,
+                        // one of its new primary term) write the same keys: never together.
+                        && txn.success.iter().all(|op| !written.contains(op.key()));
                     if !fits {
+                        taken.fetch_add(1, Ordering::AcqRel);
                         held = Some((txn, reply));
                         break;
                     }
-                    taken.fetch_sub(1, Ordering::AcqRel);
                     size += tycho_meta::Limits::txn_size(&txn);
-                    merged.compares.extend(txn.compares);
-                    merged.success.extend(txn.success);
-                    merged.failure.extend(txn.failure);
-                    replies.push(reply);
+                    written.extend(txn.success.iter().map(|op| op.key().to_vec()));
+                    parts.push((txn, reply));
                 }
-                let answer = store.txn(merged).await;
-                for reply in replies {
-                    let _ = reply.send(answer.clone());
+                parts.retain(|(_, reply)| !reply.is_closed());
+                if parts.len() == 1 {
+                    let (txn, reply) = parts.pop().expect("one part");
+                    let _ = reply.send(store.txn(txn).await);
+                    continue;
+                }
+                let mut merged = Txn::new();
+                for (t, _) in &parts {
+                    merged.compares.extend(t.compares.iter().cloned());
+                    merged.success.extend(t.success.iter().cloned());
+                    merged.failure.extend(t.failure.iter().cloned());
+                }
+                match store.txn(merged).await {
+                    // Refused as a whole (a limit of the store lower than configured, say):
+                    // each part alone, so that one part's fault is its own.
+                    Err(e) if !e.is_unavailable() && !matches!(e, MetaError::Other(_)) => {
+                        tracing::warn!(error = %e, parts = parts.len(), "a merged OpLog transaction was refused; sending its parts one by one");
+                        for (txn, reply) in parts {
+                            let _ = reply.send(store.txn(txn).await);
+                        }
+                    }
+                    answer => {
+                        for (_, reply) in parts {
+                            let _ = reply.send(answer.clone());
+                        }
+                    }
                 }
             }
         });
@@ -344,7 +378,10 @@ impl TxnCombiner {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let gone = || MetaError::Unavailable("the OpLog transaction combiner stopped".into());
         self.queued.fetch_add(1, Ordering::AcqRel);
-        self.parts.send((txn, tx)).map_err(|_| gone())?;
+        if self.parts.send((txn, tx)).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(gone());
+        }
         rx.await.map_err(|_| gone())?
     }
 }

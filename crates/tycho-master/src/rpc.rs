@@ -272,10 +272,15 @@ impl MasterRpc {
                 };
                 tycho_rpc::RpcPool::new(tycho_rpc::ClientConfig { auth, identity, ..Default::default() })
             });
-            let answer = match pool.get(&owner).await {
-                Ok(conn) => conn.call::<Request, Response>(&forwarded, FORWARD_DEADLINE).await,
-                Err(e) => Err(e),
+            // Connecting and calling both within the deadline; past it, the client is told
+            // where to go instead.
+            let call = async {
+                let conn = pool.get(&owner).await.map_err(|e| e.to_string())?;
+                conn.call::<Request, Response>(&forwarded, FORWARD_DEADLINE).await.map_err(|e| e.to_string())
             };
+            let answer = tokio::time::timeout(FORWARD_DEADLINE, call)
+                .await
+                .unwrap_or_else(|_| Err(format!("no answer within {FORWARD_DEADLINE:?}")));
             match answer {
                 Ok(resp) => resp,
                 Err(e) => {

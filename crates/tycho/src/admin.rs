@@ -166,8 +166,10 @@ fn report(code: ErrorCode) -> i32 {
 /// Otherwise the master given answers for everything.
 struct Fleet {
     routes: tycho_routing::RouteCache,
-    /// The master given, then every other primary the table names.
+    /// The master given, or every primary the table names that answered.
     masters: Vec<(String, MasterClient)>,
+    /// Primaries the table names that could not be reached (a failover under way, say).
+    missing: Vec<String>,
 }
 
 impl Fleet {
@@ -180,25 +182,50 @@ impl Fleet {
             routes.learn(&t);
         }
         let mut masters = vec![(addr.to_string(), given)];
+        let mut missing = Vec::new();
         if routes.partitioned() {
-            masters.clear();
+            let given = masters.pop().expect("the given master");
             for owner in routes.owners() {
-                let c = MasterClient::connect(&owner)
-                    .await
-                    .map_err(|code| format!("cannot reach the primary at {owner}: {code}"))?;
-                masters.push((owner, c));
+                if owner == given.0 {
+                    masters.push(given.clone());
+                    continue;
+                }
+                match MasterClient::connect(&owner).await {
+                    Ok(c) => masters.push((owner, c)),
+                    Err(code) => missing.push(format!("{owner} ({code})")),
+                }
+            }
+            if masters.is_empty() {
+                return Err(format!("cannot reach any primary: {}", missing.join(", ")));
             }
         }
-        Ok(Fleet { routes, masters })
+        Ok(Fleet { routes, masters, missing })
     }
 
-    /// The master to ask about `key`, and the key's reference under its group's epoch.
-    fn for_key(&self, tenant: &str, key: &str) -> (&MasterClient, KeyRef) {
+    /// The master to ask about `key`, and the key's reference under its group's epoch; RPC_FAIL
+    /// when its group's primary could not be reached.
+    fn for_key(&self, tenant: &str, key: &str) -> Result<(&MasterClient, KeyRef), ErrorCode> {
         let mut k = key_ref(tenant, key);
         k.route.epoch = self.routes.epoch_of(k.route.partition_id);
         let owner = self.routes.owner_of(k.route.partition_id);
-        let c = self.masters.iter().find(|(a, _)| a == owner).unwrap_or(&self.masters[0]);
-        (&c.1, k)
+        match self.masters.iter().find(|(a, _)| a == owner) {
+            Some((_, c)) => Ok((c, k)),
+            None if !self.routes.partitioned() => Ok((&self.masters[0].1, k)),
+            None => {
+                eprintln!("error: the primary of this key's group, {owner}, cannot be reached");
+                Err(ErrorCode::RPC_FAIL)
+            }
+        }
+    }
+
+    /// Exit code of a command gathered over the primaries: 1, with a warning, when some
+    /// could not be reached (what was printed leaves their groups out).
+    fn partial(&self) -> i32 {
+        if self.missing.is_empty() {
+            return 0;
+        }
+        eprintln!("warning: primaries not reached, their groups are left out above: {}", self.missing.join(", "));
+        1
     }
 
     /// `req`'s answer from every master.
@@ -251,7 +278,7 @@ pub fn stat(t: Target) -> i32 {
         if f.masters.len() > 1 {
             println!("primaries {}", f.masters.len());
         }
-        Ok(0)
+        Ok(f.partial())
     })
 }
 
@@ -273,7 +300,7 @@ pub fn segments(t: Target) -> i32 {
         for s in all {
             println!("{:<34} {:<24} {:>16} {:>16}", s.desc.id.to_string(), s.desc.name, s.desc.size, s.used);
         }
-        Ok(0)
+        Ok(f.partial())
     })
 }
 
@@ -293,14 +320,14 @@ pub fn ls(a: LsArgs) -> i32 {
             let tenant = if k.tenant.is_empty() { String::new() } else { format!("{}/", k.tenant) };
             println!("{tenant}{}\t{} bytes\t{} replica(s){state}", k.key, k.size, k.replicas);
         }
-        Ok(0)
+        Ok(f.partial())
     })
 }
 
 /// `tycho exist`: prints 1 or 0; exit code 0 if the key exists, 1 if not.
 pub fn exist(a: KeyArgs) -> i32 {
     with_master(&a.target.master, |f| async move {
-        let (c, key) = f.for_key(&a.tenant, &a.key);
+        let (c, key) = f.for_key(&a.tenant, &a.key)?;
         let req = Request::ExistKey(KeyQuery { key, tenant: a.tenant.clone() });
         let Response::Exists(found) = c.call(&req).await? else { return Err(ErrorCode::INTERNAL_ERROR) };
         println!("{}", u8::from(found));
@@ -319,6 +346,7 @@ pub fn rm(a: RmArgs) -> i32 {
         } else {
             a.regex.clone().map(|regex| Request::RemoveByRegex { tenant: a.tenant.clone(), regex, force: a.force })
         };
+        let every_removed = every.is_some();
         let removed = match every {
             Some(req) => {
                 let mut n = 0;
@@ -332,12 +360,12 @@ pub fn rm(a: RmArgs) -> i32 {
             }
             None => {
                 let key = a.key.as_deref().expect("clap requires a key");
-                let (c, key) = f.for_key(&a.tenant, key);
+                let (c, key) = f.for_key(&a.tenant, key)?;
                 c.call(&Request::Remove(RemoveKey { key, tenant: a.tenant.clone(), force: a.force })).await?;
                 1
             }
         };
         println!("removed {removed}");
-        Ok(0)
+        Ok(if every_removed { f.partial() } else { 0 })
     })
 }

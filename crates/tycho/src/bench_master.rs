@@ -677,13 +677,21 @@ async fn measure(
 ) -> Result<Stats, String> {
     let stats = run_workload(addr, w, args, owner, keys, server_pid).await?;
     if matches!(w, "put" | "batch-put") {
-        let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
-        let regex = format!("^bench/{w}/");
-        c.call(&Request::RemoveByRegex { tenant: String::new(), regex, force: true })
-            .await
-            .map_err(|e| format!("removing what {w} wrote: {e}"))?;
+        remove_written(addr, w).await?;
     }
     Ok(stats)
+}
+
+/// Removes (untimed) every object write workload `w` wrote at `addr`; fails if there was none.
+pub(crate) async fn remove_written(addr: &str, w: &str) -> Result<u64, String> {
+    let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+    // The pattern must match whole keys: `bench/{w}/{run}/{connection}/{slot}/{seq}`.
+    let regex = format!("bench/{w}/.*");
+    match c.call(&Request::RemoveByRegex { tenant: String::new(), regex, force: true }).await {
+        Ok(Response::Removed(n)) if n > 0 => Ok(n),
+        Ok(r) => Err(format!("removing what {w} wrote at {addr}: {r:?}")),
+        Err(e) => Err(format!("removing what {w} wrote at {addr}: {e}")),
+    }
 }
 
 /// Runs each workload against a master with the self-probe on and one with it off, in

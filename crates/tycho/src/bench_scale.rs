@@ -262,11 +262,7 @@ impl Setup {
         // What a write workload wrote goes, untimed, so that every round starts alike.
         if matches!(w, "put" | "batch-put") {
             for p in &self.procs {
-                let c = MasterClient::connect(&p.addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
-                let regex = format!("^bench/{w}/");
-                c.call(&Request::RemoveByRegex { tenant: String::new(), regex, force: true })
-                    .await
-                    .map_err(|e| format!("removing what {w} wrote: {e}"))?;
+                crate::bench_master::remove_written(&p.addr, w).await?;
             }
         }
         let mut etcd_diff = after.0.clone();
@@ -304,7 +300,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
         b.prepare(ob, &alive).await?;
         let mut worst = f64::INFINITY;
         println!(
-            "{:<12} {:>13} {:>13} {:>7} {:>13}   {:>11} {:>11} {:>7}   etcd requests per round ({})",
+            "{:<12} {:>13} {:>13} {:>7} {:>13}   {:>11} {:>11} {:>7}   etcd requests per round, mean ({})",
             "workload",
             format!("{} /cpu-s", a.name),
             format!("{} /cpu-s", b.name),
@@ -341,7 +337,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
             let m = median(ratios.clone());
             let (lo, hi) = spread(ratios);
             worst = worst.min(m);
-            // etcd requests of the median round of `a`, next to its log batches.
+            // etcd requests per round of `a` (mean), next to its log batches.
             let mut by_method: BTreeMap<String, Vec<f64>> = BTreeMap::new();
             for r in &ra {
                 for (k, v) in &r.etcd {

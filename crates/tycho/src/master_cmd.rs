@@ -630,27 +630,42 @@ fn run_up_cluster(args: UpArgs) -> i32 {
     0
 }
 
-/// A `tycho master` child of `tycho up`, stopped (SIGTERM, then SIGKILL after 10 s) when
-/// dropped.
-struct MasterChild(std::process::Child);
+/// The `tycho master` children of `tycho up`, and the secret links made for them; when dropped,
+/// every child still running gets SIGTERM at once (each hands its groups over), those left
+/// after 10 s SIGKILL, and the links go.
+struct MasterChildren {
+    children: Vec<std::process::Child>,
+    links: Vec<std::path::PathBuf>,
+}
 
-impl Drop for MasterChild {
+impl Drop for MasterChildren {
     fn drop(&mut self) {
-        // SAFETY: kill has no memory effects; the pid is our child's, not yet reaped.
-        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
+        for c in &mut self.children {
+            // A child already reaped is not signalled: its pid may belong to another process.
+            if let Ok(None) = c.try_wait() {
+                // SAFETY: kill has no memory effects; the pid is our child's, not yet reaped.
+                unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        for c in &mut self.children {
+            while let Ok(None) = c.try_wait() {
+                if std::time::Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        for l in &self.links {
+            let _ = std::fs::remove_file(l);
+        }
     }
 }
 
-/// A free loopback port (for a child whose port must be known before it starts).
+/// A free loopback port (for a child whose port must be known before it starts; another
+/// process may take it in between, and the child then fails to start, which `up` reports).
 fn free_port() -> Result<u16, String> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -661,14 +676,28 @@ fn free_port() -> Result<u16, String> {
 /// `tycho up --masters N --groups G --etcd-endpoints URLS`: N `tycho master` processes of one
 /// cluster on that etcd, and the node in this process. Returns the exit code.
 fn run_up_processes(args: UpArgs) -> i32 {
-    let port = |base: u16, i: u16| match base {
-        0 => free_port(),
-        b => b.checked_add(i).ok_or_else(|| format!("port {b} + {i} is out of range")),
-    };
-    let mut ports = Vec::new();
+    // Signals first: a SIGTERM while the masters start lets `up` stop them (they are stopped
+    // when `children` drops); each child also gets SIGTERM if `up` dies without that.
+    let rt = runtime(1);
+    let signals = rt.block_on(async { Signals::install() });
+    let mut ports: Vec<(u16, u16)> = Vec::new();
     for i in 0..args.masters {
-        match (port(args.rpc_port, i), port(args.metrics_port, i)) {
-            (Ok(rpc), Ok(admin)) => ports.push((rpc, admin)),
+        let port = |base: u16| match base {
+            0 => loop {
+                // (Distinct from every port chosen so far.)
+                let p = free_port()?;
+                if !ports.iter().any(|&(r, a)| r == p || a == p) {
+                    break Ok(p);
+                }
+            },
+            b => b.checked_add(i).ok_or_else(|| format!("port {b} + {i} is out of range")),
+        };
+        match (port(args.rpc_port), port(args.metrics_port)) {
+            (Ok(rpc), Ok(admin)) if rpc != admin => ports.push((rpc, admin)),
+            (Ok(_), Ok(_)) => {
+                eprintln!("error: master m{i}'s RPC and admin ports coincide; pass other --rpc-port / --metrics-port");
+                return 2;
+            }
             (Err(e), _) | (_, Err(e)) => {
                 eprintln!("error: {e}");
                 return 2;
@@ -683,25 +712,15 @@ fn run_up_processes(args: UpArgs) -> i32 {
             return 1;
         }
     };
+    let runtime_file = secret.is_some()
+        && args.security.secret_file.is_none()
+        && tycho_proto::auth::files::from_env().ok().flatten().is_none();
+    let first_file = tycho_proto::auth::files::runtime_dir().join(tycho_proto::auth::files::port_name(ports[0].0));
     let secret_flags: Vec<String> = match (&secret, &args.security.secret_file) {
         (None, _) => vec!["--insecure".into()],
         (Some(_), Some(f)) => vec!["--secret-file".into(), f.display().to_string()],
-        (Some(_), None) if tycho_proto::auth::files::from_env().ok().flatten().is_some() => Vec::new(),
-        (Some(_), None) => {
-            use tycho_proto::auth::files::{port_name, runtime_dir};
-            let path = runtime_dir().join(port_name(ports[0].0));
-            // The same secret under every master's port, so that tools on this host find it
-            // for whichever master they talk to (a file left there by an earlier master is
-            // replaced).
-            for (rpc, _) in &ports[1..] {
-                let other = runtime_dir().join(port_name(*rpc));
-                let _ = std::fs::remove_file(&other);
-                if let Err(e) = std::fs::hard_link(&path, &other) {
-                    eprintln!("warning: cannot link the secret to {}: {e}", other.display());
-                }
-            }
-            vec!["--secret-file".into(), path.display().to_string()]
-        }
+        (Some(_), None) if !runtime_file => Vec::new(),
+        (Some(_), None) => vec!["--secret-file".into(), first_file.display().to_string()],
     };
     let exe = match std::env::current_exe() {
         Ok(e) => e,
@@ -711,7 +730,7 @@ fn run_up_processes(args: UpArgs) -> i32 {
         }
     };
     let endpoints = args.etcd_endpoints.0.join(",");
-    let mut children = Vec::new();
+    let mut children = MasterChildren { children: Vec::new(), links: Vec::new() };
     for (i, (rpc, admin)) in ports.iter().enumerate() {
         let mut cmd = std::process::Command::new(&exe);
         cmd.args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &rpc.to_string()])
@@ -720,8 +739,18 @@ fn run_up_processes(args: UpArgs) -> i32 {
             .args(["--kvpt-groups", &args.groups.to_string(), "--master-id", &format!("m{i}")])
             .args(&secret_flags)
             .stdout(std::process::Stdio::null());
+        // SAFETY: between fork and exec the closure only calls prctl, which allocates nothing.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         match cmd.spawn() {
-            Ok(c) => children.push(MasterChild(c)),
+            Ok(c) => children.children.push(c),
             Err(e) => {
                 eprintln!("error: cannot start master m{i}: {e}");
                 return 1;
@@ -730,16 +759,32 @@ fn run_up_processes(args: UpArgs) -> i32 {
         // The first master fixes the cluster's layout before the others look for it.
         let addr = format!("127.0.0.1:{rpc}");
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&addr).is_err() {
-            if let Ok(Some(status)) = children[i].0.try_wait() {
-                eprintln!("error: master m{i} exited ({status}); is another cluster named {:?} on that etcd with another --groups? (pass --cluster-name)", args.cluster_name);
+        loop {
+            let listening = std::net::TcpStream::connect(&addr).is_ok();
+            if let Ok(Some(status)) = children.children[i].try_wait() {
+                eprintln!("error: master m{i} exited ({status}); its error is above");
                 return 1;
+            }
+            if listening {
+                break;
             }
             if std::time::Instant::now() > deadline {
                 eprintln!("error: master m{i} did not listen on {addr} within 20 s");
                 return 1;
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // The same secret under every master's port (once each listens there), so that tools on
+    // this host find it for whichever master they talk to; removed when `up` stops.
+    if runtime_file {
+        for (rpc, _) in &ports[1..] {
+            let other = tycho_proto::auth::files::runtime_dir().join(tycho_proto::auth::files::port_name(*rpc));
+            let _ = std::fs::remove_file(&other);
+            match std::fs::hard_link(&first_file, &other) {
+                Ok(()) => children.links.push(other),
+                Err(e) => eprintln!("warning: cannot link the secret to {}: {e}", other.display()),
+            }
         }
     }
     let auth = probe_auth(secret);
@@ -755,14 +800,12 @@ fn run_up_processes(args: UpArgs) -> i32 {
             return 1;
         }
     };
-    let rt = runtime(1);
-    let signals = rt.block_on(async { Signals::install() });
     println!(
         "tycho up: {} masters (separate processes), {} KVPT groups, cluster {:?} on etcd {endpoints}",
         args.masters, args.groups, args.cluster_name
     );
-    for (i, ((rpc, admin), child)) in ports.iter().zip(&children).enumerate() {
-        println!("  master m{i}      RPC 127.0.0.1:{rpc}  admin http://127.0.0.1:{admin}  pid {}", child.0.id());
+    for (i, ((rpc, admin), child)) in ports.iter().zip(&children.children).enumerate() {
+        println!("  master m{i}      RPC 127.0.0.1:{rpc}  admin http://127.0.0.1:{admin}  pid {}", child.id());
     }
     match routes {
         Some(t) => {
