@@ -1177,7 +1177,8 @@ fn all_stale(resp: &Response) -> bool {
 }
 
 /// How long a client keeps looking for a serving master among its addresses (a failover
-/// takes the old primary's lease TTL, 5 s by default, plus the standby's catch-up).
+/// takes the old primary's lease TTL, 5 s by default, plus the standby's catch-up), and waits
+/// for one that answers KVPT_MIGRATING (a group about to be served there) to serve it.
 const FAILOVER_WAIT: Duration = Duration::from_secs(15);
 
 /// Whether `code` says the master in use does not serve (any more): try the next address.
@@ -1212,6 +1213,12 @@ impl Inner {
         loop {
             let used = self.current.load(Ordering::Acquire);
             match self.call_here(req) {
+                // The group is about to be served there (a promotion replaying the log's end):
+                // the same master again, after a pause.
+                Err(ErrorCode::KVPT_MIGRATING) if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
                 // A standby's refusal always; a lost connection only with other addresses to try
                 // (a single master that is down fails as fast as before), and only for requests
                 // that may be sent twice.
@@ -1476,7 +1483,7 @@ impl Inner {
                     self.remount()?;
                     continue;
                 }
-                Err(code @ (ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH)) => code,
+                Err(code @ (ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH | ErrorCode::KVPT_MIGRATING)) => code,
                 Err(code @ (ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)) if crate::retry::is_idempotent(&req) => code,
                 r => return r,
             };
@@ -1521,7 +1528,7 @@ impl Inner {
                 let sub = req.subset(&at).ok_or(ErrorCode::INTERNAL_ERROR)?;
                 let resp = call_with_retry(&conn, &sub, self.cfg.rpc_timeout).unwrap_or_else(Response::Error);
                 let routing = |c: &ErrorCode| {
-                    matches!(c, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH)
+                    matches!(c, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH | ErrorCode::KVPT_MIGRATING)
                         || (matches!(c, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)
                             && crate::retry::is_idempotent(&req))
                 };

@@ -499,6 +499,10 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
     if role.log.is_some() && action != Some(Action::Serve) {
         drop_group(master, rank, role, board, "the group record no longer names this master primary");
     }
+    // Named primary and not serving yet (a promotion that has not finished, a restart that
+    // takes the group back): clients wait here, unless the group goes to its standby.
+    let named = group.as_ref().is_some_and(|(g, _)| g.primary == cfg.id);
+    master.installing(rank, named && !matches!(action, Some(Action::HandTo(_))));
     match (action, group) {
         (Some(Action::Create { caretake }), _) => match create_group(&**store, keys, rank, &cfg.id, caretake).await {
             Ok(created) => {

@@ -282,7 +282,7 @@ impl Master {
             return Err(ErrorCode::STALE_ROUTE);
         }
         let rank = kvpt_to_rank(pid, self.cfg.group_count.max(1));
-        let Some(group) = self.group(rank).filter(|g| g.is_serving()) else { return Err(ErrorCode::KVPT_NOT_OWNED) };
+        let Some(group) = self.group(rank).filter(|g| g.is_serving()) else { return Err(self.refusal(rank)) };
         // Epoch fence: an older epoch is a stale route; a newer one means the client has
         // seen an owner change this master has not, so it must not serve the key.
         let epoch = group.epoch();
@@ -1132,8 +1132,31 @@ impl Master {
         if !group.set_serving(true) {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);
         }
+        group.set_installing(false);
         group.segments.set_standby_grants(0);
         true
+    }
+
+    /// Notes whether the group record names this master primary of group `rank` while it does
+    /// not serve the group yet (`on`: it won the record and replays the log's end; off: it
+    /// serves now, or the record names another master). Meanwhile requests for the group are
+    /// answered KVPT_MIGRATING, which clients retry here with back-off, instead of
+    /// KVPT_NOT_OWNED, which would send them to the master the record no longer names.
+    pub fn installing(&self, rank: u32, on: bool) {
+        if let Some(group) = self.group(rank) {
+            group.set_installing(on && !group.is_serving());
+        }
+    }
+
+    /// What a request for a key of group `rank` gets at this master while it does not serve
+    /// the group: KVPT_MIGRATING while it is about to ([`Master::installing`]), else
+    /// KVPT_NOT_OWNED.
+    pub fn refusal(&self, rank: u32) -> ErrorCode {
+        if self.group(rank).is_some_and(Group::is_installing) {
+            ErrorCode::KVPT_MIGRATING
+        } else {
+            ErrorCode::KVPT_NOT_OWNED
+        }
     }
 
     /// Mounts in group `rank` every segment the other groups served here have and it has not:
@@ -1170,6 +1193,7 @@ impl Master {
         if group.set_serving(false) {
             self.serving_groups.fetch_sub(1, Ordering::AcqRel);
         }
+        group.set_installing(false);
         // Ranges the log frees from now on may carry the primary's grants, unknown here.
         group.segments.set_standby_grants(self.grant_lifetime_ms());
         true

@@ -2,8 +2,10 @@
 //!
 //! The primary appends each record as it applies it ([`OpLogWriter::append`], which never
 //! blocks and is called under shard locks) and acknowledges the mutation only once its record is
-//! durable ([`OpLogWriter::wait`]). One task commits the queued records in batches, bounded by
-//! count and bytes (under etcd's request limit), one transaction per batch:
+//! durable ([`OpLogWriter::wait`]). One task (the writer's own, or the [`TxnCombiner`] of every
+//! group a master writes) commits the queued records in batches, bounded by count and bytes
+//! (under etcd's request limit), one transaction per batch (a combiner's carries one batch of
+//! each group):
 //!
 //! ```text
 //! if   mod_revision(kvpt_groups/{rank}) == the revision this master became primary at
@@ -22,7 +24,7 @@
 //! KVPT_NOT_OWNED, and the master must stop serving the group. Records committed while a batch
 //! is in flight form the next batch.
 //!
-//! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the writer's task
+//! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the commit task
 //! only carries its messages to the store and back.
 
 use std::collections::VecDeque;
@@ -254,30 +256,25 @@ impl Default for WriterConfig {
     }
 }
 
-/// Times the combiner yields before it sends what it has: long enough for the groups an answer
-/// just woke to queue their next batches, far shorter than a transaction.
-const COMBINE_YIELDS: usize = 4;
-
-/// One group's commit transaction waiting for the combiner, and where its answer goes.
-type Part = (Txn, tokio::sync::oneshot::Sender<MetaResult<TxnResponse>>);
-
-/// Group commit across groups: the commit transactions of the logs of every group a master
-/// writes, sent as one coordination-store transaction while the previous one is in flight, so
-/// that a master of G groups makes about as many transactions as a master of one (each group
-/// with its own log would otherwise send its own, G times smaller, and the store's per-request
-/// cost would dominate). The merged transaction holds only if every part's compares hold; each
-/// part gets the merged answer. A part whose compares held, in a transaction that failed
-/// because of another part's, reads its prefix and ownership record back, finds both where it
-/// left them, and sends again (see [`crate::commit`]); a lost answer is unknown for every part
-/// alike, and each finds out from its own prefix. Two parts that write the same key (two writers
-/// of one group: the one a master finishes after giving the group up, and the one of its next
-/// term) never go out together, a part whose writer is gone is dropped, and a merged
-/// transaction stays within the store's limits; one the store refuses as a whole is sent again
-/// part by part, so that a part's fault stays its own.
+/// Group commit across groups: one task that commits the logs of every group a master writes,
+/// sending their batches together, so that a master of G groups makes about as many
+/// transactions, and wakes about as often, as a master of one (each group's writer with its own
+/// task would send its own transaction, G times smaller, and the store's per-request cost and
+/// the hand-offs between tasks would dominate). Each round takes the next batch of every log
+/// that has records waiting (what was appended while the last transaction was in flight) and
+/// sends them as one coordination-store transaction, which holds only if every part's compares
+/// hold; each part's commit machine ([`crate::commit::BatchCommit`]) gets the answer. A part
+/// whose compares held, in a transaction that failed because of another part's, reads its
+/// prefix and ownership record back, finds both where it left them, and is sent again in the
+/// next round; a lost answer is unknown for every part alike, and each finds out from its own
+/// prefix. Only writers that settle a failed compare by reading their record back (their
+/// fence names the owner) share transactions; two writers of one group (the one a master
+/// finishes after giving the group up, and the one of its next term) never go out together; a
+/// merged transaction stays within the store's limits, and one the store refuses as a whole is
+/// sent again part by part, so that a part's fault stays its own.
 pub struct TxnCombiner {
-    parts: tokio::sync::mpsc::UnboundedSender<Part>,
-    /// Parts sent and not yet taken into a transaction.
-    queued: Arc<AtomicU64>,
+    joins: tokio::sync::mpsc::UnboundedSender<Committer>,
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for TxnCombiner {
@@ -287,63 +284,96 @@ impl std::fmt::Debug for TxnCombiner {
 }
 
 impl TxnCombiner {
-    /// Starts the combiner's task on the current runtime; it ends once every handle is gone.
+    /// Starts the combiner's task on the current runtime; it ends once every handle and every
+    /// writer on it are gone.
     pub fn start(store: Arc<dyn MetaStore>) -> Arc<TxnCombiner> {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Part>();
-        let queued = Arc::new(AtomicU64::new(0));
-        let taken = queued.clone();
-        tokio::spawn(async move {
-            let limits = store.limits();
-            let mut held: Option<Part> = None;
-            loop {
-                let first = match held.take() {
-                    Some(p) => p,
-                    None => match rx.recv().await {
-                        Some(p) => p,
-                        None => return,
+        let (joins, rx) = tokio::sync::mpsc::unbounded_channel();
+        let wake = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(drive(store, Some(rx), Vec::new(), wake.clone()));
+        Arc::new(TxnCombiner { joins, wake })
+    }
+}
+
+/// Commits the logs of `writers`, and of those that join later through `joins`, one round at a
+/// time (see [`TxnCombiner`]; a writer of its own runs this with itself alone). Wakes on
+/// `wake`, which every writer's appends notify.
+async fn drive(
+    store: Arc<dyn MetaStore>,
+    mut joins: Option<tokio::sync::mpsc::UnboundedReceiver<Committer>>,
+    mut writers: Vec<Committer>,
+    wake: Arc<tokio::sync::Notify>,
+) {
+    let limits = store.limits();
+    let mut turn = 0usize;
+    loop {
+        if let Some(rx) = joins.as_mut() {
+            while let Ok(w) = rx.try_recv() {
+                writers.push(w);
+            }
+        }
+        // Every writer to its next transaction: a batch taken, read-backs done, commits noted.
+        for w in writers.iter_mut() {
+            w.advance().await;
+        }
+        writers.retain(|w| !w.gone);
+        let ready: Vec<usize> = (0..writers.len()).filter(|&i| writers[i].sending().is_some()).collect();
+        if ready.is_empty() {
+            match joins.as_mut() {
+                Some(rx) => tokio::select! {
+                    _ = wake.notified() => {}
+                    w = rx.recv() => match w {
+                        Some(w) => writers.push(w),
+                        None if writers.is_empty() => return,
+                        None => joins = None,
                     },
-                };
-                // The answer to the last transaction woke every group in it at once: let them
-                // send their next parts before this one goes out alone.
-                for _ in 0..COMBINE_YIELDS {
-                    tokio::task::yield_now().await;
-                }
-                taken.fetch_sub(1, Ordering::AcqRel);
-                let mut parts = vec![first];
-                let mut size = tycho_meta::Limits::txn_size(&parts[0].0);
-                let mut written: std::collections::HashSet<Vec<u8>> =
-                    parts[0].0.success.iter().map(|op| op.key().to_vec()).collect();
-                while let Ok((txn, reply)) = rx.try_recv() {
-                    taken.fetch_sub(1, Ordering::AcqRel);
-                    // A writer that is gone (closed, aborted) waits for nothing.
-                    if reply.is_closed() {
-                        continue;
-                    }
-                    let ops = |f: fn(&Txn) -> usize| parts.iter().map(|(t, _)| f(t)).sum::<usize>() + f(&txn);
-                    let fits = ops(|t| t.compares.len()) <= limits.max_txn_ops
-                        && ops(|t| t.success.len()) <= limits.max_txn_ops
-                        && ops(|t| t.failure.len()) <= limits.max_txn_ops
-                        && size + tycho_meta::Limits::txn_size(&txn) <= limits.max_request_bytes
-                        // Two writers of one group (one finishing after the group was given up,
-                        // one of its new primary term) write the same keys: never together.
-                        && txn.success.iter().all(|op| !written.contains(op.key()));
-                    if !fits {
-                        taken.fetch_add(1, Ordering::AcqRel);
-                        held = Some((txn, reply));
-                        break;
-                    }
-                    size += tycho_meta::Limits::txn_size(&txn);
-                    written.extend(txn.success.iter().map(|op| op.key().to_vec()));
-                    parts.push((txn, reply));
-                }
-                parts.retain(|(_, reply)| !reply.is_closed());
-                if parts.len() == 1 {
-                    let (txn, reply) = parts.pop().expect("one part");
-                    let _ = reply.send(store.txn(txn).await);
+                },
+                None if writers.is_empty() => return,
+                None => wake.notified().await,
+            }
+            continue;
+        }
+        // The parts of this round's transaction, starting at a different writer each round so
+        // that none waits behind the others when they do not all fit.
+        turn = turn.wrapping_add(1);
+        let first = turn % ready.len();
+        let mut parts: Vec<usize> = Vec::new();
+        let (mut compares, mut success, mut failure, mut size) = (0, 0, 0, 0);
+        let mut written: Vec<&[u8]> = Vec::new();
+        for &i in ready[first..].iter().chain(&ready[..first]) {
+            let Some((txn, shares)) = writers[i].sending() else { continue };
+            if let Some(&lead) = parts.first() {
+                let fits = shares
+                    && writers[lead].sending().is_some_and(|(_, s)| s)
+                    && compares + txn.compares.len() <= limits.max_txn_ops
+                    && success + txn.success.len() <= limits.max_txn_ops
+                    && failure + txn.failure.len() <= limits.max_txn_ops
+                    && size + tycho_meta::Limits::txn_size(txn) <= limits.max_request_bytes
+                    && txn.success.iter().all(|op| !written.contains(&op.key()));
+                if !fits {
                     continue;
                 }
+            }
+            compares += txn.compares.len();
+            success += txn.success.len();
+            failure += txn.failure.len();
+            size += tycho_meta::Limits::txn_size(txn);
+            written.extend(txn.success.iter().map(|op| op.key()));
+            parts.push(i);
+        }
+        drop(written);
+        let (parts, txns): (Vec<usize>, Vec<Txn>) =
+            parts.into_iter().filter_map(|i| writers[i].take_send().map(|t| (i, t))).unzip();
+        let answers = match txns.len() {
+            0 | 1 => {
+                let mut answers = Vec::with_capacity(1);
+                for t in txns {
+                    answers.push(store.txn(t).await);
+                }
+                answers
+            }
+            _ => {
                 let mut merged = Txn::new();
-                for (t, _) in &parts {
+                for t in &txns {
                     merged.compares.extend(t.compares.iter().cloned());
                     merged.success.extend(t.success.iter().cloned());
                     merged.failure.extend(t.failure.iter().cloned());
@@ -352,37 +382,23 @@ impl TxnCombiner {
                     // Refused as a whole (a limit of the store lower than configured, say):
                     // each part alone, so that one part's fault is its own.
                     Err(e) if !e.is_unavailable() && !matches!(e, MetaError::Other(_)) => {
-                        tracing::warn!(error = %e, parts = parts.len(), "a merged OpLog transaction was refused; sending its parts one by one");
-                        for (txn, reply) in parts {
-                            let _ = reply.send(store.txn(txn).await);
+                        tracing::warn!(error = %e, parts = txns.len(), "a merged OpLog transaction was refused; sending its parts one by one");
+                        let mut answers = Vec::with_capacity(txns.len());
+                        for t in txns {
+                            answers.push(store.txn(t).await);
                         }
+                        answers
                     }
-                    answer => {
-                        for (_, reply) in parts {
-                            let _ = reply.send(answer.clone());
-                        }
-                    }
+                    answer => vec![answer; txns.len()],
                 }
             }
-        });
-        Arc::new(TxnCombiner { parts: tx, queued })
-    }
-
-    /// Parts waiting for the next transaction.
-    pub fn queued(&self) -> u64 {
-        self.queued.load(Ordering::Acquire)
-    }
-
-    /// Sends `txn` with whatever other groups send meanwhile; the merged transaction's answer.
-    pub async fn txn(&self, txn: Txn) -> MetaResult<TxnResponse> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let gone = || MetaError::Unavailable("the OpLog transaction combiner stopped".into());
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        if self.parts.send((txn, tx)).is_err() {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(gone());
+        };
+        for (&i, answer) in parts.iter().zip(answers) {
+            writers[i].sent(answer);
         }
-        rx.await.map_err(|_| gone())?
+        for &i in &parts {
+            writers[i].tell();
+        }
     }
 }
 
@@ -447,7 +463,9 @@ type OnEnd = Box<dyn FnOnce(&LogError) + Send>;
 struct Shared {
     queue: Mutex<Queue>,
     on_end: Mutex<Option<OnEnd>>,
-    wake: tokio::sync::Notify,
+    /// Notified when there is work for the commit task (records appended, the writer closed):
+    /// the writer's own, or its combiner's.
+    wake: Arc<tokio::sync::Notify>,
     progress: tokio::sync::watch::Sender<Progress>,
     cfg: WriterConfig,
 }
@@ -455,7 +473,8 @@ struct Shared {
 /// The ordered group-commit writer of one group's log.
 pub struct OpLogWriter {
     shared: Arc<Shared>,
-    task: tokio::task::JoinHandle<()>,
+    /// The writer's own commit task (`None`: its combiner's commits it).
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl OpLogWriter {
@@ -470,17 +489,40 @@ impl OpLogWriter {
         cfg: WriterConfig,
     ) -> Result<OpLogWriter, LogError> {
         let (durable, durable_rev) = read_prefix(&*store, &keys).await?;
+        let combiner = cfg.combiner.clone();
+        let wake = combiner.as_ref().map_or_else(Default::default, |c| c.wake.clone());
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { draining: false, next_seq: durable + 1, waiting: VecDeque::new(), closed: None }),
             on_end: Mutex::new(None),
-            wake: tokio::sync::Notify::new(),
+            wake: wake.clone(),
             progress: tokio::sync::watch::Sender::new(Progress { durable, sending: durable, failed: None }),
             cfg,
         });
         shared.cfg.stats.appended(durable);
         let machine = BatchCommit::new(keys.clone(), fence, group, durable, durable_rev);
-        let committer = Committer { store, keys, machine, group, epoch, shared: shared.clone() };
-        let task = tokio::spawn(committer.run());
+        let committer = Committer {
+            store: store.clone(),
+            keys,
+            machine,
+            group,
+            epoch,
+            shared: shared.clone(),
+            io: None,
+            batch: None,
+            gone: false,
+            untold: false,
+            _ends: EndsLog(shared.clone()),
+        };
+        let task = match combiner {
+            Some(c) => {
+                c.joins
+                    .send(committer)
+                    .map_err(|_| LogError::Refused("the OpLog transaction combiner stopped".into()))?;
+                c.wake.notify_one();
+                None
+            }
+            None => Some(tokio::spawn(drive(store, None, vec![committer], wake))),
+        };
         Ok(OpLogWriter { shared, task })
     }
 
@@ -589,7 +631,11 @@ impl OpLogWriter {
     /// of a batch in flight with `Interrupted`.
     pub fn close(&self) {
         end(&self.shared, LogError::Closed);
-        self.task.abort();
+        match &self.task {
+            Some(task) => task.abort(),
+            // The combiner lets the writer go on its next round.
+            None => self.shared.wake.notify_one(),
+        }
     }
 }
 
@@ -686,6 +732,8 @@ async fn read_prefix(store: &dyn MetaStore, keys: &LogKeys) -> Result<(u64, Revi
     }
 }
 
+/// One group's log as its commit task holds it: the queue's other end, the fencing machine, and
+/// the batch in hand.
 struct Committer {
     store: Arc<dyn MetaStore>,
     keys: LogKeys,
@@ -693,10 +741,19 @@ struct Committer {
     group: u32,
     epoch: u64,
     shared: Arc<Shared>,
+    /// What the machine asked for last, not done yet (`None`: no batch in hand).
+    io: Option<Io>,
+    /// The batch in hand: its last sequence number, record count, and when it was taken.
+    batch: Option<(u64, usize, Instant)>,
+    /// The log ended or drained: the task lets the writer go.
+    gone: bool,
+    /// A commit was noted whose waiters were not woken yet ([`Committer::tell`]).
+    untold: bool,
+    _ends: EndsLog,
 }
 
-/// Ends the log when the commit task stops, however it stops (a panic included), so that no
-/// waiter waits forever.
+/// Ends the log when the commit task lets the writer go, however it does (a panic included),
+/// so that no waiter waits forever.
 struct EndsLog(Arc<Shared>);
 
 impl Drop for EndsLog {
@@ -706,44 +763,126 @@ impl Drop for EndsLog {
 }
 
 impl Committer {
-    async fn run(mut self) {
-        let _ends = EndsLog(self.shared.clone());
+    /// Moves the batch in hand on until it needs a transaction sent (see
+    /// [`Committer::sending`]), or until no records wait: notes a committed batch and takes
+    /// the next, does the read-backs the machine asks for. Sets `gone` once the log has ended.
+    async fn advance(&mut self) {
         loop {
-            let batch = match self.next_batch() {
-                Ok(Some(b)) => b,
-                Ok(None) => {
-                    self.shared.wake.notified().await;
-                    continue;
+            if self.shared.queue.lock().closed.is_some() {
+                self.gone = true;
+                return;
+            }
+            match self.io.take() {
+                None => match self.next_batch() {
+                    Ok(Some(batch)) => {
+                        let last = batch.last_seq();
+                        // No waiter needs waking for this.
+                        self.shared.progress.send_if_modified(|p| {
+                            p.sending = last;
+                            false
+                        });
+                        self.batch = Some((last, batch.records.len(), Instant::now()));
+                        self.io = Some(self.machine.begin(batch.first_seq, last, batch.encode()));
+                    }
+                    Ok(None) => return,
+                    Err(()) => {
+                        self.gone = true;
+                        return;
+                    }
+                },
+                Some(send @ Io::Send(_)) => {
+                    self.io = Some(send);
+                    return;
                 }
-                Err(_) => return,
-            };
-            let started = Instant::now();
-            let last = batch.last_seq();
-            // No waiter needs waking for this.
-            self.shared.progress.send_if_modified(|p| {
-                p.sending = last;
-                false
-            });
-            match self.commit(&batch).await {
-                Ok(()) => {
-                    let last = batch.last_seq();
-                    self.shared.cfg.stats.committed(last, batch.records.len(), started.elapsed());
-                    self.shared.progress.send_modify(|p| p.durable = last);
+                Some(Io::ReadPrefix { pause }) => {
+                    if pause {
+                        tokio::time::sleep(self.shared.cfg.retry_backoff).await;
+                    }
+                    let prefix = read_prefix(&*self.store, &self.keys).await;
+                    self.io = Some(self.machine.on(Reply::Prefix(prefix)));
                 }
-                Err(e) => {
+                Some(Io::Read(key)) => {
+                    let read = self.read(&key).await;
+                    self.io = Some(self.machine.on(Reply::Read(read)));
+                }
+                Some(Io::Done(Ok(()))) => self.committed(true),
+                Some(Io::Done(Err(e))) => {
                     if matches!(e, LogError::Fenced(_)) {
                         self.shared.cfg.stats.fenced.fetch_add(1, Ordering::Relaxed);
                     }
                     tracing::error!(group = self.group, error = %e, "OpLog writer stopped");
                     end(&self.shared, e);
+                    self.gone = true;
                     return;
                 }
             }
         }
     }
 
+    /// The transaction the batch in hand waits to send, and whether it may share one with
+    /// other groups' (a failed compare is settled by reading the ownership record back).
+    fn sending(&self) -> Option<(&Txn, bool)> {
+        match &self.io {
+            Some(Io::Send(txn)) => Some((txn, self.machine.renewable())),
+            _ => None,
+        }
+    }
+
+    /// Takes the transaction to send (see [`Committer::sending`]).
+    fn take_send(&mut self) -> Option<Txn> {
+        match self.io.take() {
+            Some(Io::Send(txn)) => Some(txn),
+            other => {
+                self.io = other;
+                None
+            }
+        }
+    }
+
+    /// The answer to the transaction taken: the machine says what next. A writer closed
+    /// meanwhile learns nothing more (its waiters were told already).
+    fn sent(&mut self, answer: MetaResult<TxnResponse>) {
+        if self.shared.queue.lock().closed.is_some() {
+            self.gone = true;
+            return;
+        }
+        match self.machine.on(Reply::Sent(answer)) {
+            // Noted at once, its waiters told once every part's answer is noted (see
+            // [`Committer::tell`]).
+            Io::Done(Ok(())) => self.committed(false),
+            io => self.io = Some(io),
+        }
+    }
+
+    /// The batch in hand is committed: its waiters are told now, or (`tell` false) by the next
+    /// [`Committer::tell`].
+    fn committed(&mut self, tell: bool) {
+        if let Some((last, records, started)) = self.batch.take() {
+            self.shared.cfg.stats.committed(last, records, started.elapsed());
+            if tell {
+                self.shared.progress.send_modify(|p| p.durable = last);
+            } else {
+                // The value changes, the waiters are not woken yet.
+                self.shared.progress.send_if_modified(|p| {
+                    p.durable = last;
+                    false
+                });
+                self.untold = true;
+            }
+        }
+    }
+
+    /// Wakes the waiters of a commit noted without telling them: after every part of a
+    /// transaction was noted, so that a request waiting on records of several groups finds
+    /// them all durable once the first wakes it, instead of waking once per group.
+    fn tell(&mut self) {
+        if std::mem::take(&mut self.untold) {
+            self.shared.progress.send_modify(|_| {});
+        }
+    }
+
     /// The next batch: the oldest waiting records, within the count and byte bounds (at least
-    /// one record). `Err` once the log is closed.
+    /// one record). `Err` once the log is closed, or drained.
     fn next_batch(&self) -> Result<Option<RecordBatch>, ()> {
         let mut q = self.shared.queue.lock();
         if q.closed.is_some() {
@@ -763,29 +902,6 @@ impl Committer {
         }
         let records = q.waiting.drain(..count).map(|(_, r, _)| r).collect();
         Ok(Some(RecordBatch { group: self.group, epoch: self.epoch, first_seq, records }))
-    }
-
-    /// Commits one batch: drives the fencing machine ([`BatchCommit`]) against the store,
-    /// retrying reads the store does not answer.
-    async fn commit(&mut self, batch: &RecordBatch) -> Result<(), LogError> {
-        let mut io = self.machine.begin(batch.first_seq, batch.last_seq(), batch.encode());
-        loop {
-            let reply = match io {
-                Io::Send(txn) => Reply::Sent(match &self.shared.cfg.combiner {
-                    Some(c) if self.machine.renewable() => c.txn(txn).await,
-                    _ => self.store.txn(txn).await,
-                }),
-                Io::ReadPrefix { pause } => {
-                    if pause {
-                        tokio::time::sleep(self.shared.cfg.retry_backoff).await;
-                    }
-                    Reply::Prefix(read_prefix(&*self.store, &self.keys).await)
-                }
-                Io::Read(key) => Reply::Read(self.read(&key).await),
-                Io::Done(r) => return r,
-            };
-            io = self.machine.on(reply);
-        }
     }
 
     /// Reads `key`, waiting out a store that does not answer.

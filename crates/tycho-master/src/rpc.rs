@@ -162,7 +162,13 @@ impl Service for MasterRpc {
         // A master that serves no group (a standby) answers only probes.
         // (and who serves each group, so that a client asking it finds the primaries).
         if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck | Request::Routes) {
-            let resp = Response::Error(ErrorCode::KVPT_NOT_OWNED);
+            // (Told to wait when the key's group is about to be served here.)
+            let groups = self.master.config().group_count.max(1);
+            let code = match req.partitions().first() {
+                Some(&p) => self.master.refusal(tycho_routing::kvpt_to_rank(p, groups)),
+                None => ErrorCode::KVPT_NOT_OWNED,
+            };
+            let resp = Response::Error(code);
             self.metrics.record(index, start.elapsed(), &resp);
             return Reply::Ready(resp);
         }
@@ -240,6 +246,10 @@ impl MasterRpc {
         let rank = tycho_routing::kvpt_to_rank(partition, groups);
         if self.master.group(rank).is_some_and(|g| g.is_serving()) {
             return None;
+        }
+        // About to be served here: the client waits rather than goes elsewhere.
+        if self.master.group(rank).is_some_and(|g| g.is_installing()) {
+            return Some(Reply::Ready(Response::Error(ErrorCode::KVPT_MIGRATING)));
         }
         let table = self.master.route_table();
         let owner = table.owners.get(rank as usize).filter(|o| !o.is_empty())?.clone();

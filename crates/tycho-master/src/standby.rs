@@ -4,7 +4,8 @@
 //! Promotion, in order:
 //!
 //! 1. CAS the ownership record to name this master primary (epoch + 1). From that revision on
-//!    the old primary's log commits nothing: its batch transactions compare the record.
+//!    the old primary's log commits nothing: its batch transactions compare the record. Until
+//!    step 3, requests for the group here are answered KVPT_MIGRATING (wait and retry here).
 //! 2. Catch up to the log's durable prefix, within a deadline. The prefix cannot move any more
 //!    (step 1), so what is read is everything the old primary acknowledged.
 //! 3. [`Master::take_over`]: clients get a fresh TTL, objects a read lease, ranges freed from then
@@ -105,6 +106,8 @@ pub async fn promote(
     })
     .await
     .map_err(PromoteError::Lost)?;
+    // Clients sent here by the new record wait (KVPT_MIGRATING) until the group is served.
+    master.installing(rank, true);
     tracing::info!(
         group = rank,
         epoch = record.epoch,

@@ -148,6 +148,7 @@ async fn a_promoted_standby_serves_everything_acknowledged_and_fences_the_old_pr
     let (record, _log) = promote(&c.standby, &mut follower, how).await.unwrap();
     assert_eq!((record.primary.as_str(), record.epoch, record.standbys.len()), ("b", c.paired.0.epoch + 1, 0));
     assert!(c.standby.is_serving());
+    assert!(!c.standby.group(0).unwrap().is_installing(), "served, no longer about to be");
 
     // The old primary's held transaction now runs, and fails its fence: the write it started
     // is never acknowledged, nor anything after it.
@@ -203,6 +204,17 @@ async fn a_promotion_that_cannot_read_the_whole_log_fails_closed() {
     let err = promote(&c.standby, &mut follower, how).await.unwrap_err();
     assert!(matches!(err, PromoteError::CatchUp(_)), "{err:?}");
     assert!(!c.standby.is_serving(), "a standby that could not replay the log does not serve");
+    // The record names it primary now: clients are told to wait here, not to go elsewhere.
+    let named = c.paired.0.epoch + 1;
+    let read = |epoch| KeyQuery { tenant: String::new(), key: kref("k1", epoch) };
+    assert_eq!(c.standby.exist_key(&read(named)), Err(ErrorCode::KVPT_MIGRATING));
+    assert_eq!(start(&c.standby, "k99", 99, named), Err(ErrorCode::KVPT_MIGRATING));
+    // Once it gives the group up (the record names another master), they are sent on.
+    c.standby.installing(0, false);
+    assert_eq!(c.standby.exist_key(&read(named)), Err(ErrorCode::KVPT_NOT_OWNED));
+    c.standby.installing(0, true);
+    assert!(c.standby.stand_by(0));
+    assert_eq!(c.standby.exist_key(&read(named)), Err(ErrorCode::KVPT_NOT_OWNED));
     // A promotion from a stale read of the record loses to the one that changed it.
     let again = promotion(&c, "c");
     let mut follower = LogFollower::new(c.store.clone(), log_keys(&c.keys, 0), 0, 0, 4);

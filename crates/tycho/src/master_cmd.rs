@@ -597,25 +597,10 @@ fn run_up_cluster(args: UpArgs) -> i32 {
     for (i, (m, admin)) in masters.iter().enumerate() {
         println!("  master m{i}      RPC {}  admin http://{}", m.addr, admin.local_addr());
     }
-    let t = first.route_table();
-    for (rank, owner) in t.owners.iter().enumerate() {
-        let name =
-            masters.iter().position(|(m, _)| m.addr.to_string() == *owner).map_or("?".into(), |i| format!("m{i}"));
-        println!("  group {rank:<5}    primary {name} ({owner}), epoch {}", t.epochs.get(rank).copied().unwrap_or(0));
-    }
-    println!(
-        "  node segment   {} bytes ({} per group), transfer server {}",
-        args.segment_size,
-        args.segment_size / args.groups as u64,
-        node.hostname()
-    );
-    match self_check(&master_addr, &auth) {
-        Ok(line) => println!("  self-check     {line}"),
-        Err(e) => println!("  self-check     FAILED: {e}"),
-    }
-    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
-    println!("                 tycho groups --admin {}", masters[0].1.local_addr());
-    println!("  stop           Ctrl-C");
+    let addrs: Vec<String> = masters.iter().map(|(m, _)| m.addr.to_string()).collect();
+    print_groups(Some(&first.route_table()), &addrs);
+    let admin = masters[0].1.local_addr().to_string();
+    print_up_tail(&args, &node, self_check(&master_addr, &auth), &admin, &[]);
     rt.block_on(signals.wait());
     let _ = node.close();
     let _ = stop_tx.send(true);
@@ -675,6 +660,47 @@ fn free_port() -> Result<u16, String> {
 
 /// `tycho up --masters N --groups G --etcd-endpoints URLS`: N `tycho master` processes of one
 /// cluster on that etcd, and the node in this process. Returns the exit code.
+/// `tycho up`'s lines for the groups: each one's primary, by its name (`m{i}`, its index in
+/// `addrs`) and address, and its epoch.
+fn print_groups(routes: Option<&tycho_proto::RouteTable>, addrs: &[String]) {
+    let Some(t) = routes else {
+        println!("  groups         the masters had not settled their roles in time");
+        return;
+    };
+    for (rank, owner) in t.owners.iter().enumerate() {
+        let name = addrs.iter().position(|a| a == owner).map_or("?".into(), |i| format!("m{i}"));
+        let epoch = t.epochs.get(rank).copied().unwrap_or(0);
+        println!("  group {rank:<5}    primary {name} ({owner}), epoch {epoch}");
+    }
+}
+
+/// `tycho up`'s last lines for several masters: the node's segment, the self-check, what to try
+/// (with `hints` added), how to stop.
+fn print_up_tail(
+    args: &UpArgs,
+    node: &tycho_client::Client,
+    check: Result<String, String>,
+    admin: &str,
+    hints: &[&str],
+) {
+    println!(
+        "  node segment   {} bytes ({} per group), transfer server {}",
+        args.segment_size,
+        args.segment_size / args.groups as u64,
+        node.hostname()
+    );
+    match check {
+        Ok(line) => println!("  self-check     {line}"),
+        Err(e) => println!("  self-check     FAILED: {e}"),
+    }
+    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
+    println!("                 tycho groups --admin {admin}");
+    for h in hints {
+        println!("                 {h}");
+    }
+    println!("  stop           Ctrl-C");
+}
+
 fn run_up_processes(args: UpArgs) -> i32 {
     // Signals first: a SIGTERM while the masters start lets `up` stop them (they are stopped
     // when `children` drops); each child also gets SIGTERM if `up` dies without that.
@@ -807,33 +833,11 @@ fn run_up_processes(args: UpArgs) -> i32 {
     for (i, ((rpc, admin), child)) in ports.iter().zip(&children.children).enumerate() {
         println!("  master m{i}      RPC 127.0.0.1:{rpc}  admin http://127.0.0.1:{admin}  pid {}", child.id());
     }
-    match routes {
-        Some(t) => {
-            for (rank, owner) in t.owners.iter().enumerate() {
-                let name = ports
-                    .iter()
-                    .position(|(rpc, _)| format!("127.0.0.1:{rpc}") == *owner)
-                    .map_or("?".into(), |i| format!("m{i}"));
-                let epoch = t.epochs.get(rank).copied().unwrap_or(0);
-                println!("  group {rank:<5}    primary {name} ({owner}), epoch {epoch}");
-            }
-        }
-        None => println!("  groups         the masters had not settled their roles after 30 s"),
-    }
-    println!(
-        "  node segment   {} bytes ({} per group), transfer server {}",
-        args.segment_size,
-        args.segment_size / args.groups as u64,
-        node.hostname()
-    );
-    match self_check(&first, &auth) {
-        Ok(line) => println!("  self-check     {line}"),
-        Err(e) => println!("  self-check     FAILED: {e}"),
-    }
-    println!("  try            echo hello | tycho put greeting - && tycho get greeting");
-    println!("                 tycho groups --admin 127.0.0.1:{}", ports[0].1);
-    println!("                 kill one master's pid: its groups fail over to the others");
-    println!("  stop           Ctrl-C");
+    let addrs: Vec<String> = ports.iter().map(|(rpc, _)| format!("127.0.0.1:{rpc}")).collect();
+    print_groups(routes.as_ref(), &addrs);
+    let admin = format!("127.0.0.1:{}", ports[0].1);
+    let hint = ["kill one master's pid: its groups fail over to the others"];
+    print_up_tail(&args, &node, self_check(&first, &auth), &admin, &hint);
     rt.block_on(signals.wait());
     let _ = node.close();
     // The masters stop (SIGTERM: each hands its groups over) as `children` drops.

@@ -104,6 +104,67 @@ fn value_of(k: &str, len: usize) -> Vec<u8> {
 }
 
 /// Objects a master holds, from its `Stats`.
+/// A client's load: fresh keys written one after the other, and every other round an
+/// acknowledged key read back, until stopped; what was acknowledged and what failed.
+struct Load {
+    stop: std::sync::atomic::AtomicBool,
+    acked: std::sync::Mutex<Vec<String>>,
+    errors: std::sync::Mutex<Vec<(String, tycho_proto::ErrorCode)>>,
+}
+
+impl Load {
+    fn new() -> Load {
+        Load { stop: Default::default(), acked: Default::default(), errors: Default::default() }
+    }
+
+    /// Writes `{prefix}/{i}` (values of `len` bytes) until [`Load::stop`].
+    fn run(&self, client: &Client, prefix: &str, len: usize) {
+        let mut i = 0;
+        while !self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let k = format!("{prefix}/{i}");
+            i += 1;
+            match client.put(&k, &value_of(&k, len), &Default::default()) {
+                Ok(()) => self.acked.lock().unwrap().push(k),
+                Err(e) => self.errors.lock().unwrap().push((k, e)),
+            }
+            let back = self.acked.lock().unwrap().get(i / 2).cloned();
+            if let Some(k) = back {
+                match client.get(&k) {
+                    Ok(v) => assert_eq!(v, value_of(&k, len), "{k}"),
+                    Err(e) => self.errors.lock().unwrap().push((k, e)),
+                }
+            }
+        }
+    }
+
+    fn stop(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn acked(&self) -> usize {
+        self.acked.lock().unwrap().len()
+    }
+
+    /// Waits until `n` writes were acknowledged (a failed test if not within [`ROLE_WAIT`]).
+    fn wait_for(&self, n: usize, what: &str) {
+        let deadline = Instant::now() + ROLE_WAIT;
+        while self.acked() < n {
+            assert!(Instant::now() < deadline, "{what}: {} acknowledged", self.acked());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Stops a [`Load`] when dropped: a load thread in a scope stops when the test's thread panics
+/// (the scope would otherwise wait for it forever).
+struct StopOnDrop<'a>(&'a Load);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
 fn objects(master: &MasterProc, secret: &std::sync::Arc<tycho_proto::auth::Secret>) -> u64 {
     let (_, raw) = common::registered(&master.rpc, secret, "");
     let resp = raw
@@ -469,8 +530,6 @@ fn concurrent_promotions_against_one_epoch_have_one_winner() {
 /// its bytes.
 #[test]
 fn killing_one_groups_primary_under_load_costs_only_that_group() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
     let _one = serial();
     let c = Cluster::new("kill");
     let a = c.master("primary of groups 0", &["--kvpt-groups", "2"]);
@@ -486,38 +545,11 @@ fn killing_one_groups_primary_under_load_costs_only_that_group() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let group = |k: &str| tycho_routing::kvpt_to_rank(tycho_routing::partition_of("", k), 2);
-    let stop = AtomicBool::new(false);
-    let acked: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    let errors: Mutex<Vec<(String, u32, tycho_proto::ErrorCode)>> = Mutex::new(Vec::new());
+    let load = Load::new();
     std::thread::scope(|s| {
-        s.spawn(|| {
-            let mut i = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let k = format!("kill/{i}");
-                i += 1;
-                match client.put(&k, &value_of(&k, 3000), &Default::default()) {
-                    Ok(()) => acked.lock().unwrap().push(k),
-                    Err(e) => errors.lock().unwrap().push((k.clone(), group(&k), e)),
-                }
-                // Read back an acknowledged key of the other group now and then.
-                let back = acked.lock().unwrap().get(i / 2).cloned();
-                if let Some(k) = back {
-                    match client.get(&k) {
-                        Ok(v) => assert_eq!(v, value_of(&k, 3000), "{k}"),
-                        Err(e) => errors.lock().unwrap().push((k.clone(), group(&k), e)),
-                    }
-                }
-            }
-        });
-        let count = || acked.lock().unwrap().len();
-        let wait_for = |n: usize, what: &str| {
-            let deadline = Instant::now() + ROLE_WAIT;
-            while count() < n {
-                assert!(Instant::now() < deadline, "{what}: {} acknowledged", count());
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        };
-        wait_for(100, "load before the kill");
+        s.spawn(|| load.run(&client, "kill", 3000));
+        let _stop = StopOnDrop(&load);
+        load.wait_for(100, "load before the kill");
         b.proc.signal(libc::SIGKILL);
         // A batch over both groups during the outage.
         let batch: Vec<String> = (0..20).map(|i| format!("kill/batch/{i}")).collect();
@@ -527,22 +559,62 @@ fn killing_one_groups_primary_under_load_costs_only_that_group() {
             batch.iter().zip(client.write_batch(tycho_client::WriteMode::Put, &items, &Default::default(), true))
         {
             match r {
-                Ok(()) => acked.lock().unwrap().push(k.clone()),
+                Ok(()) => load.acked.lock().unwrap().push(k.clone()),
                 Err(e) => assert_eq!(group(k), 1, "a group 0 slot of the batch failed: {k} {e:?}"),
             }
         }
         wait_groups(&a, "group 1's standby takes over", |g| g[1].0 == s1.rpc);
-        let after = count() + 100;
-        wait_for(after, "load after the takeover");
-        stop.store(true, Ordering::Relaxed);
+        load.wait_for(load.acked() + 100, "load after the takeover");
+        load.stop();
     });
-    let errors = errors.into_inner().unwrap();
-    assert!(errors.iter().all(|(_, g, _)| *g == 1), "group 0 saw errors: {errors:?}");
-    let acked = acked.into_inner().unwrap();
+    let errors = load.errors.into_inner().unwrap();
+    assert!(errors.iter().all(|(k, _)| group(k) == 1), "group 0 saw errors: {errors:?}");
+    let acked = load.acked.into_inner().unwrap();
     println!("{} acknowledged, {} errors (group 1, during its failover)", acked.len(), errors.len());
     let fresh = c.client(&s1.rpc);
     for k in &acked {
         assert_eq!(fresh.get(k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(k, 3000), "{k}");
+    }
+}
+
+/// A joining master claims a caretaken group (it catches up as standby, then takes the group
+/// over by one compare-and-swap) while a client writes and reads keys of every group: no call
+/// fails (a request for the group during the switch is redirected, or told to wait while the
+/// new primary replays the log's end), and every acknowledged value is read back from the new
+/// primary.
+#[test]
+fn a_planned_switch_under_load_fails_no_call_and_loses_nothing() {
+    let _one = serial();
+    let c = Cluster::new("claim-load");
+    let a = c.master("primary of groups 0", &["--kvpt-groups", "2"]);
+    wait_groups(&a, "a creates both groups", |g| g.len() == 2);
+    let _node = NodeProc::start_env(TYCHO, &a.rpc, "64MB", &["--secret-file", c.secret.to_str().unwrap()], &[]);
+    let client = c.client(&a.rpc);
+    let deadline = Instant::now() + ROLE_WAIT;
+    while client.put("claim/probe", b"x", &Default::default()).is_err() {
+        assert!(Instant::now() < deadline, "the node's segment never became usable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let load = Load::new();
+    let b = std::thread::scope(|s| {
+        s.spawn(|| load.run(&client, "claim", 2000));
+        let _stop = StopOnDrop(&load);
+        load.wait_for(100, "load before the claim");
+        let b = c.master("", &[]);
+        wait_groups(&a, "b claims group 1", |g| g[1].0 == b.rpc && !g[1].3);
+        load.wait_for(load.acked() + 100, "load after the claim");
+        load.stop();
+        b
+    });
+    let errors = load.errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "calls failed during a planned switch: {errors:?}");
+    let acked = load.acked.into_inner().unwrap();
+    println!("{} acknowledged, none failed", acked.len());
+    let group = |k: &str| tycho_routing::kvpt_to_rank(tycho_routing::partition_of("", k), 2);
+    assert!(acked.iter().any(|k| group(k) == 1) && acked.iter().any(|k| group(k) == 0));
+    let fresh = c.client(&b.rpc);
+    for k in &acked {
+        assert_eq!(fresh.get(k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(k, 2000), "{k}");
     }
 }
 

@@ -21,6 +21,10 @@ pub struct Group {
     /// Whether this master answers requests for the group: false while it only replays the
     /// group's log (a standby) or has stopped serving it.
     serving: AtomicBool,
+    /// Whether the group's record names this master primary while it is not serving the group
+    /// yet (it is replaying the log's end after its promotion): requests for it are told to wait
+    /// here (KVPT_MIGRATING) rather than to go elsewhere.
+    installing: AtomicBool,
     /// Sequence number of the last record of the group's log applied here (0: none).
     applied: AtomicU64,
     /// How the group's log goes on this master (`/metrics`).
@@ -44,6 +48,7 @@ impl Group {
             rank,
             epoch: AtomicU64::new(epoch),
             serving: AtomicBool::new(true),
+            installing: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             log_stats: Default::default(),
             shards: Shards::default(),
@@ -69,6 +74,17 @@ impl Group {
     /// Starts or stops answering requests for the group; returns whether it did before.
     pub(super) fn set_serving(&self, on: bool) -> bool {
         self.serving.swap(on, Ordering::AcqRel)
+    }
+
+    /// Whether this master is about to serve the group: named its primary, replaying the log's
+    /// end (see [`crate::Master::installing`]).
+    pub fn is_installing(&self) -> bool {
+        self.installing.load(Ordering::Acquire)
+    }
+
+    /// Notes that this master is (or no longer is) about to serve the group.
+    pub(super) fn set_installing(&self, on: bool) {
+        self.installing.store(on, Ordering::Release);
     }
 
     /// Serves the group under `epoch` from now on (a promotion or an ownership change).
