@@ -1,6 +1,6 @@
 //! Commit-time fencing of a group's OpLog, without I/O: the decisions of committing one batch,
 //! as a state machine that says what to send or read next and is told what came back. The
-//! OpLog writer ([`crate::oplog`]) drives it against the coordination store; the deterministic
+//! OpLog's commit task ([`crate::oplog`]) drives it against the coordination store; the deterministic
 //! simulation (`tests/sim.rs`) drives the same machine through a scheduler that delays,
 //! reorders and loses its messages.
 //!

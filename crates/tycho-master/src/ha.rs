@@ -288,6 +288,8 @@ pub async fn run(
             Err(HaError::Lease(why)) if roles.iter().all(|r| r.log.is_none()) => {
                 tracing::warn!(%why, "registration lease lost while not serving; registering again");
                 status.send_replace(HaStatus::Starting);
+                // (Nor about to serve: a promotion under way was abandoned.)
+                stand_by_all(&master);
                 let _ = keeper.revoke().await;
             }
             result => break (result, keeper),

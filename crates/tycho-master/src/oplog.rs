@@ -4,8 +4,8 @@
 //! blocks and is called under shard locks) and acknowledges the mutation only once its record is
 //! durable ([`OpLogWriter::wait`]). One task (the writer's own, or the [`TxnCombiner`] of every
 //! group a master writes) commits the queued records in batches, bounded by count and bytes
-//! (under etcd's request limit), one transaction per batch (a combiner's carries one batch of
-//! each group):
+//! (under etcd's request limit), one transaction per batch (a combiner's carries a batch of
+//! each group that has one, within the store's limits):
 //!
 //! ```text
 //! if   mod_revision(kvpt_groups/{rank}) == the revision this master became primary at
@@ -21,7 +21,7 @@
 //! moved it (fenced). With the prefix in place, a failed compare means the ownership record
 //! changed: if it still names this primary at this epoch (only its standbys changed) the fence
 //! is renewed, else the writer is fenced for good: every waiting and later mutation fails with
-//! KVPT_NOT_OWNED, and the master must stop serving the group. Records committed while a batch
+//! KVPT_NOT_OWNED, and the master must stop serving the group. Records appended while a batch
 //! is in flight form the next batch.
 //!
 //! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the commit task
@@ -312,9 +312,9 @@ async fn drive(
             }
         }
         // Every writer to its next transaction: a batch taken, read-backs done, commits noted.
-        for w in writers.iter_mut() {
-            w.advance().await;
-        }
+        // (Together: one group's read-back, or its pause while the store does not answer,
+        // does not hold up the others'.)
+        futures_util::future::join_all(writers.iter_mut().map(Committer::advance)).await;
         writers.retain(|w| !w.gone);
         let ready: Vec<usize> = (0..writers.len()).filter(|&i| writers[i].sending().is_some()).collect();
         if ready.is_empty() {
@@ -479,7 +479,8 @@ pub struct OpLogWriter {
 
 impl OpLogWriter {
     /// Opens the log of `keys` for appending under `fence`: reads its durable prefix and starts
-    /// the commit task on the current tokio runtime. Records are numbered from the prefix on.
+    /// its commit task on the current tokio runtime, or joins its combiner's
+    /// ([`WriterConfig::combiner`]). Records are numbered from the prefix on.
     pub async fn open(
         store: Arc<dyn MetaStore>,
         keys: LogKeys,
@@ -514,13 +515,21 @@ impl OpLogWriter {
             _ends: EndsLog(shared.clone()),
         };
         let task = match combiner {
-            Some(c) => {
-                c.joins
-                    .send(committer)
-                    .map_err(|_| LogError::Refused("the OpLog transaction combiner stopped".into()))?;
-                c.wake.notify_one();
-                None
-            }
+            Some(c) => match c.joins.send(committer) {
+                Ok(()) => {
+                    c.wake.notify_one();
+                    None
+                }
+                // The combiner's task is gone (it could only have panicked): this writer
+                // commits on its own, waking on the same notifier its appends use.
+                Err(tokio::sync::mpsc::error::SendError(committer)) => {
+                    tracing::error!(
+                        group,
+                        "the OpLog transaction combiner stopped; this group's log commits on its own"
+                    );
+                    Some(tokio::spawn(drive(store, None, vec![committer], wake)))
+                }
+            },
             None => Some(tokio::spawn(drive(store, None, vec![committer], wake))),
         };
         Ok(OpLogWriter { shared, task })
@@ -768,7 +777,7 @@ impl Committer {
     /// the next, does the read-backs the machine asks for. Sets `gone` once the log has ended.
     async fn advance(&mut self) {
         loop {
-            if self.shared.queue.lock().closed.is_some() {
+            if self.closed() {
                 self.gone = true;
                 return;
             }
@@ -776,11 +785,6 @@ impl Committer {
                 None => match self.next_batch() {
                     Ok(Some(batch)) => {
                         let last = batch.last_seq();
-                        // No waiter needs waking for this.
-                        self.shared.progress.send_if_modified(|p| {
-                            p.sending = last;
-                            false
-                        });
                         self.batch = Some((last, batch.records.len(), Instant::now()));
                         self.io = Some(self.machine.begin(batch.first_seq, last, batch.encode()));
                     }
@@ -821,15 +825,26 @@ impl Committer {
 
     /// The transaction the batch in hand waits to send, and whether it may share one with
     /// other groups' (a failed compare is settled by reading the ownership record back).
+    /// A closed writer sends nothing more.
     fn sending(&self) -> Option<(&Txn, bool)> {
         match &self.io {
-            Some(Io::Send(txn)) => Some((txn, self.machine.renewable())),
+            Some(Io::Send(txn)) if !self.closed() => Some((txn, self.machine.renewable())),
             _ => None,
         }
     }
 
-    /// Takes the transaction to send (see [`Committer::sending`]).
+    /// Whether the log was closed or ended.
+    fn closed(&self) -> bool {
+        self.shared.queue.lock().closed.is_some()
+    }
+
+    /// Takes the transaction to send (see [`Committer::sending`]); `None` once the writer is
+    /// closed.
     fn take_send(&mut self) -> Option<Txn> {
+        if self.closed() {
+            self.gone = true;
+            return None;
+        }
         match self.io.take() {
             Some(Io::Send(txn)) => Some(txn),
             other => {
@@ -842,7 +857,7 @@ impl Committer {
     /// The answer to the transaction taken: the machine says what next. A writer closed
     /// meanwhile learns nothing more (its waiters were told already).
     fn sent(&mut self, answer: MetaResult<TxnResponse>) {
-        if self.shared.queue.lock().closed.is_some() {
+        if self.closed() {
             self.gone = true;
             return;
         }
@@ -900,7 +915,15 @@ impl Committer {
             count += 1;
             bytes += size;
         }
-        let records = q.waiting.drain(..count).map(|(_, r, _)| r).collect();
+        let records: Vec<Record> = q.waiting.drain(..count).map(|(_, r, _)| r).collect();
+        // Noted under the queue's lock: a close from now on tells these records' waiters that
+        // they may be in the log (Interrupted), not that they are not. No waiter needs waking.
+        let last = first_seq + records.len() as u64 - 1;
+        self.shared.progress.send_if_modified(|p| {
+            p.sending = last;
+            false
+        });
+        drop(q);
         Ok(Some(RecordBatch { group: self.group, epoch: self.epoch, first_seq, records }))
     }
 
