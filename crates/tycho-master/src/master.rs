@@ -15,7 +15,7 @@ use tycho_routing::{decode_object_key, encode_object_key, kvpt_to_rank, partitio
 use crate::clock::Clock;
 use crate::config::{MasterConfig, MAX_REPLICA_NUM, SWEEP_BATCH};
 use crate::evict::{Evictor, RoundRequest, EVICTION_WAIT};
-use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, Shards, SHARD_COUNT};
+use crate::object::{ObjectKey, ObjectMeta, PendingWrite, Pins, ShardMap, SHARD_COUNT};
 use crate::record::Record;
 use crate::segment::{Grant, Placement, Replica, SegmentTable};
 use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
@@ -142,7 +142,7 @@ impl Master {
         let groups = (0..count)
             .map(|rank| {
                 let table = SegmentTable::with_secret(cfg.secret.clone(), clock.clone(), (rank, count));
-                Some(Group::new(rank, cfg.group_epoch, table))
+                Some(Group::new(rank, cfg.group_epoch, crate::object::shards_per_group(count), table))
             })
             .collect();
         Master {
@@ -202,7 +202,7 @@ impl Master {
     }
 
     /// Every metadata shard of every group served with its index across groups
-    /// (`rank * SHARD_COUNT + shard`), group by group.
+    /// (`rank * SHARD_COUNT + shard`: a group has at most `SHARD_COUNT` shards), group by group.
     fn indexed_shards(&self) -> impl Iterator<Item = (usize, &RwLock<ShardMap>)> {
         self.serving()
             .flat_map(|g| g.shards.iter().enumerate().map(move |(i, s)| (g.rank() as usize * SHARD_COUNT + i, s)))
@@ -210,7 +210,7 @@ impl Master {
 
     /// The shard with index `i` across groups (see [`Master::indexed_shards`]).
     fn indexed_shard(&self, i: usize) -> Option<&RwLock<ShardMap>> {
-        self.group((i / SHARD_COUNT) as u32).map(|g| g.shards.shard(i % SHARD_COUNT))
+        self.group((i / SHARD_COUNT) as u32).and_then(|g| g.shards.get(i % SHARD_COUNT))
     }
 
     /// Every metadata shard of every group served, group by group: what housekeeping, scans
@@ -292,7 +292,7 @@ impl Master {
         if k.route.epoch > epoch {
             return Err(ErrorCode::KVPT_NOT_OWNED);
         }
-        Ok(Routed { key: key.into_boxed_slice(), group: rank, shard: Shards::index_of(pid) })
+        Ok(Routed { key: key.into_boxed_slice(), group: rank, shard: group.shards.index_of(pid) })
     }
 
     /// Routes every key; keys that fail carry their error. Returns the routed keys in an order

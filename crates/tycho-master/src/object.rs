@@ -25,14 +25,43 @@ pub struct Shards {
 
 impl Default for Shards {
     fn default() -> Self {
-        Shards { shards: (0..SHARD_COUNT).map(|_| RwLock::new(ShardMap::default())).collect() }
+        Shards::new(SHARD_COUNT)
     }
 }
 
+/// The metadata shards of each group of a master of `groups` groups: [`SHARD_COUNT`] in all,
+/// whatever the number of groups (at least one per group), so that a group's partitions
+/// spread over its shards as the 16384 partitions spread over a single group's, and a master
+/// of many groups keeps as many maps, of the same sizes, as a master of one.
+pub fn shards_per_group(groups: u32) -> usize {
+    (SHARD_COUNT / groups.max(1) as usize).max(1)
+}
+
 impl Shards {
-    /// The shard that holds keys of `partition_id`.
-    pub fn index_of(partition_id: u16) -> usize {
-        partition_id as usize % SHARD_COUNT
+    /// `count` empty shards (at least one).
+    pub fn new(count: usize) -> Shards {
+        Shards { shards: (0..count.max(1)).map(|_| RwLock::new(ShardMap::default())).collect() }
+    }
+
+    /// How many shards there are.
+    pub fn len(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Whether there is none (never: there is at least one).
+    pub fn is_empty(&self) -> bool {
+        self.shards.is_empty()
+    }
+
+    /// The shard that holds keys of `partition_id`. A group's partitions are a contiguous range
+    /// (`tycho_routing::rank_partitions`), so they spread evenly over its shards.
+    pub fn index_of(&self, partition_id: u16) -> usize {
+        partition_id as usize % self.shards.len()
+    }
+
+    /// Shard `i`, if there is one.
+    pub fn get(&self, i: usize) -> Option<&RwLock<ShardMap>> {
+        self.shards.get(i)
     }
 
     /// Shard `i`.

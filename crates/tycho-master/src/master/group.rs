@@ -9,7 +9,7 @@ use parking_lot::{Mutex, RwLock};
 use tycho_routing::partition_of_encoded;
 
 use super::Tombstone;
-use crate::object::{ObjectKey, ShardMap, Shards, SHARD_COUNT};
+use crate::object::{ObjectKey, ShardMap, Shards};
 use crate::record::{Record, RecordSink};
 use crate::segment::SegmentTable;
 
@@ -40,8 +40,10 @@ pub struct Group {
 }
 
 impl Group {
-    /// An empty container of group `rank` at `epoch`, allocating in `segments`.
-    pub fn new(rank: u32, epoch: u64, segments: SegmentTable) -> Group {
+    /// An empty container of group `rank` at `epoch` with `shards` metadata shards
+    /// ([`crate::object::shards_per_group`]), allocating in `segments`.
+    pub fn new(rank: u32, epoch: u64, shards: usize, segments: SegmentTable) -> Group {
+        let shards = Shards::new(shards);
         Group {
             segments,
             sink: RwLock::new(None),
@@ -51,8 +53,8 @@ impl Group {
             installing: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             log_stats: Default::default(),
-            shards: Shards::default(),
-            tombstones: (0..SHARD_COUNT).map(|_| Mutex::new(HashMap::new())).collect(),
+            tombstones: (0..shards.len()).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards,
         }
     }
 
@@ -143,11 +145,11 @@ impl Group {
 
     /// The shard that holds the storage key `key`.
     pub(super) fn shard_of(&self, key: &[u8]) -> &RwLock<ShardMap> {
-        self.shards.shard(Shards::index_of(partition_of_encoded(key)))
+        self.shards.shard(self.shards.index_of(partition_of_encoded(key)))
     }
 
     /// The tombstones of the shard that holds `key`.
     pub(super) fn tombstones_of(&self, key: &[u8]) -> &Mutex<HashMap<ObjectKey, Tombstone>> {
-        &self.tombstones[Shards::index_of(partition_of_encoded(key))]
+        &self.tombstones[self.shards.index_of(partition_of_encoded(key))]
     }
 }
