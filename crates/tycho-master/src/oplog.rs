@@ -339,11 +339,15 @@ async fn drive(
         let mut parts: Vec<usize> = Vec::new();
         let (mut compares, mut success, mut failure, mut size) = (0, 0, 0, 0);
         let mut written: Vec<&[u8]> = Vec::new();
+        // Whether the first part may share its transaction.
+        let mut lead_shares = false;
         for &i in ready[first..].iter().chain(&ready[..first]) {
             let Some((txn, shares)) = writers[i].sending() else { continue };
-            if let Some(&lead) = parts.first() {
-                let fits = shares
-                    && writers[lead].sending().is_some_and(|(_, s)| s)
+            if parts.is_empty() {
+                lead_shares = shares;
+            } else {
+                let fits = lead_shares
+                    && shares
                     && compares + txn.compares.len() <= limits.max_txn_ops
                     && success + txn.success.len() <= limits.max_txn_ops
                     && failure + txn.failure.len() <= limits.max_txn_ops

@@ -59,6 +59,19 @@ impl Cluster {
 }
 
 impl Cluster {
+    /// A node (64 MB) of the cluster started at `master`, and a client given only that
+    /// address, once a put through it succeeds (the node's segment is mounted).
+    fn node_and_client(&self, master: &str) -> (NodeProc, Client) {
+        let node = NodeProc::start_env(TYCHO, master, "64MB", &["--secret-file", self.secret.to_str().unwrap()], &[]);
+        let client = self.client(master);
+        let deadline = Instant::now() + ROLE_WAIT;
+        while client.put("probe/segment", b"x", &Default::default()).is_err() {
+            assert!(Instant::now() < deadline, "the node's segment never became usable");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (node, client)
+    }
+
     /// A client of the cluster given only `master`'s address, contributing no memory.
     fn client(&self, master: &str) -> Client {
         self.client_with(master, |_| {})
@@ -537,13 +550,7 @@ fn killing_one_groups_primary_under_load_costs_only_that_group() {
     let _s0 = c.master("standby of group 0", &[]);
     let s1 = c.master("standby of group 1", &[]);
     wait_groups(&a, "both groups paired", |g| g.len() == 2 && g.iter().all(|r| r.1.len() == 1));
-    let _node = NodeProc::start_env(TYCHO, &a.rpc, "64MB", &["--secret-file", c.secret.to_str().unwrap()], &[]);
-    let client = c.client(&a.rpc);
-    let deadline = Instant::now() + ROLE_WAIT;
-    while client.put("kill/probe", b"x", &Default::default()).is_err() {
-        assert!(Instant::now() < deadline, "the node's segment never became usable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (_node, client) = c.node_and_client(&a.rpc);
     let group = |k: &str| tycho_routing::kvpt_to_rank(tycho_routing::partition_of("", k), 2);
     let load = Load::new();
     std::thread::scope(|s| {
@@ -588,13 +595,7 @@ fn a_planned_switch_under_load_fails_no_call_and_loses_nothing() {
     let c = Cluster::new("claim-load");
     let a = c.master("primary of groups 0", &["--kvpt-groups", "2"]);
     wait_groups(&a, "a creates both groups", |g| g.len() == 2);
-    let _node = NodeProc::start_env(TYCHO, &a.rpc, "64MB", &["--secret-file", c.secret.to_str().unwrap()], &[]);
-    let client = c.client(&a.rpc);
-    let deadline = Instant::now() + ROLE_WAIT;
-    while client.put("claim/probe", b"x", &Default::default()).is_err() {
-        assert!(Instant::now() < deadline, "the node's segment never became usable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (_node, client) = c.node_and_client(&a.rpc);
     let load = Load::new();
     let b = std::thread::scope(|s| {
         s.spawn(|| load.run(&client, "claim", 2000));
