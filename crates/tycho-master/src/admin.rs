@@ -295,13 +295,15 @@ fn router(state: Arc<AdminState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/kvpt_groups", get(kvpt_groups))
-        .route("/masters", get(cluster_masters));
+        .route("/masters", get(cluster_masters))
+        .route("/reshard", get(reshard_intents));
     // The listings name every tenant's keys: with a cluster secret, only for requests that
     // send it.
     let listings = Router::new()
         .route("/get_all_segments", get(all_segments))
         .route("/get_all_keys", get(all_keys))
         .route("/query_key", get(query_key))
+        .route("/reshard", axum::routing::post(reshard_request))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_secret));
     let r = r.merge(listings);
     #[cfg(feature = "failpoints")]
@@ -420,6 +422,57 @@ async fn cluster_masters(State(s): State<Arc<AdminState>>) -> HttpResponse {
                 })
                 .collect::<Vec<_>>(),
         ),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
+    }
+}
+
+/// `POST /reshard?rank=R&target=ID[&deadline_ms=N]` query.
+#[derive(serde::Deserialize)]
+struct ReshardQuery {
+    rank: u32,
+    target: String,
+    deadline_ms: Option<u64>,
+}
+
+/// Records a request to move a group to another master (the target carries it out); answers
+/// the intent as stored (JSON), or why it was refused.
+async fn reshard_request(
+    State(s): State<Arc<AdminState>>,
+    axum::extract::Query(q): axum::extract::Query<ReshardQuery>,
+) -> HttpResponse {
+    use crate::reshard::{request, ReshardError, DEFAULT_RESHARD_DEADLINE_MS};
+    let Some(c) = &s.cluster else {
+        return (StatusCode::BAD_REQUEST, "a master without a cluster serves every group itself: nothing to move\n")
+            .into_response();
+    };
+    if q.rank >= s.master.config().group_count.max(1) {
+        return (StatusCode::NOT_FOUND, format!("no group {} in this cluster\n", q.rank)).into_response();
+    }
+    let now = tycho_proto::auth::capability::unix_ms();
+    let deadline = q.deadline_ms.unwrap_or(DEFAULT_RESHARD_DEADLINE_MS);
+    let groups = s.master.config().group_count.max(1);
+    match request(&*c.store, &c.keys, groups, q.rank, &q.target, now, deadline).await {
+        Ok(intent) => json(&intent),
+        Err(e) => {
+            let status = match &e {
+                ReshardError::NoGroup(_) => StatusCode::NOT_FOUND,
+                ReshardError::UnknownTarget(_) => StatusCode::BAD_REQUEST,
+                ReshardError::AlreadyThere { .. }
+                | ReshardError::InProgress(_)
+                | ReshardError::TargetBusy(_)
+                | ReshardError::NotStable(_) => StatusCode::CONFLICT,
+                ReshardError::Ownership(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            (status, format!("{e}\n")).into_response()
+        }
+    }
+}
+
+/// The reshards in progress (JSON intents, by rank).
+async fn reshard_intents(State(s): State<Arc<AdminState>>) -> HttpResponse {
+    let Some(c) = &s.cluster else { return json(&Vec::<crate::reshard::ReshardIntent>::new()) };
+    match crate::reshard::read_intents(&*c.store, &c.keys, s.master.config().group_count.max(1)).await {
+        Ok(list) => json(&list.into_iter().flatten().map(|(i, _)| i).collect::<Vec<_>>()),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
     }
 }

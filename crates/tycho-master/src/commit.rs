@@ -16,9 +16,9 @@
 //!     the same sequence numbers (the log never has a gap or a record twice).
 //!   - The prefix is where it was and the compares failed: the ownership record changed, or
 //!     the transaction carried other groups' batches too ([`crate::oplog::TxnCombiner`]) and
-//!     one of theirs failed. Read the record: still this primary at this epoch and stable (a
-//!     standby joined or left, or nothing changed) renews the fence at its revision and sends
-//!     again; anything else fences the writer.
+//!     one of theirs failed. Read the record: still this primary at this epoch (a standby
+//!     joined or left, a reshard set the group migrating or lifted that, or nothing changed)
+//!     renews the fence at its revision and sends again; anything else fences the writer.
 
 use tycho_meta::{Compare, KeyValue, MetaError, MetaResult, Revision, Txn, TxnOp, TxnResponse};
 
@@ -189,8 +189,10 @@ impl BatchCommit {
         Io::Read(self.fence.key.clone())
     }
 
-    /// The ownership record as it is now: still this primary at this epoch, stable, renews the
-    /// fence at its new revision; anything else fences the writer.
+    /// The ownership record as it is now: still this primary at this epoch renews the fence at
+    /// its new revision (migrating or not: the primary of a migrating group still commits the
+    /// ends of the writes it admitted, until the switch raises the epoch); anything else fences
+    /// the writer.
     fn renew(&mut self, kv: Option<KeyValue>) -> Result<(), LogError> {
         let Some((primary, epoch)) = self.fence.owner.clone() else {
             return Err(LogError::Fenced("the ownership record changed".into()));
@@ -199,7 +201,7 @@ impl BatchCommit {
         let record = GroupRecord::decode(&kv.value).map_err(|e| {
             LogError::Fenced(format!("the ownership record changed into one this build cannot read: {e}"))
         })?;
-        if record.primary != primary || record.epoch != epoch || record.state != GroupState::Stable {
+        if record.primary != primary || record.epoch != epoch {
             return Err(LogError::Fenced(format!(
                 "the group is now {} under {} at epoch {} (this writer: {primary} at epoch {epoch})",
                 match record.state {

@@ -22,10 +22,17 @@
 //!    that have a live native primary but no live standby (pairing is 1:1: a master is the
 //!    standby of one group at most). The rest wait, idle.
 //!
+//! 5. **Reshard.** While an operator's request to move a group ([`crate::reshard`]) holds, its
+//!    target joins the group's standbys, catches up, sets the record migrating and, once the
+//!    source has frozen writes, promotes itself; no other standby claims the group meanwhile.
+//!    A request that no longer holds (past its deadline, its target gone, its source no longer
+//!    the primary, or the target primary already) is ended by the group's primary, which lifts
+//!    the freeze if there is one; so is a record left migrating without a request.
+//!
 //! Caretaking is marked in the group record, so that a caretaken group counts as missing its
 //! primary. The functions here decide; `ha` acts (with compare-and-swap on the record).
 
-use crate::ownership::GroupRecord;
+use crate::ownership::{GroupRecord, GroupState};
 
 /// One group as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,12 +41,53 @@ pub struct GroupView {
     pub record: Option<GroupRecord>,
     /// Its primary serves it only until a master of its own claims it.
     pub caretaken: bool,
+    /// An operator's request to move the group, if there is one.
+    pub reshard: Option<Reshard>,
+}
+
+/// A reshard request as the planner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reshard {
+    /// The group's primary when it was requested.
+    pub source: String,
+    /// The master it moves to.
+    pub target: String,
+    /// The group's epoch when it was requested.
+    pub epoch: u64,
+    /// Its deadline has passed.
+    pub expired: bool,
 }
 
 impl From<Option<GroupRecord>> for GroupView {
     fn from(record: Option<GroupRecord>) -> GroupView {
         let caretaken = record.as_ref().is_some_and(|r| r.caretaken);
-        GroupView { record, caretaken }
+        GroupView { record, caretaken, reshard: None }
+    }
+}
+
+impl GroupView {
+    /// Whether the group's reshard request still holds: requested from the current primary,
+    /// live and at the same epoch (no failover since), to another live master, within its
+    /// deadline.
+    fn reshard_holds(&self, live: &[String]) -> bool {
+        match (&self.record, &self.reshard) {
+            (Some(rec), Some(x)) => {
+                x.source == rec.primary
+                    && x.epoch == rec.epoch
+                    && x.target != rec.primary
+                    && alive(live, &rec.primary)
+                    && alive(live, &x.target)
+                    && !x.expired
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the group's primary has a reshard to end: a request that no longer holds, or a
+    /// record left migrating without one.
+    fn reshard_to_end(&self, live: &[String]) -> bool {
+        let migrating = self.record.as_ref().is_some_and(|r| r.state == GroupState::Migrating);
+        (self.reshard.is_some() || migrating) && !self.reshard_holds(live)
     }
 }
 
@@ -69,6 +117,12 @@ pub enum Action {
     /// This master is the standby of a caretaken group: once caught up, switch the group to it
     /// by CAS (a planned switch: the caretaker hands over, nothing is exported).
     Claim,
+    /// This master is the target of the group's reshard and its standby: catch up, set the
+    /// record migrating, and switch once the source has frozen writes.
+    Migrate,
+    /// This master serves the group and its reshard no longer holds: lift the freeze, if any,
+    /// and delete the request.
+    EndReshard,
 }
 
 /// Whether `id` is live.
@@ -88,10 +142,13 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
         v.record.as_ref().filter(|rec| !v.caretaken && alive(live, &rec.primary)).map(|rec| rec.primary.as_str())
     };
 
-    // Free masters: neither a live native primary nor anyone's standby, oldest first.
+    // Free masters: neither a live native primary nor anyone's standby nor a reshard's
+    // target, oldest first.
     let busy = |id: &str| {
         groups.iter().enumerate().any(|(r, v)| {
-            native(r) == Some(id) || v.record.as_ref().is_some_and(|rec| rec.standbys.iter().any(|s| s == id))
+            native(r) == Some(id)
+                || v.record.as_ref().is_some_and(|rec| rec.standbys.iter().any(|s| s == id))
+                || (v.reshard_holds(live) && v.reshard.as_ref().is_some_and(|x| x.target == id))
         })
     };
     let free: Vec<&String> = live.iter().filter(|id| !busy(id)).collect();
@@ -111,6 +168,9 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
     // first master had created some groups only would pair up with a native primary while a
     // group created a moment later waits for a primary of its own.
     let all_exist = groups.iter().all(|v| v.record.is_some());
+    // The one group `me` is moving here (the lowest, should several requests name it).
+    let moving_here =
+        groups.iter().position(|v| v.reshard_holds(live) && v.reshard.as_ref().is_some_and(|x| x.target == me));
     let mine = free.iter().position(|id| id.as_str() == me).and_then(|i| to_fill.get(i).copied()).filter(|_| all_exist);
     for (r, v) in groups.iter().enumerate() {
         let rank = r as u32;
@@ -120,9 +180,18 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
             }
             continue;
         };
-        let standbys = live_standbys(live, rec);
+        let mut standbys = live_standbys(live, rec);
+        // A primary that restarted without the group's state hands it to the target of the
+        // group's move, if that is one of its live standbys.
+        if let Some(x) = v.reshard.as_ref().filter(|_| v.reshard_holds(live)) {
+            if let Some(i) = standbys.iter().position(|s| **s == x.target) {
+                let target = standbys.remove(i);
+                standbys.insert(0, target);
+            }
+        }
         if rec.primary == me {
             let action = match (holds(rank), standbys.first()) {
+                (true, _) if v.reshard_to_end(live) => Action::EndReshard,
                 (true, _) => Action::Serve,
                 (false, Some(s)) => Action::HandTo(s.to_string()),
                 (false, None) => Action::TakeOver { caretake: v.caretaken },
@@ -144,9 +213,15 @@ pub fn plan(me: &str, live: &[String], groups: &[GroupView], mut holds: impl FnM
             }
             continue;
         }
+        if moving_here == Some(r) {
+            let joined = rec.standbys.iter().any(|s| s == me);
+            out.push((rank, if joined { Action::Migrate } else { Action::JoinAsStandby }));
+            continue;
+        }
         if rec.standbys.iter().any(|s| s == me) {
-            // Of a caretaken group's standbys, the first live one claims it; the others follow.
-            let claims = v.caretaken && standbys.first().is_some_and(|s| *s == me);
+            // Of a caretaken group's standbys, the first live one claims it, unless the group is
+            // moving elsewhere; the others follow.
+            let claims = v.caretaken && !v.reshard_holds(live) && standbys.first().is_some_and(|s| *s == me);
             out.push((rank, if claims { Action::Claim } else { Action::Follow }));
             continue;
         }
@@ -170,7 +245,6 @@ fn preceding_native<'a>(r: usize, g: usize, native: &impl Fn(usize) -> Option<&'
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ownership::GroupState;
 
     fn rec(rank: u32, primary: &str, standbys: &[&str]) -> GroupRecord {
         GroupRecord {
@@ -198,7 +272,7 @@ mod tests {
 
     #[test]
     fn the_first_master_creates_every_group_and_caretakes_all_but_the_first() {
-        let groups = vec![GroupView { record: None, caretaken: false }; 4];
+        let groups = vec![GroupView { record: None, caretaken: false, reshard: None }; 4];
         let l = live(&["a", "b"]);
         assert_eq!(
             plan("a", &l, &groups, all),
@@ -263,7 +337,7 @@ mod tests {
     fn no_role_is_filled_before_every_group_exists() {
         // The first master has created groups 0 and 1 of 4 so far.
         let mut groups = vec![view(0, "a", &[], false), view(1, "a", &[], true)];
-        groups.extend(vec![GroupView { record: None, caretaken: false }; 2]);
+        groups.extend(vec![GroupView { record: None, caretaken: false, reshard: None }; 2]);
         let l = live(&["a", "b", "c"]);
         assert!(plan("b", &l, &groups, all).is_empty());
         assert!(plan("c", &l, &groups, all).is_empty());
@@ -281,7 +355,7 @@ mod tests {
             assert!(p.len() <= 1);
             p.pop().map(|(_, a)| a)
         };
-        let none = GroupView { record: None, caretaken: false };
+        let none = GroupView { record: None, caretaken: false, reshard: None };
         let all3 = ["a", "b", "c"];
         // No group yet: only the oldest creates it, as its own primary.
         assert_eq!(one("a", &all3, none.clone(), false), Some(Action::Create { caretake: false }));
@@ -311,6 +385,54 @@ mod tests {
     }
 
     #[test]
+    fn a_reshard_target_joins_catches_up_and_migrates_and_the_primary_ends_what_no_longer_holds() {
+        let abc = live(&["a", "b", "c"]);
+        let moving = |standbys: &[&str], caretaken: bool, expired: bool| {
+            let mut v = view(0, "a", standbys, caretaken);
+            v.reshard = Some(Reshard { source: "a".into(), target: "b".into(), epoch: 1, expired });
+            vec![v]
+        };
+        // The target joins the standbys (though it is no free master), then migrates; the
+        // primary serves on; another standby follows, even of a caretaken group.
+        let g = moving(&["c"], false, false);
+        assert_eq!(plan("b", &abc, &g, all), vec![(0, Action::JoinAsStandby)]);
+        assert_eq!(plan("a", &abc, &g, all), vec![(0, Action::Serve)]);
+        assert_eq!(plan("c", &abc, &g, all), vec![(0, Action::Follow)]);
+        let g = moving(&["c", "b"], true, false);
+        assert_eq!(plan("b", &abc, &g, all), vec![(0, Action::Migrate)]);
+        assert_eq!(plan("c", &abc, &g, all), vec![(0, Action::Follow)]);
+        // Past its deadline, or with its target gone, the primary ends it; the target follows.
+        let g = moving(&["c", "b"], false, true);
+        assert_eq!(plan("a", &abc, &g, all), vec![(0, Action::EndReshard)]);
+        assert_eq!(plan("b", &abc, &g, all), vec![(0, Action::Follow)]);
+        assert_eq!(plan("a", &live(&["a", "c"]), &moving(&["c"], false, false), all), vec![(0, Action::EndReshard)]);
+        // The source dies: the group fails over as usual (the request is void from then on).
+        let g = moving(&["c", "b"], false, false);
+        assert_eq!(plan("c", &live(&["b", "c"]), &g, all), vec![(0, Action::TakeOver { caretake: false })]);
+        assert_eq!(plan("b", &live(&["b", "c"]), &g, all), vec![]);
+        // A source that restarted without the group's state hands it to the target.
+        assert_eq!(plan("a", &abc, &g, |_| false), vec![(0, Action::HandTo("b".into()))]);
+        // A request from an earlier epoch (the group failed over and came back) is void.
+        let mut g = moving(&["c", "b"], false, false);
+        g[0].record.as_mut().unwrap().epoch = 2;
+        assert_eq!(plan("a", &abc, &g, all), vec![(0, Action::EndReshard)]);
+        assert_eq!(plan("b", &abc, &g, all), vec![(0, Action::Follow)]);
+        // Two requests naming one target: it takes the lower group first.
+        let mut two = moving(&["c"], false, false);
+        two.push(moving(&["c"], false, false).remove(0));
+        two[1].record.as_mut().unwrap().rank = 1;
+        assert_eq!(plan("b", &abc, &two, all), vec![(0, Action::JoinAsStandby)]);
+        // Switched: the new primary deletes the request.
+        let mut g = moving(&["c"], false, false);
+        g[0].record.as_mut().unwrap().primary = "b".into();
+        assert_eq!(plan("b", &abc, &g, all), vec![(0, Action::EndReshard)]);
+        // A record left migrating without a request is lifted by its primary.
+        let mut g = vec![view(0, "a", &["c"], false)];
+        g[0].record.as_mut().unwrap().state = GroupState::Migrating;
+        assert_eq!(plan("a", &abc, &g, all), vec![(0, Action::EndReshard)]);
+    }
+
+    #[test]
     fn no_two_masters_change_one_group_in_the_same_view() {
         let ids = ["a", "b", "c", "d", "e", "f"];
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -325,11 +447,21 @@ mod tests {
             let l: Vec<String> = ids.iter().filter(|_| next(4) != 0).map(|s| s.to_string()).collect();
             let groups: Vec<GroupView> = (0..g)
                 .map(|r| match next(6) {
-                    0 => GroupView { record: None, caretaken: false },
+                    0 => GroupView { record: None, caretaken: false, reshard: None },
                     _ => {
                         let p = ids[next(6) as usize];
                         let s: Vec<&str> = (0..next(3)).map(|_| ids[next(6) as usize]).collect();
-                        view(r as u32, p, &s, next(3) == 0)
+                        let mut v = view(r as u32, p, &s, next(3) == 0);
+                        if next(3) == 0 {
+                            let source = if next(4) == 0 { ids[next(6) as usize] } else { p };
+                            let target = ids[next(6) as usize].to_string();
+                            let epoch = if next(4) == 0 { 2 } else { 1 };
+                            v.reshard = Some(Reshard { source: source.into(), target, epoch, expired: next(5) == 0 });
+                        }
+                        if next(4) == 0 {
+                            v.record.as_mut().unwrap().state = GroupState::Migrating;
+                        }
+                        v
                     }
                 })
                 .collect();
@@ -338,7 +470,9 @@ mod tests {
             for me in &l {
                 for (r, a) in plan(me, &l, &groups, |_| next(2) == 0) {
                     match a {
-                        Action::Create { .. } | Action::TakeOver { .. } | Action::Claim => {
+                        // (EndReshard changes neither primary nor epoch: a claim racing it wins
+                        // or loses its compare-and-swap, and the loser decides again.)
+                        Action::Create { .. } | Action::TakeOver { .. } | Action::Claim | Action::Migrate => {
                             changers[r as usize].push(me.clone())
                         }
                         Action::HandTo(heir) => changers[r as usize].push(heir),

@@ -14,6 +14,10 @@
 //!   prefix). When the primary's registration is gone it promotes itself (see
 //!   [`crate::standby::promote`]); the standby of a caretaken group claims it as soon as it
 //!   follows the log, by the same compare-and-swap.
+//! - **reshard target**: named by an operator's request to move the group here
+//!   ([`crate::reshard`]): it joins the standbys, catches up, sets the record migrating, and
+//!   promotes itself once the primary has frozen the group's writes; the primary lifts a
+//!   freeze that lasts too long and ends requests that no longer hold.
 //! - **idle**: nothing to do for the group. If a group has no live standby when its primary
 //!   dies, a caretaker (or the oldest live master) replays its snapshot and log and takes it
 //!   over; nothing acknowledged is lost.
@@ -36,9 +40,10 @@ use crate::cvm::{self, Action, GroupView};
 use crate::master::Master;
 use crate::oplog::{Fence, FollowError, LogError, LogFollower, OpLogWriter, WriterConfig};
 use crate::ownership::{
-    change_group, change_standbys, create_group, masters, ClusterKeys, GroupRecord, MasterRegistration, OwnershipError,
-    Role,
+    change_group, change_standbys, create_group, masters, set_migrating, ClusterKeys, GroupRecord, GroupState,
+    MasterRegistration, OwnershipError, Role,
 };
+use crate::reshard::{self, ReshardIntent, FREEZE_GRACE, FREEZE_LIMIT};
 use crate::snapshot::{SnapshotId, SnapshotStore};
 use crate::standby::{apply_to, log_keys, promote, PromoteError, Promotion};
 
@@ -441,15 +446,22 @@ struct Roles {
     log: Option<Arc<OpLogWriter>>,
     /// As primary without a standby, or as standby: the snapshot being taken.
     snapshotting: Option<tokio::task::JoinHandle<()>>,
+    /// As primary of a group migrating to a reshard's target: since when its writes are
+    /// frozen.
+    frozen_since: Option<tokio::time::Instant>,
 }
 
 /// Every group's record (by rank, `None` while it does not exist) with the revision it was read
 /// at.
 type Records = Vec<Option<(GroupRecord, tycho_meta::Revision)>>;
 
-/// The live registrations (oldest first) and every group's record, read after the watches
-/// that report their changes were opened. Published to the master as its route table too.
-async fn view(ctx: &Ctx<'_>, groups: u32) -> Result<(Vec<String>, Records), HaError> {
+/// Every group's reshard intent (by rank) with the revision it was read at.
+type Intents = Vec<Option<(ReshardIntent, tycho_meta::Revision)>>;
+
+/// The live registrations (oldest first), every group's record and every reshard intent, read
+/// after the watches that report their changes were opened. The records are published to the
+/// master as its route table too.
+async fn view(ctx: &Ctx<'_>, groups: u32) -> Result<(Vec<String>, Records, Intents), HaError> {
     let registrations = masters(&**ctx.store, ctx.keys).await?;
     let mut records = vec![None; groups as usize];
     let mut req = RangeRequest::prefix(ctx.keys.groups(), 256);
@@ -478,7 +490,8 @@ async fn view(ctx: &Ctx<'_>, groups: u32) -> Result<(Vec<String>, Records), HaEr
         epochs: records.iter().map(|r| r.as_ref().map_or(0, |(g, _)| g.epoch)).collect(),
         owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| owner(g))).collect(),
     });
-    Ok((registrations.into_iter().map(|(r, _)| r.id).collect(), records))
+    let intents = reshard::read_intents(&**ctx.store, ctx.keys, groups).await?;
+    Ok((registrations.into_iter().map(|(r, _)| r.id).collect(), records, intents))
 }
 
 /// One decision about group `rank` and its action.
@@ -492,19 +505,35 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
     // Watches start before the reads, so no change between them is missed.
     let mut changes = Changes::open(&**store, keys).await?;
     let groups = master.config().group_count.max(1);
-    let (live, records) = view(ctx, groups).await?;
-    let views: Vec<GroupView> = records.iter().map(|r| GroupView::from(r.as_ref().map(|(g, _)| g.clone()))).collect();
+    let (live, records, intents) = view(ctx, groups).await?;
+    let now_ms = tycho_proto::auth::capability::unix_ms();
+    let views: Vec<GroupView> = records
+        .iter()
+        .zip(&intents)
+        .map(|(r, i)| GroupView {
+            reshard: i.as_ref().map(|(i, _)| cvm::Reshard {
+                source: i.source.clone(),
+                target: i.target.clone(),
+                epoch: i.epoch,
+                expired: i.expired(now_ms),
+            }),
+            ..GroupView::from(r.as_ref().map(|(g, _)| g.clone()))
+        })
+        .collect();
+    let intent = intents[rank as usize].clone();
     let holds = |r: u32| r == rank && (role.follower.is_some() || role.log.is_some());
     let action = cvm::plan(&cfg.id, &live, &views, holds).into_iter().find(|(r, _)| *r == rank).map(|(_, a)| a);
     tracing::debug!(group = rank, ?action, "role decision");
     let group = records[rank as usize].clone();
-    if role.log.is_some() && action != Some(Action::Serve) {
+    if role.log.is_some() && !matches!(action, Some(Action::Serve | Action::EndReshard)) {
         drop_group(master, rank, role, board, "the group record no longer names this master primary");
     }
     // Named primary and not serving yet (a promotion that has not finished, a restart that
     // takes the group back): clients wait here, unless the group goes to its standby.
     let named = group.as_ref().is_some_and(|(g, _)| g.primary == cfg.id);
     master.installing(rank, named && !matches!(action, Some(Action::HandTo(_))));
+    let listed = group.as_ref().is_some_and(|(g, _)| g.standbys.contains(&cfg.id));
+    let nothing_to_do = action.is_none();
     match (action, group) {
         (Some(Action::Create { caretake }), _) => match create_group(&**store, keys, rank, &cfg.id, caretake).await {
             Ok(created) => {
@@ -530,6 +559,16 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
             if role.snapshotting.as_ref().is_some_and(|t| t.is_finished()) {
                 role.snapshotting = None;
             }
+            let migrating = group.as_ref().is_some_and(|(g, _)| g.state == GroupState::Migrating);
+            if !migrating {
+                role.frozen_since = None;
+                if master.freeze(rank, false) {
+                    tracing::info!(group = rank, "writes thawed");
+                }
+            } else if source_freezes(ctx, rank, role, &log, group.as_ref(), intent.as_ref()).await? {
+                // The intent or the record changed: decide again.
+                return Ok(());
+            }
             if let Some((g, _)) = &group {
                 board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken });
             }
@@ -550,8 +589,19 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
                 }
             }
             let snapshotting = &mut role.snapshotting;
+            // A reshard's deadline, and a freeze's limit, end it without any other change.
+            let reshard_due = intent.as_ref().map(|(i, _)| {
+                tokio::time::Instant::now() + Duration::from_millis(i.deadline_ms.saturating_sub(now_ms))
+            });
+            let due = [reshard_due, role.frozen_since.map(|t| t + FREEZE_LIMIT)].into_iter().flatten().min();
             let wake = async {
                 tokio::select! {
+                    _ = async {
+                        match due {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending().await,
+                        }
+                    } => {}
                     _ = log.ended() => {}
                     _ = async {
                         match snapshotting.as_mut() {
@@ -577,6 +627,8 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
             match change_group(&**store, keys, &read, |g| {
                 g.primary = heir.clone();
                 g.standbys.retain(|s| *s != heir);
+                g.state = GroupState::Stable;
+                g.migrating_to = None;
                 g.caretaken = false;
             })
             .await
@@ -615,12 +667,167 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
         (Some(Action::TakeOver { caretake }), Some(read)) => {
             promote_here(ctx, rank, role, board, read, caretake).await?;
         }
+        (Some(Action::Migrate), Some(read)) => migrate(ctx, rank, role, board, read, intent, changes).await?,
+        (Some(Action::EndReshard), Some(read)) => end_reshard(ctx, rank, role, read, intent).await?,
         _ => {
+            // What a master replayed of a group it no longer follows (a reshard's target whose
+            // move was abandoned) goes: it would only grow stale.
+            if nothing_to_do && role.log.is_none() && role.follower.is_some() && !listed {
+                drop_group(master, rank, role, board, "no longer a standby of the group");
+            }
             if role.log.is_none() && role.follower.is_none() {
                 board.set(rank, GroupRole::Idle);
             }
             changes.wait(keeper, std::future::pending()).await?;
         }
+    }
+    Ok(())
+}
+
+/// The source's part in a reshard of group `rank`, whose record is migrating to the target:
+/// freeze new writes; after a short grace for the writes in flight, wait until the log holds
+/// everything admitted and mark the intent frozen at that position (true: the intent changed,
+/// decide again); past the freeze's limit, lift it (true too).
+async fn source_freezes(
+    ctx: &Ctx<'_>,
+    rank: u32,
+    role: &mut Roles,
+    log: &OpLogWriter,
+    group: Option<&(GroupRecord, tycho_meta::Revision)>,
+    intent: Option<&(ReshardIntent, tycho_meta::Revision)>,
+) -> Result<bool, HaError> {
+    let Ctx { master, store, keys, .. } = *ctx;
+    let since = *role.frozen_since.get_or_insert_with(tokio::time::Instant::now);
+    if !master.freeze(rank, true) {
+        let target = group.and_then(|(g, _)| g.migrating_to.clone()).unwrap_or_default();
+        tracing::info!(group = rank, %target, "reshard: writes frozen for the switch");
+    }
+    if since.elapsed() >= FREEZE_LIMIT {
+        let Some(read) = group else { return Ok(true) };
+        tracing::warn!(group = rank, limit = ?FREEZE_LIMIT, "reshard: the target did not switch in time; lifting the freeze");
+        end_reshard(ctx, rank, role, read.clone(), intent.cloned()).await?;
+        return Ok(true);
+    }
+    let Some(read) = intent.filter(|(i, _)| i.frozen_at.is_none()) else { return Ok(false) };
+    tokio::time::sleep_until(since + FREEZE_GRACE).await;
+    let at = log.appended();
+    if log.wait(at).await.is_err() {
+        // The log ended (the target switched meanwhile, or the store fenced it): decide again.
+        return Ok(true);
+    }
+    match reshard::mark_frozen(&**store, keys, read, at).await {
+        Ok(_) => tracing::info!(group = rank, at, "reshard: the log holds every write admitted before the freeze"),
+        Err(OwnershipError::Conflict(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(true)
+}
+
+/// The target's part in a reshard of group `rank` (it is a standby of the group): catch up and
+/// set the record migrating to it; once the source has marked the intent frozen, replay the
+/// log to there and promote (the compare-and-swap fences the source's log; the promotion then
+/// replays whatever the source committed since). Until then, follow the log.
+async fn migrate(
+    ctx: &Ctx<'_>,
+    rank: u32,
+    role: &mut Roles,
+    board: &Board<'_>,
+    read: (GroupRecord, tycho_meta::Revision),
+    intent: Option<(ReshardIntent, tycho_meta::Revision)>,
+    changes: Changes,
+) -> Result<(), HaError> {
+    let Ctx { master, store, cfg, keys, .. } = *ctx;
+    board.set(rank, GroupRole::Standby);
+    if role.follower.is_none() {
+        role.follower = Some(bootstrap(ctx, rank).await?);
+    }
+    let mine = read.0.migrating_to.as_deref() == Some(cfg.id.as_str());
+    let frozen_at = intent.as_ref().and_then(|(i, _)| i.frozen_at);
+    if read.0.state == GroupState::Migrating && !(mine && frozen_at.is_some()) {
+        // Waiting for the source to freeze (or for the record to change).
+        return follow(ctx, rank, role, board, &read.0, changes).await;
+    }
+    let follower = role.follower.as_mut().expect("set above");
+    let mut apply = apply_to(master, rank);
+    match tokio::time::timeout(cfg.catch_up_deadline, follower.catch_up(&mut apply)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(FollowError::Store(why))) => return Err(HaError::Store(why)),
+        Ok(Err(FollowError::Compacted)) => return Err(HaError::Store("history compacted under a read".into())),
+        Ok(Err(e)) => {
+            rebootstrap(master, rank, role, &e);
+            return Ok(());
+        }
+        Err(_) => {
+            tracing::info!(group = rank, "reshard: not caught up with the source yet");
+            return Ok(());
+        }
+    }
+    if read.0.state == GroupState::Stable {
+        match set_migrating(&**store, keys, &read, Some(&cfg.id)).await {
+            Ok(_) => {
+                tracing::info!(group = rank, source = %read.0.primary, "reshard: caught up; the group is migrating here")
+            }
+            Err(OwnershipError::Conflict(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        return Ok(());
+    }
+    #[cfg(feature = "failpoints")]
+    {
+        // A target that hangs short of the switch while it keeps its lease (tests).
+        let hang = (|| {
+            fail::fail_point!("reshard::switch", |_| true);
+            false
+        })();
+        if hang {
+            tracing::warn!(group = rank, "failpoint reshard::switch: not switching");
+            return follow(ctx, rank, role, board, &read.0, changes).await;
+        }
+    }
+    tracing::info!(group = rank, source = %read.0.primary, at = ?frozen_at, "reshard: the source froze writes; switching");
+    promote_here(ctx, rank, role, board, read, false).await
+}
+
+/// Ends group `rank`'s reshard at its primary: deletes the request first (so that no master
+/// acts on it any more), then lifts the freeze (the record back to stable, the target that was
+/// on its way dropped from the standbys). Done, when this master is the target, promoted; else
+/// abandoned (past its deadline or the freeze's limit, the target gone, or the group failed
+/// over meanwhile). A record left migrating after the request is gone is ended by the next
+/// step, by the same rule.
+async fn end_reshard(
+    ctx: &Ctx<'_>,
+    rank: u32,
+    role: &mut Roles,
+    read: (GroupRecord, tycho_meta::Revision),
+    intent: Option<(ReshardIntent, tycho_meta::Revision)>,
+) -> Result<(), HaError> {
+    let Ctx { master, store, cfg, keys, .. } = *ctx;
+    let done = intent.as_ref().is_some_and(|(i, _)| i.target == cfg.id);
+    if let Some((i, rev)) = &intent {
+        reshard::clear(&**store, keys, rank, *rev).await?;
+        if done {
+            tracing::info!(group = rank, source = %i.source, "reshard done: serving the group");
+        } else {
+            tracing::warn!(group = rank, target = %i.target, "reshard abandoned: the group stays here");
+        }
+    }
+    let target = intent.as_ref().map(|(i, _)| i.target.clone()).filter(|t| !done && read.0.standbys.contains(t));
+    let lifted = if read.0.state == GroupState::Migrating {
+        set_migrating(&**store, keys, &read, None).await.map(drop)
+    } else if let Some(target) = target {
+        change_standbys(&**store, keys, &read, |s| s.retain(|x| *x != target)).await.map(drop)
+    } else {
+        Ok(())
+    };
+    match lifted {
+        Ok(()) => {}
+        // Changed meanwhile: the next step decides from the new record.
+        Err(OwnershipError::Conflict(_)) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    }
+    role.frozen_since = None;
+    if master.freeze(rank, false) {
+        tracing::info!(group = rank, "writes thawed");
     }
     Ok(())
 }
@@ -724,6 +931,7 @@ async fn follow(
 fn drop_group(master: &Master, rank: u32, role: &mut Roles, board: &Board<'_>, why: &str) {
     tracing::warn!(group = rank, %why, "no longer serving the group; dropping what this master held of it");
     master.stand_by(rank);
+    role.frozen_since = None;
     if let Some(task) = role.snapshotting.take() {
         task.abort();
     }
@@ -931,10 +1139,12 @@ fn is_change(e: tycho_meta::MetaResult<tycho_meta::WatchEvent>) -> Result<bool, 
     }
 }
 
-/// Watches of what a decision reads: the registrations and the group records.
+/// Watches of what a decision reads: the registrations, the group records and the reshard
+/// intents.
 struct Changes {
     masters: tycho_meta::Watch,
     groups: tycho_meta::Watch,
+    intents: tycho_meta::Watch,
 }
 
 impl Changes {
@@ -943,6 +1153,7 @@ impl Changes {
         Ok(Changes {
             masters: w(WatchRequest::prefix(keys.masters())).await?,
             groups: w(WatchRequest::prefix(keys.groups())).await?,
+            intents: w(WatchRequest::prefix(keys.reshard_intents())).await?,
         })
     }
 
@@ -964,6 +1175,7 @@ impl Changes {
                 }
                 e = self.masters.next() => if is_change(e)? { return Ok(()) },
                 e = self.groups.next() => if is_change(e)? { return Ok(()) },
+                e = self.intents.next() => if is_change(e)? { return Ok(()) },
                 _ = &mut also => return Ok(()),
             }
         }

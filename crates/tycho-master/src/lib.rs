@@ -19,6 +19,7 @@ mod object;
 pub mod oplog;
 pub mod ownership;
 pub mod record;
+pub mod reshard;
 mod rpc;
 mod segment;
 pub mod snapshot;

@@ -675,6 +675,7 @@ impl Master {
                 self.await_logged(&r.key);
                 return Ok(descs);
             }
+            self.admit_write(&r)?;
             if mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, self.now()) {
                 return Err(ErrorCode::OBJECT_ALREADY_EXISTS);
             }
@@ -767,6 +768,8 @@ impl Master {
                 } else if let Some(descs) = retried {
                     self.await_logged(&r.key);
                     out[i] = Ok(descs);
+                } else if let Err(e) = self.admit_write(&r) {
+                    out[i] = Err(e);
                 } else if conflict {
                     out[i] = Err(ErrorCode::OBJECT_ALREADY_EXISTS);
                 } else if room == 0 {
@@ -898,7 +901,7 @@ impl Master {
         if req.write_ids.len() != req.keys.len() {
             return vec![Err(ErrorCode::INVALID_PARAMS); req.keys.len()];
         }
-        self.batch_write(&req.tenant, &req.keys, |map, i, key| {
+        self.batch_write(&req.tenant, &req.keys, false, |map, i, key| {
             let id = req.write_ids[i];
             if end {
                 self.commit(map, key, req.client, id, now)
@@ -908,13 +911,19 @@ impl Master {
         })
     }
 
-    fn batch_write<T: Default, F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<T>>
+    /// Applies `f` to each key's object under its shard's write lock; `new` writes are refused
+    /// in a frozen group (the ends of admitted writes are not).
+    fn batch_write<T: Default, F>(&self, tenant: &str, keys: &[KeyRef], new: bool, mut f: F) -> Vec<WireResult<T>>
     where
         F: FnMut(&mut ShardMap, usize, &ObjectKey) -> WireResult<T>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<WireResult<T>> = errors.into_iter().map(|e| e.map_or(Ok(T::default()), Err)).collect();
         for run in routed.chunk_by(|a, b| (a.1.group, a.1.shard) == (b.1.group, b.1.shard)) {
+            if new && self.routed(&run[0].1).is_frozen() {
+                run.iter().for_each(|(i, _)| out[*i] = Err(ErrorCode::KVPT_MIGRATING));
+                continue;
+            }
             let mut map = self.routed(&run[0].1).shards.shard(run[0].1.shard).write();
             for (i, r) in run {
                 out[*i] = f(&mut map, *i, &r.key);
@@ -1133,6 +1142,7 @@ impl Master {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);
         }
         group.set_installing(false);
+        group.set_frozen(false);
         group.segments.set_standby_grants(0);
         true
     }
@@ -1157,6 +1167,26 @@ impl Master {
         } else {
             ErrorCode::KVPT_NOT_OWNED
         }
+    }
+
+    /// Freezes (`on`) or thaws new writes of group `rank` while a reshard moves it to another
+    /// master: a write start, an upsert start, a remove or a replica clear of its keys is
+    /// answered KVPT_MIGRATING (the client retries it with back-off, and reaches the new primary
+    /// after the switch), while writes admitted before still end or are revoked, and evictions,
+    /// expiries and RemoveAll / RemoveByRegex sweeps go on. Reads are served as usual. The
+    /// freeze only spares clients errors: what the source commits before the switch is in the
+    /// log the target replays, and commit-time fencing refuses the rest. Returns whether they
+    /// were frozen before.
+    pub fn freeze(&self, rank: u32, on: bool) -> bool {
+        self.group(rank).is_some_and(|g| g.set_frozen(on))
+    }
+
+    /// Refuses a new write of the routed key while its group is frozen.
+    fn admit_write(&self, r: &Routed) -> WireResult<()> {
+        if self.routed(r).is_frozen() {
+            return Err(ErrorCode::KVPT_MIGRATING);
+        }
+        Ok(())
     }
 
     /// Mounts in group `rank` every segment the other groups served here have and it has not:
@@ -1194,6 +1224,7 @@ impl Master {
             self.serving_groups.fetch_sub(1, Ordering::AcqRel);
         }
         group.set_installing(false);
+        group.set_frozen(false);
         // Ranges the log frees from now on may carry the primary's grants, unknown here.
         group.segments.set_standby_grants(self.grant_lifetime_ms());
         true
@@ -1281,6 +1312,7 @@ impl Master {
     /// Remove one object; a leased or unfinished one only with `force`.
     pub fn remove(&self, req: &RemoveKey) -> WireResult<()> {
         let r = self.route(&req.tenant, &req.key)?;
+        self.admit_write(&r)?;
         let now = self.now();
         self.remove_one(&mut self.routed(&r).shards.shard(r.shard).write(), &r.key, req.force, now)
     }
@@ -1288,7 +1320,7 @@ impl Master {
     /// BatchRemove.
     pub fn batch_remove(&self, req: &BatchRemoveKeys) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, |map, _, key| self.remove_one(map, key, req.force, now))
+        self.batch_write(&req.tenant, &req.keys, true, |map, _, key| self.remove_one(map, key, req.force, now))
     }
 
     /// BatchReplicaClear: drops the replicas of objects whose current value `req.client` wrote,
@@ -1296,7 +1328,7 @@ impl Master {
     /// segment (the object goes when none is left). Objects with a write in progress stay.
     pub fn batch_replica_clear(&self, req: &ReplicaClear) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, |map, _, key| {
+        self.batch_write(&req.tenant, &req.keys, true, |map, _, key| {
             let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
             if obj.writer != req.client {
                 return Err(ErrorCode::ILLEGAL_CLIENT);
@@ -1330,7 +1362,9 @@ impl Master {
     }
 
     /// Removes every object for which `pick` holds, shard by shard, in bounded batches; leased
-    /// and unfinished objects are skipped unless `force`. Returns the number removed.
+    /// and unfinished objects are skipped unless `force`. Returns the number removed. (A sweep
+    /// goes on in a group frozen for a reshard: its records commit before the switch, or its
+    /// answer fails with the log's error.)
     fn remove_matching<F>(&self, force: bool, pick: F) -> u64
     where
         F: Fn(&[u8]) -> bool,

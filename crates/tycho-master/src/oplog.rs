@@ -587,6 +587,11 @@ impl OpLogWriter {
         wait_for(&self.shared, seq).await
     }
 
+    /// The sequence number of the last record queued (durable or not).
+    pub fn appended(&self) -> u64 {
+        self.shared.queue.lock().next_seq - 1
+    }
+
     /// The sequence number of the last durable record.
     pub fn durable(&self) -> u64 {
         self.shared.progress.borrow().durable

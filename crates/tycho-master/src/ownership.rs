@@ -96,8 +96,8 @@ pub struct GroupRecord {
     pub state: GroupState,
     /// The target of a migration in progress.
     pub migrating_to: Option<String>,
-    /// Raised by one whenever who serves the group changes (primary, state, migration
-    /// target); a change of the standbys alone keeps it. Requests and capabilities carry it,
+    /// Raised by one whenever who serves the group changes (its primary); a change of the
+    /// standbys, or of the state and migration target while the primary stays, keeps it. Requests and capabilities carry it,
     /// and the primary's OpLog commits only while the record names it at its epoch.
     pub epoch: u64,
     /// The primary serves the group only until a master of its own claims it (it is the
@@ -329,6 +329,45 @@ pub async fn change_standbys(
 ) -> Result<(GroupRecord, Revision), OwnershipError> {
     let mut next = read.0.clone();
     change(&mut next.standbys);
+    swap(store, keys, read, next).await
+}
+
+/// Sets a group record read at `read.1` migrating towards `target` (`Some`, which joins no
+/// list), or back to stable (`None`, with the target that was on its way dropped from the
+/// standbys), keeping its primary and epoch: the primary stays primary, and its log goes on
+/// committing, until the target's promotion raises the epoch. Fails with the current record
+/// if anyone changed it since.
+pub async fn set_migrating(
+    store: &dyn MetaStore,
+    keys: &ClusterKeys,
+    read: &(GroupRecord, Revision),
+    target: Option<&str>,
+) -> Result<(GroupRecord, Revision), OwnershipError> {
+    let mut next = read.0.clone();
+    match target {
+        Some(t) => {
+            next.state = GroupState::Migrating;
+            next.migrating_to = Some(t.to_string());
+        }
+        None => {
+            if let Some(t) = next.migrating_to.take() {
+                next.standbys.retain(|s| *s != t);
+            }
+            next.state = GroupState::Stable;
+        }
+    }
+    swap(store, keys, read, next).await
+}
+
+/// Writes `next` over the record read at `read.1`, its epoch kept.
+async fn swap(
+    store: &dyn MetaStore,
+    keys: &ClusterKeys,
+    read: &(GroupRecord, Revision),
+    mut next: GroupRecord,
+) -> Result<(GroupRecord, Revision), OwnershipError> {
+    next.rank = read.0.rank;
+    next.epoch = read.0.epoch;
     let rev = store.compare_and_swap(&keys.group(read.0.rank), read.1, &next.encode(), None).await.map_err(conflict)?;
     Ok((next, rev))
 }

@@ -16,10 +16,13 @@
 //!    log ends (fenced by a later owner, or closed), the master stops serving the group, reads
 //!    included.
 //!
-//! It is called only once the old primary's registration is gone (its lease expired, or it
+//! A failover calls it once the old primary's registration is gone (its lease expired, or it
 //! released it when handing over): an old primary stops serving before its lease can expire in
-//! the store (its lease keeper's local deadline), so nobody else serves the group meanwhile.
-//! Any doubt — a gap or damage in the log, a record that does not replay, the deadline —
+//! the store (its lease keeper's local deadline), so nobody else serves the group meanwhile. A
+//! planned switch (a claim of a caretaken group, a reshard) calls it while the old primary
+//! lives: that one serves reads until its watch reports the new record and its log, fenced by
+//! the record's new revision, commits nothing from step 1 on, so no write it acknowledges is
+//! missing from what this master replays. Any doubt — a gap or damage in the log, a record that does not replay, the deadline —
 //! leaves the group unserved here and says why.
 
 use std::sync::Arc;

@@ -37,6 +37,8 @@ pub enum RecordKind {
     SnapshotPointers = 5,
     /// A cluster's fixed layout (its KVPT group count).
     ClusterMeta = 6,
+    /// An operator's request to move a group to another master (online reshard).
+    ReshardIntent = 7,
 }
 
 /// Why bytes could not be opened as the record asked for.

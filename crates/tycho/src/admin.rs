@@ -25,6 +25,12 @@ pub struct HttpTarget {
 /// The body of `GET path` from the HTTP server at `addr` (a master's admin server, etcd's
 /// metrics). HTTP/1.0, so that the answer is never chunked.
 pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
+    http_call(addr, "GET", path, None)
+}
+
+/// The body of `method path` from the HTTP server at `addr`, sending `bearer` as the
+/// `Authorization` if given; an answer other than 200 is an error carrying its body.
+fn http_call(addr: &str, method: &str, path: &str, bearer: Option<&str>) -> Result<String, String> {
     use std::io::{Read, Write};
     let timeout = std::time::Duration::from_secs(10);
     let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -35,7 +41,9 @@ pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
         format!("cannot reach the admin server at {addr}: {e}; is the master running? (--admin HOST:PORT)")
     })?;
     s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
+    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
+    write!(s, "{method} {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}Content-Length: 0\r\n\r\n")
+        .map_err(|e| e.to_string())?;
     let mut out = String::new();
     s.read_to_string(&mut out).map_err(|e| format!("reading from {addr}: {e}"))?;
     let (head, body) = out.split_once("\r\n\r\n").ok_or_else(|| format!("{addr} answered no HTTP"))?;
@@ -75,6 +83,107 @@ pub fn groups(t: HttpTarget) -> i32 {
         );
     }
     0
+}
+
+/// `tycho reshard`.
+#[derive(Args, Debug)]
+pub struct ReshardArgs {
+    #[command(flatten)]
+    target: HttpTarget,
+    /// The group to move.
+    #[arg(long)]
+    rank: u32,
+    /// The id of the master to move it to (`tycho masters` lists them).
+    #[arg(long = "target")]
+    to: String,
+    /// Seconds the whole move may take; past them it is abandoned and the group stays where it
+    /// is.
+    #[arg(long, default_value_t = 120.0)]
+    deadline: f64,
+    /// The cluster secret's file, sent to the admin server (else `TYCHO_SECRET_FILE` or
+    /// `TYCHO_SECRET`; none for an `--insecure` cluster).
+    #[arg(long)]
+    secret_file: Option<std::path::PathBuf>,
+}
+
+/// The text of the cluster secret as an operator gave it, if any.
+fn secret_text(file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    use tycho_proto::auth::{SECRET_ENV, SECRET_FILE_ENV};
+    let file = file.map(|f| f.to_path_buf()).or_else(|| std::env::var_os(SECRET_FILE_ENV).map(Into::into));
+    if let Some(f) = file.filter(|f| !f.as_os_str().is_empty()) {
+        let text = std::fs::read_to_string(&f).map_err(|e| format!("cannot read {}: {e}", f.display()))?;
+        return Ok(Some(text.trim().to_string()));
+    }
+    Ok(std::env::var(SECRET_ENV).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()))
+}
+
+/// `tycho reshard`: asks a master to move a group, then follows the move (the target carries
+/// it out from the request stored in the cluster; this command only watches) until the group
+/// is served by the target (exit 0) or the move is abandoned (exit 1).
+pub fn reshard(a: ReshardArgs) -> i32 {
+    match reshard_watch(&a) {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
+    use std::time::{Duration, Instant};
+    let admin = &a.target.admin;
+    let bearer = secret_text(a.secret_file.as_deref())?;
+    let deadline_ms = (a.deadline * 1000.0) as u64;
+    let path = format!("/reshard?rank={}&target={}&deadline_ms={deadline_ms}", a.rank, a.to);
+    let intent: serde_json::Value = serde_json::from_str(&http_call(admin, "POST", &path, bearer.as_deref())?)
+        .map_err(|e| format!("{admin}/reshard: not JSON: {e}"))?;
+    let source = intent["source"].as_str().unwrap_or("?").to_string();
+    let started = Instant::now();
+    const STEPS: usize = 5;
+    let mut shown = 0;
+    let mut show = |step: usize, what: String| {
+        while shown < step {
+            shown += 1;
+            let bar: String = (0..STEPS).map(|i| if i < shown { '#' } else { '.' }).collect();
+            let what = if shown == step { what.clone() } else { "(passed between two looks)".into() };
+            println!("[{bar}] {:>6.2}s  {what}", started.elapsed().as_secs_f64());
+        }
+    };
+    show(1, format!("requested: group {} from {source} to {}", a.rank, a.to));
+    // The intent's own deadline bounds the move; the command looks a little longer.
+    let give_up = started + Duration::from_millis(deadline_ms) + Duration::from_secs(15);
+    loop {
+        if Instant::now() > give_up {
+            return Err(format!("the move neither finished nor was abandoned within {:.0}s", a.deadline + 15.0));
+        }
+        // The request first: the record changes before the request goes, so a move that ends
+        // between the two reads is seen switched, never abandoned.
+        let intents = http_json(admin, "/reshard")?;
+        let groups = http_json(admin, "/kvpt_groups")?;
+        let record = groups.as_array().into_iter().flatten().find(|g| g["rank"].as_u64() == Some(a.rank as u64));
+        let intent = intents.as_array().into_iter().flatten().find(|i| i["rank"].as_u64() == Some(a.rank as u64));
+        let Some(record) = record else { return Err(format!("group {} has no record", a.rank)) };
+        let primary = record["primary"].as_str().unwrap_or("?");
+        if primary == a.to {
+            show(5, format!("switched: {} serves group {} at epoch {}", a.to, a.rank, record["epoch"]));
+            if intent.is_none() {
+                println!("done in {:.2}s", started.elapsed().as_secs_f64());
+                return Ok(true);
+            }
+        } else if intent.is_none() {
+            println!("abandoned: group {} stays with {primary} (see its log for why)", a.rank);
+            return Ok(false);
+        } else if let Some(at) = intent.and_then(|i| i["frozen_at"].as_u64()) {
+            show(4, format!("{source} froze the group's writes; its log holds them up to record {at}: switching"));
+        } else if record["state"] == "Migrating" {
+            show(3, format!("{} caught up: the group is migrating, {source} freezes new writes", a.to));
+        } else if record["standbys"].as_array().into_iter().flatten().any(|s| s.as_str() == Some(a.to.as_str())) {
+            show(2, format!("{} joined the standbys: catching up with the log", a.to));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `tycho masters`.

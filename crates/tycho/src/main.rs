@@ -54,6 +54,8 @@ enum Command {
     Groups(admin::HttpTarget),
     /// The live masters of the cluster, oldest first.
     Masters(admin::HttpTarget),
+    /// Move a KVPT group to another master, and follow the move (docs/cluster.md).
+    Reshard(admin::ReshardArgs),
     /// Feed mutated bytes to every network decoder (see docs/security.md).
     Fuzz(fuzz::FuzzArgs),
 }
@@ -109,6 +111,7 @@ fn main() {
         Command::Segments(t) => admin::segments(t),
         Command::Groups(t) => admin::groups(t),
         Command::Masters(t) => admin::masters(t),
+        Command::Reshard(a) => admin::reshard(a),
         Command::Fuzz(a) => fuzz::run(a),
     };
     std::process::exit(code);

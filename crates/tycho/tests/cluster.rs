@@ -694,3 +694,175 @@ fn tycho_up_with_etcd_runs_the_masters_as_separate_processes() {
         assert!(!std::path::Path::new(&format!("/proc/{p}")).exists(), "master {p} outlived tycho up");
     }
 }
+
+/// `method path` on `http` (host:port) with an optional bearer token and body: status and body.
+fn http_call(http: &str, method: &str, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(http).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {out:?}"));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// Group `rank`'s record as `master` reports it (JSON).
+fn record(master: &MasterProc, rank: u64) -> serde_json::Value {
+    let rows: serde_json::Value = serde_json::from_str(&http_get(&master.http, "/kvpt_groups")).unwrap();
+    rows.as_array().unwrap().iter().find(|r| r["rank"].as_u64() == Some(rank)).cloned().expect("the group exists")
+}
+
+/// The reshard intents `master` lists.
+fn intents(master: &MasterProc) -> Vec<serde_json::Value> {
+    serde_json::from_str::<serde_json::Value>(&http_get(&master.http, "/reshard")).unwrap().as_array().unwrap().clone()
+}
+
+impl Cluster {
+    /// Two masters of a G = 2 cluster, each the primary of one group, a node and a client.
+    fn two_primaries(&self) -> (MasterProc, MasterProc, NodeProc, Client) {
+        let a = self.master("primary of groups 0", &["--kvpt-groups", "2"]);
+        let b = self.master("primary of groups 1", &[]);
+        wait_groups(&a, "b claims group 1", |g| g.len() == 2 && g[1].0 == b.rpc && !g[1].3);
+        let (node, client) = self.node_and_client(&a.rpc);
+        (a, b, node, client)
+    }
+
+    /// `tycho reshard` of group `rank` to `target` through `admin` (with the cluster secret),
+    /// run to its end.
+    fn reshard(&self, admin: &MasterProc, rank: u32, target: &str) -> std::process::Output {
+        std::process::Command::new(TYCHO)
+            .args(["reshard", "--admin", &admin.http, "--rank", &rank.to_string(), "--target", target])
+            .args(["--secret-file", self.secret.to_str().unwrap()])
+            .output()
+            .unwrap()
+    }
+}
+
+/// Moving a group (online reshard, issue 14) while a client writes and reads keys of both
+/// groups: `tycho reshard` prints each step and ends once the target serves the group; no call
+/// fails (writes wait out the freeze), every acknowledged value is read back from the target,
+/// the group's epoch rose by one, the other group is untouched, and no request is left.
+#[test]
+fn a_reshard_under_load_moves_a_group_and_fails_no_call_and_loses_nothing() {
+    let _one = serial();
+    let c = Cluster::new("reshard-load");
+    let (a, b, _node, client) = c.two_primaries();
+    let before = groups(&a);
+    let load = Load::new();
+    let out = std::thread::scope(|s| {
+        s.spawn(|| load.run(&client, "move", 2000));
+        let _stop = StopOnDrop(&load);
+        load.wait_for(100, "load before the reshard");
+        let out = c.reshard(&b, 1, &a.rpc);
+        load.wait_for(load.acked() + 100, "load after the reshard");
+        load.stop();
+        out
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "tycho reshard: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    for step in ["requested: group 1", "switched: ", "done in "] {
+        assert!(stdout.contains(step), "{step:?} not printed: {stdout}");
+    }
+    let after = groups(&a);
+    assert_eq!((&after[1].0, after[1].2), (&a.rpc, before[1].2 + 1), "{after:?}");
+    assert_eq!((&after[0].0, after[0].2), (&before[0].0, before[0].2), "group 0 is untouched: {after:?}");
+    assert_eq!(record(&a, 1)["state"], "Stable");
+    assert!(intents(&a).is_empty(), "the request is cleared");
+    let errors = load.errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "calls failed during a reshard: {errors:?}");
+    let acked = load.acked.into_inner().unwrap();
+    let group = |k: &str| tycho_routing::kvpt_to_rank(tycho_routing::partition_of("", k), 2);
+    assert!(acked.iter().any(|k| group(k) == 1) && acked.iter().any(|k| group(k) == 0));
+    let fresh = c.client(&a.rpc);
+    for k in &acked {
+        assert_eq!(fresh.get(k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(k, 2000), "{k}");
+    }
+    println!("{} acknowledged, none failed", acked.len());
+}
+
+/// A reshard request is refused, and nothing recorded, without the cluster secret, for a group
+/// or a target that does not exist, for a group its target serves already, and while the group
+/// is moving; one past its deadline is abandoned by the group's primary, which keeps it.
+#[test]
+fn reshard_requests_are_checked_and_one_past_its_deadline_is_abandoned() {
+    let _one = serial();
+    let c = Cluster::new("reshard-checks");
+    let a = c.master("primary of groups 0", &["--kvpt-groups", "2"]);
+    let b = c.master("primary of groups 1", &[]);
+    let before = wait_groups(&a, "b claims group 1", |g| g.len() == 2 && g[1].0 == b.rpc && !g[1].3);
+    let secret = std::fs::read_to_string(&c.secret).unwrap();
+    let post = |path: &str, bearer: Option<&str>| http_call(&a.http, "POST", path, bearer, "");
+    let to_a = format!("/reshard?rank=1&target={}", a.rpc);
+    assert_eq!(post(&to_a, None).0, 401, "no secret");
+    assert_eq!(post(&to_a, Some("a-wrong-secret-of-enough-length")).0, 401, "a wrong secret");
+    let (status, body) = post(&format!("/reshard?rank=2&target={}", a.rpc), Some(&secret));
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = post("/reshard?rank=1&target=nobody:1", Some(&secret));
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not a live master"), "{body}");
+    let (status, body) = post(&format!("/reshard?rank=0&target={}", a.rpc), Some(&secret));
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("primary already"), "{body}");
+    assert!(intents(&a).is_empty(), "nothing recorded");
+    // Already past its deadline: the source ends it and keeps the group, epoch and all.
+    let (status, body) = post(&format!("{to_a}&deadline_ms=0"), Some(&secret));
+    assert_eq!(status, 200, "{body}");
+    let deadline = Instant::now() + ROLE_WAIT;
+    while !intents(&a).is_empty() {
+        assert!(Instant::now() < deadline, "the expired request was never cleared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(groups(&a), before, "the group stays where it was");
+    assert_eq!(record(&a, 1)["state"], "Stable");
+    // One at a time: a second request while the first holds (or once it is done) is refused.
+    let (status, body) = post(&to_a, Some(&secret));
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = post(&to_a, Some(&secret));
+    assert_eq!(status, 409, "{body}");
+    wait_groups(&a, "the move ends at a", |g| g[1].0 == a.rpc);
+}
+
+/// A target that stops short of the switch (a failpoint: it keeps its lease and follows the log,
+/// but never promotes) holds the freeze only up to its limit: the source then lifts it and
+/// abandons the move, `tycho reshard` says so and fails, the group stays with its source at its
+/// epoch, and the client's writes, which waited out the freeze, all succeed.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_reshard_whose_target_hangs_is_abandoned_and_the_group_stays_with_its_source() {
+    let _one = serial();
+    let c = Cluster::new("reshard-hang");
+    let (a, b, _node, client) = c.two_primaries();
+    let before = groups(&a);
+    assert_eq!(http_call(&a.http, "PUT", "/fail/reshard::switch", None, "return").0, 200);
+    let load = Load::new();
+    let out = std::thread::scope(|s| {
+        s.spawn(|| load.run(&client, "hang", 2000));
+        let _stop = StopOnDrop(&load);
+        load.wait_for(50, "load before the reshard");
+        let out = c.reshard(&a, 1, &a.rpc);
+        load.wait_for(load.acked() + 50, "load after the reshard");
+        load.stop();
+        out
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert_eq!(out.status.code(), Some(1), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("froze the group's writes") && stdout.contains("abandoned"), "{stdout}");
+    assert_eq!(groups(&a), before, "the group stays with its source, at its epoch");
+    assert_eq!(record(&a, 1)["state"], "Stable");
+    assert!(intents(&a).is_empty());
+    let errors = load.errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "calls failed while the freeze lasted: {errors:?}");
+    let fresh = c.client(&b.rpc);
+    for k in load.acked.into_inner().unwrap() {
+        assert_eq!(fresh.get(&k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(&k, 2000));
+    }
+}

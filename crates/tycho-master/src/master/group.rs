@@ -25,6 +25,9 @@ pub struct Group {
     /// yet (it is replaying the log's end after its promotion): requests for it are told to wait
     /// here (KVPT_MIGRATING) rather than to go elsewhere.
     installing: AtomicBool,
+    /// Whether the group is moving to another master and its new writes wait
+    /// (KVPT_MIGRATING): writes admitted before still end, are revoked, evicted or expire.
+    frozen: AtomicBool,
     /// Sequence number of the last record of the group's log applied here (0: none).
     applied: AtomicU64,
     /// How the group's log goes on this master (`/metrics`).
@@ -51,6 +54,7 @@ impl Group {
             epoch: AtomicU64::new(epoch),
             serving: AtomicBool::new(true),
             installing: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             log_stats: Default::default(),
             tombstones: (0..shards.len()).map(|_| Mutex::new(HashMap::new())).collect(),
@@ -87,6 +91,16 @@ impl Group {
     /// Notes that this master is (or no longer is) about to serve the group.
     pub(super) fn set_installing(&self, on: bool) {
         self.installing.store(on, Ordering::Release);
+    }
+
+    /// Whether new writes of the group wait for a reshard's switch (see [`crate::Master::freeze`]).
+    pub fn is_frozen(&self) -> bool {
+        self.frozen.load(Ordering::Acquire)
+    }
+
+    /// Freezes or thaws new writes of the group; returns whether they were frozen before.
+    pub(super) fn set_frozen(&self, on: bool) -> bool {
+        self.frozen.swap(on, Ordering::AcqRel)
     }
 
     /// Serves the group under `epoch` from now on (a promotion or an ownership change).
