@@ -452,7 +452,11 @@ async fn reshard_request(
     let deadline = q.deadline_ms.unwrap_or(DEFAULT_RESHARD_DEADLINE_MS);
     let groups = s.master.config().group_count.max(1);
     match request(&*c.store, &c.keys, groups, q.rank, &q.target, now, deadline).await {
-        Ok(intent) => json(&intent),
+        Ok(intent) => {
+            #[cfg(feature = "failpoints")]
+            crate::reshard::kill_point("reshard::requested");
+            json(&intent)
+        }
         Err(e) => {
             let status = match &e {
                 ReshardError::NoGroup(_) => StatusCode::NOT_FOUND,

@@ -716,7 +716,11 @@ async fn source_freezes(
         return Ok(true);
     }
     match reshard::mark_frozen(&**store, keys, read, at).await {
-        Ok(_) => tracing::info!(group = rank, at, "reshard: the log holds every write admitted before the freeze"),
+        Ok(_) => {
+            tracing::info!(group = rank, at, "reshard: the log holds every write admitted before the freeze");
+            #[cfg(feature = "failpoints")]
+            reshard::kill_point("reshard::source_frozen");
+        }
         Err(OwnershipError::Conflict(_)) => {}
         Err(e) => return Err(e.into()),
     }
@@ -765,7 +769,9 @@ async fn migrate(
     if read.0.state == GroupState::Stable {
         match set_migrating(&**store, keys, &read, Some(&cfg.id)).await {
             Ok(_) => {
-                tracing::info!(group = rank, source = %read.0.primary, "reshard: caught up; the group is migrating here")
+                tracing::info!(group = rank, source = %read.0.primary, "reshard: caught up; the group is migrating here");
+                #[cfg(feature = "failpoints")]
+                reshard::kill_point("reshard::target_migrating");
             }
             Err(OwnershipError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),

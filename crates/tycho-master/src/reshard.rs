@@ -143,6 +143,17 @@ impl ClusterKeys {
     }
 }
 
+/// Kills this process at once (SIGKILL) when failpoint `name` is set: tests crash a master at a
+/// chosen step of a reshard.
+#[cfg(feature = "failpoints")]
+pub(crate) fn kill_point(name: &str) {
+    if fail::eval(name, |_| ()).is_some() {
+        tracing::error!(failpoint = name, "failpoint: killing this process");
+        // SAFETY: kill(2) on this process's own id has no memory effects here.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
 fn store_error(e: MetaError) -> OwnershipError {
     OwnershipError::Store(e.to_string())
 }

@@ -836,7 +836,7 @@ fn reshard_requests_are_checked_and_one_past_its_deadline_is_abandoned() {
 /// epoch, and the client's writes, which waited out the freeze, all succeed.
 #[cfg(feature = "failpoints")]
 #[test]
-fn a_reshard_whose_target_hangs_is_abandoned_and_the_group_stays_with_its_source() {
+fn a_reshard_whose_target_hangs_at_a_failpoint_is_abandoned_and_the_group_stays_with_its_source() {
     let _one = serial();
     let c = Cluster::new("reshard-hang");
     let (a, b, _node, client) = c.two_primaries();
@@ -864,5 +864,89 @@ fn a_reshard_whose_target_hangs_is_abandoned_and_the_group_stays_with_its_source
     let fresh = c.client(&b.rpc);
     for k in load.acked.into_inner().unwrap() {
         assert_eq!(fresh.get(&k).unwrap_or_else(|e| panic!("acknowledged {k} lost: {e:?}")), value_of(&k, 2000));
+    }
+}
+
+/// A master killed (SIGKILL, by a failpoint) at a step of a reshard: the master that took the
+/// request right after storing it, the target right after it set the group migrating, or the
+/// source right after it froze the group's writes. Whichever it was, the move ends (done,
+/// abandoned, or overtaken by the group's failover) with the group stable under one live
+/// primary, the request cleared, and every acknowledged object readable; a client that loses
+/// no master serving its keys sees no failed call.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint_kills() {
+    let _one = serial();
+    // (failpoint, victim, target, who serves group 1 at the end, no call may fail)
+    let cases = [
+        ("reshard::requested", 'c', 'a', 'a', true),
+        ("reshard::target_migrating", 'c', 'c', 'b', true),
+        ("reshard::source_frozen", 'b', 'c', 'c', false),
+    ];
+    for (failpoint, victim, target, end, clean) in cases {
+        let c = Cluster::new("reshard-kill");
+        let a = c.master("primary of groups 0", &["--kvpt-groups", "2"]);
+        let b = c.master("primary of groups 1", &[]);
+        let s = c.master("standby of group 0", &[]);
+        wait_groups(&a, "b claims group 1, the third master backs group 0", |g| {
+            g.len() == 2 && g[1].0 == b.rpc && !g[1].3 && g[0].1 == [s.rpc.clone()]
+        });
+        let (_node, client) = c.node_and_client(&a.rpc);
+        let by = |m: char| match m {
+            'a' => &a,
+            'b' => &b,
+            _ => &s,
+        };
+        let secret = std::fs::read_to_string(&c.secret).unwrap();
+        assert_eq!(http_call(&by(victim).http, "PUT", &format!("/fail/{failpoint}"), None, "return").0, 200);
+        // The request goes through the third master when it is the victim, else through a.
+        let door = if failpoint == "reshard::requested" { &s } else { &a };
+        let load = Load::new();
+        std::thread::scope(|sc| {
+            sc.spawn(|| load.run(&client, failpoint, 2000));
+            let _stop = StopOnDrop(&load);
+            load.wait_for(50, "load before the reshard");
+            let path = format!("/reshard?rank=1&target={}", by(target).rpc);
+            // (The victim of the first case dies before it answers.)
+            let mut sock = std::net::TcpStream::connect(&door.http).unwrap();
+            write!(sock, "POST {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer {secret}\r\nContent-Length: 0\r\n\r\n")
+                .unwrap();
+            let mut answer = String::new();
+            let _ = sock.read_to_string(&mut answer);
+            let deadline = Instant::now() + ROLE_WAIT;
+            loop {
+                let rec = record(&a, 1);
+                if intents(&a).is_empty() && rec["state"] == "Stable" && rec["primary"] == by(end).rpc.as_str() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{failpoint}: the move never ended: {rec} {:?}", intents(&a));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            load.wait_for(load.acked() + 50, "load after the move ended");
+            load.stop();
+        });
+        // The victim died (its registration ends with its lease); group 1's primary lives.
+        let live = || -> Vec<String> {
+            let masters: serde_json::Value = serde_json::from_str(&http_get(&a.http, "/masters")).unwrap();
+            masters.as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect()
+        };
+        let deadline = Instant::now() + ROLE_WAIT;
+        while live().contains(&by(victim).rpc) {
+            assert!(Instant::now() < deadline, "{failpoint}: the victim still lives: {:?}", live());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(live().contains(&by(end).rpc), "{failpoint}: group 1's primary is not live");
+        assert_eq!(record(&a, 1)["primary"], by(end).rpc.as_str(), "{failpoint}: the group moved again");
+        let errors = load.errors.into_inner().unwrap();
+        if clean {
+            assert!(errors.is_empty(), "{failpoint}: calls failed: {errors:?}");
+        }
+        let acked = load.acked.into_inner().unwrap();
+        let fresh = c.client(&a.rpc);
+        for k in &acked {
+            let got = fresh.get(k).unwrap_or_else(|e| panic!("{failpoint}: acknowledged {k} lost: {e:?}"));
+            assert_eq!(got, value_of(k, 2000), "{k}");
+        }
+        println!("{failpoint}: group 1 ends with {end}; {} acknowledged, {} calls failed", acked.len(), errors.len());
     }
 }
