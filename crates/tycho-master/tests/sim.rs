@@ -19,7 +19,14 @@
 //! acknowledged, and each group's log holds every acknowledged write exactly once, no refused
 //! write, no write twice, and exactly what its primary serves.
 //!
-//! `TYCHO_SIM_SCHEDULES` (default 20,000, about 25 s on two cores) sets how many schedules run; a failure prints its
+//! Operators request reshards ([`reshard`]) at random: the target joins, catches up, sets the
+//! record migrating and switches once the source has frozen writes and marked the request, as
+//! `ha` does, through the same role rules. Masters die at any of those steps, failovers race
+//! them, and a master may hang as a target (keeping its lease, never switching) until the
+//! source's freeze limit abandons the move. Writes refused with KVPT_MIGRATING must never reach
+//! a log, and at the end no request is left and every record is stable.
+//!
+//! `TYCHO_SIM_SCHEDULES` (default 20,000, about 85 s on two cores) sets how many schedules run; a failure prints its
 //! seed, and `TYCHO_SIM_SEED=<seed>` replays that one schedule alone (add
 //! `TYCHO_SIM_TRACE=1` to print every step).
 
@@ -33,6 +40,7 @@ use tycho_master::cvm::{self, Action, GroupView};
 use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys};
 use tycho_master::ownership::{self, ClusterKeys, GroupRecord, GroupState, OwnershipError};
 use tycho_master::record::{Record, RecordBatch};
+use tycho_master::reshard::{self, ReshardIntent, FREEZE_LIMIT};
 use tycho_meta::{
     Clock, KeyValue, LeaseId, ManualClock, MemConfig, MemStore, MetaError, MetaResult, MetaStore, RangeRequest,
     Revision, Txn, TxnOp, TxnResponse,
@@ -47,6 +55,8 @@ const LEASE_TTL: Duration = Duration::from_secs(3);
 const QUIET_ROUNDS: usize = 80;
 /// Most records in one log batch.
 const BATCH: usize = 3;
+/// Seeds from here on are reshard schedules (see [`run`]).
+const RESHARD_SEEDS: u64 = 1 << 40;
 
 /// splitmix64: small, and the same on every platform and toolchain.
 struct Rng(u64);
@@ -71,6 +81,8 @@ enum Task {
     View,
     Lease,
     Group(u32),
+    /// A serving group's reshard work (marking the request frozen, ending it), beside its log.
+    Reshard(u32),
 }
 
 /// A request to the coordination store.
@@ -106,9 +118,27 @@ enum Op {
         rank: u32,
         from: u64,
     },
+    /// The target sets the record migrating to it.
+    SetMigrating {
+        read: (GroupRecord, Revision),
+    },
+    /// The source marks the request frozen at log position `at`.
+    MarkFrozen {
+        read: (ReshardIntent, Revision),
+        at: u64,
+    },
+    /// The primary ends a reshard (as `ha::end_reshard`): deletes the request, then lifts the
+    /// freeze or drops the target from the standbys.
+    EndReshard {
+        intent: Option<(ReshardIntent, Revision)>,
+        read: (GroupRecord, Revision),
+        /// Sent because the freeze reached its limit.
+        limit: bool,
+    },
 }
 
-type View = (Vec<String>, Vec<Option<(GroupRecord, Revision)>>);
+type Intents = Vec<Option<(ReshardIntent, Revision)>>;
+type View = (Vec<String>, Vec<Option<(GroupRecord, Revision)>>, Intents);
 
 /// The store's answer (`Lost`: the request or its answer was lost; the sender knows nothing).
 #[derive(Debug)]
@@ -122,6 +152,11 @@ enum Ans {
     Txn(MetaResult<TxnResponse>),
     Got(Option<KeyValue>),
     Log(Vec<KeyValue>),
+    /// A reshard step's outcome (`ended`: it was an [`Op::EndReshard`]).
+    Reshard {
+        ended: bool,
+        result: Result<(), OwnershipError>,
+    },
     Lost,
 }
 
@@ -163,6 +198,8 @@ struct Serving {
     pending: Option<Pending>,
     /// Given up: answers what is in flight, then leaves the group.
     dropping: bool,
+    /// Since when new writes are frozen (the record is migrating).
+    frozen_since: Option<std::time::Instant>,
 }
 
 enum GRole {
@@ -179,6 +216,10 @@ enum GRole {
 struct GroupSide {
     /// The token of the store request in flight (0: none).
     busy: u64,
+    /// The token of the reshard request in flight of a serving group (0: none).
+    rbusy: u64,
+    /// Its last promotion was a reshard's switch.
+    switching: bool,
     role: GRole,
     /// Whether `ops` is the group's state up to `applied` (it followed or served the group).
     holds: bool,
@@ -188,7 +229,7 @@ struct GroupSide {
 
 impl GroupSide {
     fn new() -> GroupSide {
-        GroupSide { busy: 0, role: GRole::None, holds: false, applied: 0, ops: Vec::new() }
+        GroupSide { busy: 0, rbusy: 0, switching: false, role: GRole::None, holds: false, applied: 0, ops: Vec::new() }
     }
 
     fn forget(&mut self) {
@@ -217,6 +258,8 @@ struct MasterSim {
     deadline: Option<std::time::Instant>,
     groups: Vec<GroupSide>,
     routes: RouteCache,
+    /// As a reshard's target, it never switches (it keeps its lease and follows on).
+    hangs: bool,
 }
 
 struct ClientSim {
@@ -227,6 +270,8 @@ struct World {
     rng: Rng,
     trace: bool,
     clock: Arc<ManualClock>,
+    /// The clock's start: request deadlines count from it (as Unix ms count from 1970).
+    start: std::time::Instant,
     store: MemStore,
     keys: ClusterKeys,
     g: u32,
@@ -237,7 +282,7 @@ struct World {
     next_tok: u64,
     /// How likely each kind of event is in this schedule (see [`World::chaos_step`]): each
     /// schedule draws its own mix, from calm to stormy.
-    weights: [u32; 9],
+    weights: [u32; 11],
     /// Steps of the faulty phase.
     steps: usize,
     acked: BTreeSet<u64>,
@@ -246,6 +291,8 @@ struct World {
     /// ownership changes won, and log writers fenced.
     figures: Figures,
     step: usize,
+    /// In a quiet phase: no fault at all.
+    calm: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -255,6 +302,20 @@ struct Figures {
     unknown: usize,
     promotions: usize,
     fenced: usize,
+    /// Reshards requested, switched (the target promoted by its move), abandoned (ended at
+    /// a primary that is not the target), voided by a failover (abandoned because the group
+    /// changed primary since the request), lifted at the freeze's limit, marked frozen; writes
+    /// refused with KVPT_MIGRATING.
+    reshards: usize,
+    switched: usize,
+    abandoned: usize,
+    voided: usize,
+    at_limit: usize,
+    frozen: usize,
+    migrating: usize,
+    /// Kills of a reshard's source (0..4) and target (4..8) at each step: requested, target
+    /// listed as standby, record migrating, request marked frozen.
+    kills: [usize; 8],
 }
 
 impl std::ops::AddAssign for Figures {
@@ -264,6 +325,16 @@ impl std::ops::AddAssign for Figures {
         self.unknown += o.unknown;
         self.promotions += o.promotions;
         self.fenced += o.fenced;
+        self.reshards += o.reshards;
+        self.switched += o.switched;
+        self.abandoned += o.abandoned;
+        self.voided += o.voided;
+        self.at_limit += o.at_limit;
+        self.frozen += o.frozen;
+        self.migrating += o.migrating;
+        for (k, o) in self.kills.iter_mut().zip(o.kills) {
+            *k += o;
+        }
     }
 }
 
@@ -304,17 +375,20 @@ impl World {
                 deadline: None,
                 groups: (0..g).map(|_| GroupSide::new()).collect(),
                 routes: no_routes(g),
+                hangs: false,
             })
             .collect();
-        // deliver, tick, put, routes, clock, crash, cut, pause, lose.
-        let base = [45, 15, 15, 4, 2, 2, 2, 6, 7];
+        // deliver, tick, put, routes, clock, crash, cut, pause, lose, reshard, hang.
+        let base = [45, 15, 15, 4, 2, 2, 2, 6, 7, 2, 1];
         let weights = base.map(|w| w * (1 + rng.below(4) as u32) / 2);
         let steps = 150 + rng.below(300);
         let clients = (0..2).map(|_| ClientSim { cache: RouteCache::new() }).collect();
+        let start = clock.now();
         World {
             rng,
             trace,
             clock,
+            start,
             store,
             keys: ClusterKeys::new("sim"),
             g,
@@ -329,6 +403,7 @@ impl World {
             refused: BTreeSet::new(),
             figures: Figures::default(),
             step: 0,
+            calm: false,
         }
     }
 
@@ -340,6 +415,11 @@ impl World {
 
     fn log_keys(&self, rank: u32) -> LogKeys {
         LogKeys::new(self.keys.cluster(), rank)
+    }
+
+    /// The simulated wall clock, in ms.
+    fn now_ms(&self) -> u64 {
+        (self.clock.now() - self.start).as_millis() as u64
     }
 
     fn index_of(&self, id: &str) -> Option<usize> {
@@ -355,6 +435,7 @@ impl World {
             Task::View => master.view_busy = tok,
             Task::Lease => master.lease_busy = tok,
             Task::Group(rank) => master.groups[rank as usize].busy = tok,
+            Task::Reshard(rank) => master.groups[rank as usize].rbusy = tok,
         }
         self.net.push(Msg::ToStore { m, tok, task, op });
     }
@@ -399,7 +480,14 @@ impl World {
                 self.log(|| format!("m{m} paused for {steps} steps"));
                 self.masters[m].paused = steps;
             }
-            _ => self.lose_one(),
+            8 => self.lose_one(),
+            9 => drop(self.request_reshard()),
+            _ => {
+                let m = self.rng.below(self.masters.len());
+                let hangs = !self.masters[m].hangs;
+                self.log(|| format!("m{m} {} as a reshard's target", if hangs { "hangs" } else { "no longer hangs" }));
+                self.masters[m].hangs = hangs;
+            }
         }
         for m in &mut self.masters {
             m.cut = m.cut.saturating_sub(1);
@@ -473,8 +561,41 @@ impl World {
 
     fn crash_or_restart(&mut self) {
         let m = self.rng.below(self.masters.len());
+        if self.masters[m].up {
+            self.crash(m);
+        } else {
+            self.masters[m].up = true;
+            self.log(|| format!("m{m} restarted"));
+        }
+    }
+
+    /// Master `m` dies, losing everything; kills in the middle of a reshard are counted by its
+    /// step and by whether `m` is its source or its target.
+    fn crash(&mut self, m: usize) {
+        let id = self.masters[m].id.clone();
+        let intents = now(reshard::read_intents(&self.store, &self.keys, self.g)).expect("readable intents");
+        for (i, _) in intents.into_iter().flatten() {
+            let Some((rec, _)) = now(ownership::read_group(&self.store, &self.keys, i.rank)).expect("readable") else {
+                continue;
+            };
+            let step = if i.frozen_at.is_some() {
+                3
+            } else if rec.state == GroupState::Migrating {
+                2
+            } else if rec.standbys.contains(&i.target) {
+                1
+            } else {
+                0
+            };
+            if id == i.source {
+                self.figures.kills[step] += 1;
+            }
+            if id == i.target {
+                self.figures.kills[4 + step] += 1;
+            }
+        }
         let master = &mut self.masters[m];
-        if master.up {
+        {
             master.up = false;
             master.inc += 1;
             master.lease = None;
@@ -487,10 +608,20 @@ impl World {
                 *g = GroupSide::new();
             }
             self.log(|| format!("m{m} crashed"));
-        } else {
-            master.up = true;
-            self.log(|| format!("m{m} restarted"));
         }
+    }
+
+    /// An operator asks some master to move a group to some master (live or not), due within
+    /// 2 to 40 s. The request's checks and its write run as one store call here.
+    fn request_reshard(&mut self) -> bool {
+        let rank = self.rng.below(self.g as usize) as u32;
+        let target = self.masters[self.rng.below(self.masters.len())].id.clone();
+        let deadline = 2_000 + 1_000 * self.rng.below(39) as u64;
+        let now_ms = self.now_ms();
+        let r = now(reshard::request(&self.store, &self.keys, self.g, rank, &target, now_ms, deadline));
+        self.log(|| format!("operator: move group {rank} to {target} within {deadline} ms: {r:?}"));
+        self.figures.reshards += usize::from(r.is_ok());
+        r.is_ok()
     }
 
     fn client_put(&mut self) {
@@ -528,6 +659,7 @@ impl World {
                     Task::View => &mut master.view_busy,
                     Task::Lease => &mut master.lease_busy,
                     Task::Group(rank) => &mut master.groups[rank as usize].busy,
+                    Task::Reshard(rank) => &mut master.groups[rank as usize].rbusy,
                 };
                 // A crashed master awaits nothing; one that gave up on a request awaits its
                 // next one.
@@ -556,7 +688,8 @@ impl World {
                 };
                 let records =
                     (0..self.g).map(|r| now(ownership::read_group(store, keys, r)).expect("a readable record"));
-                Ans::View((live, records.collect()))
+                let intents = now(reshard::read_intents(store, keys, self.g)).expect("readable intents");
+                Ans::View((live, records.collect(), intents))
             }
             Op::Register => {
                 // As `ha` registers: a new key under a new lease, once the id's earlier
@@ -580,6 +713,8 @@ impl World {
                     g.standbys.retain(|s| *s != primary);
                     g.primary = primary.clone();
                     g.caretaken = caretaken;
+                    g.state = GroupState::Stable;
+                    g.migrating_to = None;
                 })))
             }
             Op::Join { read } => {
@@ -596,8 +731,9 @@ impl World {
                 if let (Ok(resp), true) = (&r, writes_batch) {
                     if resp.succeeded {
                         let (rec, _) = record.expect("a log commit without a group record");
+                        // (A migrating record's source still commits what it admitted.)
                         assert!(
-                            rec.primary == id && rec.epoch == epoch && rec.state == GroupState::Stable,
+                            rec.primary == id && rec.epoch == epoch,
                             "a log batch of group {rank} committed by {id} at epoch {epoch} while the record names {} at epoch {}",
                             rec.primary,
                             rec.epoch
@@ -619,6 +755,43 @@ impl World {
                     Ok(page) => Ans::Log(page.kvs),
                     Err(_) => Ans::Lost,
                 }
+            }
+            Op::SetMigrating { read } => Ans::Owned(now(ownership::set_migrating(store, keys, &read, Some(&id)))),
+            Op::MarkFrozen { read, at } => {
+                let result = now(reshard::mark_frozen(store, keys, &read, at)).map(drop);
+                self.figures.frozen += usize::from(result.is_ok());
+                Ans::Reshard { ended: false, result }
+            }
+            Op::EndReshard { intent, read, limit } => {
+                // As `ha::end_reshard`, two store calls: a master may die between them.
+                let done = intent.as_ref().is_some_and(|(i, _)| i.target == id);
+                if let Some((i, rev)) = &intent {
+                    let key = keys.reshard_intent(read.0.rank);
+                    let there = now(store.get(&key)).expect("get").kv.is_some_and(|kv| kv.mod_revision == *rev);
+                    now(reshard::clear(store, keys, read.0.rank, *rev)).expect("clear");
+                    if there && !done {
+                        self.figures.abandoned += 1;
+                        self.figures.voided += usize::from(i.source != read.0.primary || i.epoch != read.0.epoch);
+                    }
+                    if !self.calm && self.rng.below(4) == 0 {
+                        self.log(|| {
+                            format!("{id} dies between clearing group {}'s request and the record", read.0.rank)
+                        });
+                        self.crash(m);
+                        return Ans::Lost;
+                    }
+                }
+                let target = intent.map(|(i, _)| i.target).filter(|t| !done && read.0.standbys.contains(t));
+                let result = if read.0.state == GroupState::Migrating {
+                    let r = now(ownership::set_migrating(store, keys, &read, None)).map(drop);
+                    self.figures.at_limit += usize::from(limit && r.is_ok());
+                    r
+                } else if let Some(target) = target {
+                    now(ownership::change_standbys(store, keys, &read, |s| s.retain(|x| *x != target))).map(drop)
+                } else {
+                    Ok(())
+                };
+                Ans::Reshard { ended: true, result }
             }
         }
     }
@@ -674,6 +847,14 @@ impl World {
                 }
             }
             Task::Group(rank) => self.group_answer(m, rank, ans),
+            Task::Reshard(rank) => {
+                // A reshard ended (or lifted): writes thaw.
+                if let Ans::Reshard { ended: true, result: Ok(()) } = ans {
+                    if let GRole::Serving(s) = &mut self.masters[m].groups[rank as usize].role {
+                        s.frozen_since = None;
+                    }
+                }
+            }
         }
     }
 
@@ -726,7 +907,7 @@ impl World {
     }
 
     /// The role loop: plans from a view of the records and starts each group's action.
-    fn decide(&mut self, m: usize, (live, records): View) {
+    fn decide(&mut self, m: usize, (live, records, intents): View) {
         if self.masters[m].lease.is_none() {
             return;
         }
@@ -737,8 +918,20 @@ impl World {
             owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| g.primary.clone())).collect(),
         };
         self.masters[m].routes.learn(&table);
-        let views: Vec<GroupView> =
-            records.iter().map(|r| GroupView::from(r.as_ref().map(|(g, _)| g.clone()))).collect();
+        let now_ms = self.now_ms();
+        let views: Vec<GroupView> = records
+            .iter()
+            .zip(&intents)
+            .map(|(r, i)| GroupView {
+                reshard: i.as_ref().map(|(i, _)| cvm::Reshard {
+                    source: i.source.clone(),
+                    target: i.target.clone(),
+                    epoch: i.epoch,
+                    expired: i.expired(now_ms),
+                }),
+                ..GroupView::from(r.as_ref().map(|(g, _)| g.clone()))
+            })
+            .collect();
         let holds: Vec<bool> = self.masters[m].groups.iter().map(|s| s.holds).collect();
         let plan = cvm::plan(&me, &live, &views, |r| holds[r as usize]);
         self.log(|| format!("{me} plans {plan:?} (live {live:?})"));
@@ -746,14 +939,27 @@ impl World {
             let action = plan.iter().find(|(r, _)| *r == rank).map(|(_, a)| a.clone());
             let side = &self.masters[m].groups[rank as usize];
             let serving = matches!(&side.role, GRole::Serving(s) if !s.dropping);
-            if serving && action != Some(Action::Serve) {
+            if serving && !matches!(action, Some(Action::Serve | Action::EndReshard)) {
                 self.log(|| format!("{me} gives group {rank} up ({action:?})"));
                 self.drop_group(m, rank);
+            }
+            if serving {
+                self.source_step(
+                    m,
+                    rank,
+                    action.as_ref(),
+                    records[rank as usize].clone(),
+                    intents[rank as usize].clone(),
+                );
+                continue;
             }
             let side = &self.masters[m].groups[rank as usize];
             if side.busy != 0 || matches!(side.role, GRole::Serving(_) | GRole::CatchingUp { .. }) {
                 continue;
             }
+            let hangs = self.masters[m].hangs;
+            let frozen = intents[rank as usize].as_ref().is_some_and(|(i, _)| i.frozen_at.is_some());
+            self.masters[m].groups[rank as usize].switching = false;
             let read = records[rank as usize].clone();
             let op = match (action, read) {
                 (Some(Action::Create { caretake }), _) => Op::Create { rank, caretake },
@@ -767,6 +973,34 @@ impl World {
                 }
                 (Some(Action::Claim), Some(read)) => Op::Change { read, primary: me.clone(), caretaken: false },
                 (Some(Action::JoinAsStandby), Some(read)) => Op::Join { read },
+                // Named primary, not serving yet (a promotion whose answer was lost): the
+                // request is ended first, then the next view says Serve.
+                (Some(Action::EndReshard), Some(read)) => {
+                    Op::EndReshard { intent: intents[rank as usize].clone(), read, limit: false }
+                }
+                // The reshard's target (as `ha::migrate`): caught up, it sets the record
+                // migrating; once the source marked the request frozen, it promotes; until
+                // then (or while it hangs) it follows.
+                (Some(Action::Migrate), Some(read)) => {
+                    let side = &mut self.masters[m].groups[rank as usize];
+                    let followed = matches!(side.role, GRole::Standby) && side.holds;
+                    let mine = read.0.migrating_to.as_deref() == Some(me.as_str());
+                    if read.0.state == GroupState::Stable && followed {
+                        Op::SetMigrating { read }
+                    } else if read.0.state == GroupState::Migrating && mine && frozen && !hangs {
+                        side.switching = true;
+                        Op::Change { read, primary: me.clone(), caretaken: false }
+                    } else {
+                        if !matches!(side.role, GRole::Standby) {
+                            side.role = GRole::Standby;
+                            if !side.holds {
+                                side.forget();
+                                side.holds = true;
+                            }
+                        }
+                        Op::ReadLog { rank, from: side.applied + 1 }
+                    }
+                }
                 (Some(Action::Follow), Some(_)) => {
                     let side = &mut self.masters[m].groups[rank as usize];
                     if !matches!(side.role, GRole::Standby) {
@@ -794,6 +1028,51 @@ impl World {
         }
     }
 
+    /// A serving group's reshard part (as `ha::source_freezes` and `ha::end_reshard`): while
+    /// the record is migrating, admit no new write; once no batch is in flight, mark the
+    /// request frozen at the log's end; past the freeze's limit, or when the plan says so, end
+    /// the reshard.
+    fn source_step(
+        &mut self,
+        m: usize,
+        rank: u32,
+        action: Option<&Action>,
+        record: Option<(GroupRecord, Revision)>,
+        intent: Option<(ReshardIntent, Revision)>,
+    ) {
+        let now = self.clock.now();
+        let side = &mut self.masters[m].groups[rank as usize];
+        let GRole::Serving(s) = &mut side.role else { return };
+        let Some(read) = record else { return };
+        let migrating = read.0.state == GroupState::Migrating;
+        let op = match action {
+            Some(Action::Serve) if !migrating => {
+                s.frozen_since = None;
+                return;
+            }
+            Some(Action::Serve) => {
+                let since = *s.frozen_since.get_or_insert(now);
+                if now - since >= FREEZE_LIMIT {
+                    Op::EndReshard { intent, read, limit: true }
+                } else {
+                    match intent {
+                        Some(i) if i.0.frozen_at.is_none() && s.batch.is_none() => {
+                            Op::MarkFrozen { read: i, at: s.commit.durable() }
+                        }
+                        _ => return,
+                    }
+                }
+            }
+            Some(Action::EndReshard) => Op::EndReshard { intent, read, limit: false },
+            _ => return,
+        };
+        if side.rbusy != 0 {
+            return;
+        }
+        self.log(|| format!("m{m} group {rank}: {op:?}"));
+        self.send(m, Task::Reshard(rank), op);
+    }
+
     fn group_answer(&mut self, m: usize, rank: u32, ans: Ans) {
         let me = self.masters[m].id.clone();
         let durable_key = self.log_keys(rank).durable();
@@ -811,6 +1090,7 @@ impl World {
                 let epoch = record.epoch;
                 side.role = GRole::CatchingUp { record, rev };
                 self.figures.promotions += 1;
+                self.figures.switched += usize::from(std::mem::take(&mut side.switching));
                 self.log(|| format!("{me} is primary of group {rank} at epoch {epoch}"));
             }
             Ans::Log(kvs) => {
@@ -855,6 +1135,7 @@ impl World {
                     batch: None,
                     pending: None,
                     dropping: false,
+                    frozen_since: None,
                 }));
                 self.masters[m].routes.note(rank, epoch, &me);
                 self.log(|| format!("{me} serves group {rank} at epoch {epoch}"));
@@ -979,6 +1260,9 @@ impl World {
             }
             ClientReq::Put { op, rank, epoch } => {
                 let refuse = match &mut master.groups[rank as usize].role {
+                    GRole::Serving(s) if !s.dropping && s.epoch == epoch && s.frozen_since.is_some() => {
+                        Some(ErrorCode::KVPT_MIGRATING)
+                    }
                     GRole::Serving(s) if !s.dropping && s.epoch == epoch => {
                         s.queue.push((op, c));
                         None
@@ -1005,9 +1289,10 @@ impl World {
             }
             ClientResp::Refused(op, code) => {
                 assert!(
-                    matches!(code, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH),
+                    matches!(code, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH | ErrorCode::KVPT_MIGRATING),
                     "op {op} refused with {code:?}, not a routing error"
                 );
+                self.figures.migrating += usize::from(code == ErrorCode::KVPT_MIGRATING);
                 assert!(!self.acked.contains(&op), "op {op} refused after it was acknowledged");
                 self.refused.insert(op);
                 // Route again: ask some master.
@@ -1069,22 +1354,25 @@ impl World {
     fn dump(&self) -> String {
         let mut out = String::new();
         for m in &self.masters {
-            out += &format!("\n  {} up={} lease={:?} cut={}:", m.id, m.up, m.lease, m.cut);
+            out += &format!("\n  {} up={} lease={:?} cut={} hangs={}:", m.id, m.up, m.lease, m.cut, m.hangs);
             for (rank, side) in m.groups.iter().enumerate() {
                 let role = match &side.role {
                     GRole::None => "none".to_string(),
                     GRole::Standby => "standby".to_string(),
                     GRole::CatchingUp { record, rev } => format!("catching up (epoch {} at {rev})", record.epoch),
                     GRole::Serving(s) => format!(
-                        "serving (epoch {}, fence {}, dropping {}, batch {})",
+                        "serving (epoch {}, fence {}, dropping {}, batch {}, frozen {})",
                         s.epoch,
                         s.commit.fence_revision(),
                         s.dropping,
-                        s.batch.is_some()
+                        s.batch.is_some(),
+                        s.frozen_since.is_some()
                     ),
                 };
-                out +=
-                    &format!(" [g{rank}: {role}, holds {}, applied {}, busy {}]", side.holds, side.applied, side.busy);
+                out += &format!(
+                    " [g{rank}: {role}, holds {}, applied {}, busy {}/{}]",
+                    side.holds, side.applied, side.busy, side.rbusy
+                );
             }
         }
         out
@@ -1113,6 +1401,7 @@ impl World {
             m.paused = 0;
             m.up = true;
         }
+        self.calm = true;
         for round in 0..rounds {
             self.step += 1;
             for m in 0..self.masters.len() {
@@ -1124,6 +1413,7 @@ impl World {
             }
             self.deadlines();
         }
+        self.calm = false;
     }
 
     /// After the quiet phase: every group served by its primary, clients routed to it, a fresh
@@ -1144,8 +1434,23 @@ impl World {
                 rec.primary,
                 self.dump()
             );
+            assert!(
+                rec.state == GroupState::Stable && rec.migrating_to.is_none(),
+                "group {rank} is left migrating after the quiet phase: {rec:?}; {}",
+                self.dump()
+            );
+            let frozen =
+                matches!(&self.masters[m].groups[rank as usize].role, GRole::Serving(s) if s.frozen_since.is_some());
+            assert!(!frozen, "group {rank}'s primary {} still freezes its writes", rec.primary);
             primaries.push((rec, m));
         }
+        let left: Vec<ReshardIntent> = now(reshard::read_intents(&self.store, &self.keys, self.g))
+            .expect("readable intents")
+            .into_iter()
+            .flatten()
+            .map(|(i, _)| i)
+            .collect();
+        assert!(left.is_empty(), "reshard requests left after the quiet phase: {left:?}; {}", self.dump());
         // Every client learns the routes from every master and converges on the owners.
         for c in 0..self.clients.len() {
             for m in 0..self.masters.len() {
@@ -1199,9 +1504,23 @@ impl World {
 /// One schedule; panics (with what broke) on a violated invariant.
 fn run(seed: u64, trace: bool) -> Figures {
     let mut w = World::new(seed, trace);
-    // Most schedules start from a settled cluster; the others race its bootstrap too.
-    if w.rng.below(4) != 0 {
+    if seed >= RESHARD_SEEDS {
+        // A reshard's schedule: a settled cluster, a request that holds, then milder faults
+        // (a few kills, cuts, pauses and lost messages) that meet the move at any of its steps.
+        w.weights = [50, 25, 12, 3, 1, 1, 1, 1, 2, 0, 1];
         w.quiet(10);
+        for _ in 0..20 {
+            if w.request_reshard() {
+                break;
+            }
+        }
+    } else if w.rng.below(4) != 0 {
+        // Most schedules start from a settled cluster; the others race its bootstrap too.
+        w.quiet(10);
+        // Half of those start a reshard at once, so that the faults to come meet its steps.
+        if w.rng.below(2) == 0 {
+            w.request_reshard();
+        }
     }
     for _ in 0..w.steps {
         w.step += 1;
@@ -1216,7 +1535,7 @@ fn run(seed: u64, trace: bool) -> Figures {
 fn seeds(range: std::ops::Range<u64>) {
     if let Ok(seed) = std::env::var("TYCHO_SIM_SEED") {
         if range.start == 0 {
-            let seed = seed.parse().expect("TYCHO_SIM_SEED is a number");
+            let seed: u64 = seed.parse().expect("TYCHO_SIM_SEED is a number");
             let trace = std::env::var_os("TYCHO_SIM_TRACE").is_some();
             eprintln!("seed {seed}: {:?}", run(seed, trace));
         }
@@ -1240,22 +1559,41 @@ fn seeds(range: std::ops::Range<u64>) {
         }
     }
     eprintln!("schedules {range:?}: every invariant held; {all:?}");
-    if range.end - range.start >= 1000 {
+    if range.end - range.start >= 1000 && range.start < RESHARD_SEEDS {
         assert!(all.acked > 0 && all.promotions > 0 && all.fenced > 0, "the schedules exercised too little: {all:?}");
+    }
+    if range.end - range.start >= 1000 && range.start >= RESHARD_SEEDS {
+        assert!(
+            all.acked > 0
+                && all.switched > 0
+                && all.abandoned > 0
+                && all.voided > 0
+                && all.at_limit > 0
+                && all.frozen > 0
+                && all.migrating > 0
+                && all.kills.iter().all(|&k| k > 0),
+            "the reshard schedules exercised too little: {all:?}"
+        );
     }
 }
 
-/// How many schedules to run in all (half in each test, which run in parallel).
+/// How many schedules to run in all: two fifths in each of the first two tests, a fifth (of
+/// reshards) in the third; the tests run in parallel.
 fn total() -> u64 {
     std::env::var("TYCHO_SIM_SCHEDULES").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000)
 }
 
 #[test]
 fn schedules_first_half() {
-    seeds(0..total() / 2);
+    seeds(0..total() * 2 / 5);
 }
 
 #[test]
 fn schedules_second_half() {
-    seeds(total() / 2..total());
+    seeds(total() * 2 / 5..total() * 4 / 5);
+}
+
+#[test]
+fn reshard_schedules() {
+    seeds(RESHARD_SEEDS..RESHARD_SEEDS + total() / 5);
 }
