@@ -689,6 +689,12 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
     for r in &rpcs {
         let _ = writeln!(out, "tycho_master_rpc_failures_total{{rpc=\"{}\"}} {}", r.name, r.failures);
     }
+    family(&mut out, "tycho_master_rpc_errors_total", "counter", "RPC calls answered with an error, by RPC and code.");
+    for r in &rpcs {
+        for (code, n) in &r.by_code {
+            let _ = writeln!(out, "tycho_master_rpc_errors_total{{rpc=\"{}\",code=\"{}\"}} {n}", r.name, code.name());
+        }
+    }
     family(
         &mut out,
         "tycho_master_rpc_failed_items_total",

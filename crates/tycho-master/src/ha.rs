@@ -644,7 +644,7 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
                 Err(e) => return Err(e.into()),
             }
         }
-        (Some(Action::Follow), Some((g, _))) => follow(ctx, rank, role, board, &g, changes).await?,
+        (Some(Action::Follow), Some((g, _))) => follow(ctx, rank, role, board, &g, changes, true).await?,
         (Some(Action::Claim), Some(read)) => {
             // A planned switch: catch up while the caretaker still serves, then promote (the
             // compare-and-swap fences the caretaker's log), so that the group waits only for
@@ -748,8 +748,10 @@ async fn migrate(
     let mine = read.0.migrating_to.as_deref() == Some(cfg.id.as_str());
     let frozen_at = intent.as_ref().and_then(|(i, _)| i.frozen_at);
     if read.0.state == GroupState::Migrating && !(mine && frozen_at.is_some()) {
-        // Waiting for the source to freeze (or for the record to change).
-        return follow(ctx, rank, role, board, &read.0, changes).await;
+        // Waiting for the source to freeze (or for the record to change). No snapshot meanwhile:
+        // exporting a large group holds this loop for seconds, while the source's writes wait
+        // for it to switch.
+        return follow(ctx, rank, role, board, &read.0, changes, false).await;
     }
     let follower = role.follower.as_mut().expect("set above");
     let mut apply = apply_to(master, rank);
@@ -787,7 +789,7 @@ async fn migrate(
         })();
         if hang {
             tracing::warn!(group = rank, "failpoint reshard::switch: not switching");
-            return follow(ctx, rank, role, board, &read.0, changes).await;
+            return follow(ctx, rank, role, board, &read.0, changes, false).await;
         }
     }
     tracing::info!(group = rank, source = %read.0.primary, at = ?frozen_at, "reshard: the source froze writes; switching");
@@ -838,8 +840,8 @@ async fn end_reshard(
     Ok(())
 }
 
-/// Replays group `rank`'s log as its standby until a change of the records to decide on (or a
-/// snapshot falls due, which it takes).
+/// Replays group `rank`'s log as its standby until a change of the records to decide on (or,
+/// when `may_snapshot`, a snapshot falls due, which it takes).
 async fn follow(
     ctx: &Ctx<'_>,
     rank: u32,
@@ -847,6 +849,7 @@ async fn follow(
     board: &Board<'_>,
     g: &GroupRecord,
     mut changes: Changes,
+    may_snapshot: bool,
 ) -> Result<(), HaError> {
     let Ctx { master, keeper, .. } = *ctx;
     board.set(rank, GroupRole::Standby);
@@ -858,7 +861,7 @@ async fn follow(
         role.snapshotting = None;
     }
     // A snapshot is due once the log reaches this record (one at a time).
-    let due_at = match ctx.snaps.filter(|_| role.snapshotting.is_none()) {
+    let due_at = match ctx.snaps.filter(|_| may_snapshot && role.snapshotting.is_none()) {
         Some(snaps) => {
             let (pointers, _) = snaps.pointers(rank).await?;
             Some(pointers.latest.map_or(0, |l| l.applied) + snaps.every_records)

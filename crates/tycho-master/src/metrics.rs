@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tycho_proto::{Request, Response};
+use tycho_proto::{ErrorCode, Request, Response};
 
 /// Upper bounds of the latency histogram buckets, in seconds.
 pub const LATENCY_BUCKETS: [f64; 14] =
@@ -45,12 +45,25 @@ impl LatencyHistogram {
     }
 }
 
-#[derive(Default)]
 struct Series {
     requests: AtomicU64,
     failures: AtomicU64,
+    /// Calls answered with an error, by code (index in [`ErrorCode::ALL`]).
+    by_code: Vec<AtomicU64>,
     failed_items: AtomicU64,
     latency: LatencyHistogram,
+}
+
+impl Default for Series {
+    fn default() -> Series {
+        Series {
+            requests: AtomicU64::default(),
+            failures: AtomicU64::default(),
+            by_code: ErrorCode::ALL.iter().map(|_| AtomicU64::default()).collect(),
+            failed_items: AtomicU64::default(),
+            latency: LatencyHistogram::default(),
+        }
+    }
 }
 
 /// Request, failure and latency series of every RPC.
@@ -72,6 +85,8 @@ pub struct RpcSnapshot {
     pub requests: u64,
     /// Calls answered with an error.
     pub failures: u64,
+    /// Calls answered with an error, by code (those with none left out).
+    pub by_code: Vec<(ErrorCode, u64)>,
     /// Keys of batch calls that failed on their own while the call as a whole answered.
     pub failed_items: u64,
     /// Sum of latencies, seconds.
@@ -85,8 +100,11 @@ impl RpcMetrics {
     pub fn record(&self, index: usize, elapsed: Duration, resp: &Response) {
         let s = &self.series[index];
         s.requests.fetch_add(1, Ordering::Relaxed);
-        if resp.error_code().is_some() {
+        if let Some(code) = resp.error_code() {
             s.failures.fetch_add(1, Ordering::Relaxed);
+            if let Some(i) = ErrorCode::ALL.iter().position(|c| *c == code) {
+                s.by_code[i].fetch_add(1, Ordering::Relaxed);
+            }
         }
         let items = failed_items(resp);
         if items > 0 {
@@ -104,6 +122,12 @@ impl RpcMetrics {
                 name,
                 requests: s.requests.load(Ordering::Relaxed),
                 failures: s.failures.load(Ordering::Relaxed),
+                by_code: ErrorCode::ALL
+                    .iter()
+                    .zip(&s.by_code)
+                    .map(|(c, n)| (*c, n.load(Ordering::Relaxed)))
+                    .filter(|(_, n)| *n > 0)
+                    .collect(),
                 failed_items: s.failed_items.load(Ordering::Relaxed),
                 sum_seconds: s.latency.sum_seconds(),
                 cumulative: s.latency.cumulative(),
@@ -128,7 +152,6 @@ fn failed_items(resp: &Response) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tycho_proto::ErrorCode;
 
     #[test]
     fn whole_call_errors_and_per_key_errors_are_counted_apart() {
@@ -140,6 +163,7 @@ mod tests {
         m.record(batch, t, &Response::BatchExists(vec![Ok(true)]));
         let s = &m.snapshot()[batch];
         assert_eq!((s.requests, s.failures, s.failed_items), (3, 1, 1));
+        assert_eq!(s.by_code, vec![(ErrorCode::CLIENT_NOT_FOUND, 1)], "the call's code, not the key's");
         assert_eq!(s.cumulative.last().copied(), Some(3));
     }
 }

@@ -30,7 +30,7 @@ pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
 
 /// The body of `method path` from the HTTP server at `addr`, sending `bearer` as the
 /// `Authorization` if given; an answer other than 200 is an error carrying its body.
-fn http_call(addr: &str, method: &str, path: &str, bearer: Option<&str>) -> Result<String, String> {
+pub(crate) fn http_call(addr: &str, method: &str, path: &str, bearer: Option<&str>) -> Result<String, String> {
     use std::io::{Read, Write};
     let timeout = std::time::Duration::from_secs(10);
     let sock = std::net::ToSocketAddrs::to_socket_addrs(addr)

@@ -4,6 +4,7 @@ mod admin;
 mod bench_e2e;
 mod bench_fill;
 mod bench_master;
+mod bench_reshard;
 mod bench_scale;
 mod fuzz;
 mod master_client;
@@ -75,6 +76,9 @@ enum BenchCmd {
     Master(bench_master::BenchMasterArgs),
     /// How much of a segment holds user bytes before the first eviction.
     Fill(bench_fill::BenchFillArgs),
+    /// What moving a KVPT group costs its clients: the write freeze, the reshard's total time,
+    /// and read latency during it next to without one (two masters on an etcd it starts).
+    Reshard(bench_reshard::BenchReshardArgs),
 }
 
 fn main() {
@@ -103,6 +107,7 @@ fn main() {
         Command::Get(a) => objects::get(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
+        Command::Bench(BenchTop { sub: Some(BenchCmd::Reshard(a)), .. }) => bench_reshard::run(a),
         Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),

@@ -187,6 +187,23 @@ fn objects(master: &MasterProc, secret: &std::sync::Arc<tycho_proto::auth::Secre
     s.objects
 }
 
+/// The write calls (starts, ends, revokes, single and batch) a master answered with an error,
+/// as "rpc CODE" and how many (its `tycho_master_rpc_errors_total`).
+fn write_errors(m: &MasterProc) -> Vec<(String, u64)> {
+    let page = http_get(&m.http, "/metrics");
+    let label = |labels: &str, name: &str| {
+        labels.split(',').find_map(|kv| kv.strip_prefix(name)?.strip_prefix("=\"")?.strip_suffix('"')).map(String::from)
+    };
+    page.lines()
+        .filter_map(|l| l.strip_prefix("tycho_master_rpc_errors_total{")?.split_once("} "))
+        .filter_map(|(labels, n)| {
+            let rpc = label(labels, "rpc")?;
+            let code = label(labels, "code")?;
+            rpc.contains("put_").then(|| (format!("{rpc} {code}"), n.trim().parse().unwrap()))
+        })
+        .collect()
+}
+
 /// The body of `GET path` on `http` (host:port).
 fn http_get(http: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(http).unwrap();
@@ -778,6 +795,18 @@ fn a_reshard_under_load_moves_a_group_and_fails_no_call_and_loses_nothing() {
     assert!(intents(&a).is_empty(), "the request is cleared");
     let errors = load.errors.into_inner().unwrap();
     assert!(errors.is_empty(), "calls failed during a reshard: {errors:?}");
+    // What the client's writes met on the way (and retried): the freeze at the source, then
+    // the route moving to the target (a redirect, or a group still being installed there).
+    for m in [&a, &b] {
+        let met = write_errors(m);
+        println!("write errors answered by {}: {met:?}", m.rpc);
+        for (what, _) in &met {
+            assert!(
+                ["KVPT_MIGRATING", "KVPT_NOT_OWNED", "STALE_EPOCH"].iter().any(|c| what.ends_with(c)),
+                "a write met {what} during a reshard: {met:?}"
+            );
+        }
+    }
     let acked = load.acked.into_inner().unwrap();
     let group = |k: &str| tycho_routing::kvpt_to_rank(tycho_routing::partition_of("", k), 2);
     assert!(acked.iter().any(|k| group(k) == 1) && acked.iter().any(|k| group(k) == 0));
