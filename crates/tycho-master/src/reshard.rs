@@ -206,18 +206,6 @@ pub async fn request(
     }
 }
 
-/// Group `rank`'s intent and the revision it was read at, if there is one.
-pub async fn read_intent(
-    store: &dyn MetaStore,
-    keys: &ClusterKeys,
-    rank: u32,
-) -> Result<Option<(ReshardIntent, Revision)>, OwnershipError> {
-    match store.get(&keys.reshard_intent(rank)).await.map_err(store_error)?.kv {
-        None => Ok(None),
-        Some(kv) => Ok(Some((ReshardIntent::decode(&kv.value)?, kv.mod_revision))),
-    }
-}
-
 /// Every group's intent (index = rank) with the revision it was read at. An unreadable intent
 /// reads as none (a newer build's; this build will not act on it).
 pub async fn read_intents(

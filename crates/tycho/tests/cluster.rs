@@ -166,6 +166,20 @@ impl Load {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+
+    /// Runs `f` in the middle of the load (`{prefix}/{i}`, values of `len` bytes): once `lead`
+    /// writes were acknowledged, and until `lead` more were after it; then stops the load.
+    fn around<T: Send>(&self, client: &Client, prefix: &str, len: usize, lead: usize, f: impl FnOnce() -> T) -> T {
+        std::thread::scope(|s| {
+            s.spawn(|| self.run(client, prefix, len));
+            let _stop = StopOnDrop(self);
+            self.wait_for(lead, &format!("load before {prefix}"));
+            let out = f();
+            self.wait_for(self.acked() + lead, &format!("load after {prefix}"));
+            self.stop();
+            out
+        })
+    }
 }
 
 /// Stops a [`Load`] when dropped: a load thread in a scope stops when the test's thread panics
@@ -614,14 +628,9 @@ fn a_planned_switch_under_load_fails_no_call_and_loses_nothing() {
     wait_groups(&a, "a creates both groups", |g| g.len() == 2);
     let (_node, client) = c.node_and_client(&a.rpc);
     let load = Load::new();
-    let b = std::thread::scope(|s| {
-        s.spawn(|| load.run(&client, "claim", 2000));
-        let _stop = StopOnDrop(&load);
-        load.wait_for(100, "load before the claim");
+    let b = load.around(&client, "claim", 2000, 100, || {
         let b = c.master("", &[]);
         wait_groups(&a, "b claims group 1", |g| g[1].0 == b.rpc && !g[1].3);
-        load.wait_for(load.acked() + 100, "load after the claim");
-        load.stop();
         b
     });
     let errors = load.errors.into_inner().unwrap();
@@ -773,15 +782,7 @@ fn a_reshard_under_load_moves_a_group_and_fails_no_call_and_loses_nothing() {
     let (a, b, _node, client) = c.two_primaries();
     let before = groups(&a);
     let load = Load::new();
-    let out = std::thread::scope(|s| {
-        s.spawn(|| load.run(&client, "move", 2000));
-        let _stop = StopOnDrop(&load);
-        load.wait_for(100, "load before the reshard");
-        let out = c.reshard(&b, 1, &a.rpc);
-        load.wait_for(load.acked() + 100, "load after the reshard");
-        load.stop();
-        out
-    });
+    let out = load.around(&client, "move", 2000, 100, || c.reshard(&b, 1, &a.rpc));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "tycho reshard: {stdout}{}", String::from_utf8_lossy(&out.stderr));
     println!("{stdout}");
@@ -872,15 +873,7 @@ fn a_reshard_whose_target_hangs_at_a_failpoint_is_abandoned_and_the_group_stays_
     let before = groups(&a);
     assert_eq!(http_call(&a.http, "PUT", "/fail/reshard::switch", None, "return").0, 200);
     let load = Load::new();
-    let out = std::thread::scope(|s| {
-        s.spawn(|| load.run(&client, "hang", 2000));
-        let _stop = StopOnDrop(&load);
-        load.wait_for(50, "load before the reshard");
-        let out = c.reshard(&a, 1, &a.rpc);
-        load.wait_for(load.acked() + 50, "load after the reshard");
-        load.stop();
-        out
-    });
+    let out = load.around(&client, "hang", 2000, 50, || c.reshard(&a, 1, &a.rpc));
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert_eq!(out.status.code(), Some(1), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
@@ -931,10 +924,7 @@ fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint
         // The request goes through the third master when it is the victim, else through a.
         let door = if failpoint == "reshard::requested" { &s } else { &a };
         let load = Load::new();
-        std::thread::scope(|sc| {
-            sc.spawn(|| load.run(&client, failpoint, 2000));
-            let _stop = StopOnDrop(&load);
-            load.wait_for(50, "load before the reshard");
+        load.around(&client, failpoint, 2000, 50, || {
             let path = format!("/reshard?rank=1&target={}", by(target).rpc);
             // (The victim of the first case dies before it answers.)
             let mut sock = std::net::TcpStream::connect(&door.http).unwrap();
@@ -951,8 +941,6 @@ fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint
                 assert!(Instant::now() < deadline, "{failpoint}: the move never ended: {rec} {:?}", intents(&a));
                 std::thread::sleep(Duration::from_millis(50));
             }
-            load.wait_for(load.acked() + 50, "load after the move ended");
-            load.stop();
         });
         // The victim died (its registration ends with its lease); group 1's primary lives.
         let live = || -> Vec<String> {
