@@ -24,6 +24,7 @@ mod rpc;
 mod segment;
 pub mod snapshot;
 pub mod standby;
+pub mod task;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,0 +1,599 @@
+//! Copy and move tasks (issue 15): the part of them a KVPT group keeps. Which tasks exist, in
+//! which state, assigned to which client, within the limits Mooncake's master applies
+//! (`--max_total_pending_tasks`, `--max_total_processing_tasks`, `--max_total_finished_tasks`,
+//! `--pending_task_timeout_sec`, `--processing_task_timeout_sec`).
+//!
+//! Pure state without I/O, on times the caller gives (Unix ms). It is group state and changes
+//! only through the group's log: the primary asks for a decision ([`Tasks::submit`],
+//! [`Tasks::fetch`], [`Tasks::complete`], [`Tasks::housekeeping`], [`Tasks::client_gone`]),
+//! each of which changes nothing and returns the [`TaskRecord`]s to log; the primary and every
+//! standby then apply the same records ([`Tasks::apply`]), so that a failover or a reshard
+//! carries every task over, and a snapshot carries them as [`Tasks::export`] gives them.
+//!
+//! The lifecycle is Mooncake's: a task is created PENDING in the queue of the client that holds
+//! its source replica; that client's fetch takes it (PROCESSING); the client reports SUCCESS or
+//! FAILED, and the first report wins. A task waiting or running past its timeout is failed. The
+//! finished tasks are kept, oldest dropped first, up to their limit, and a dropped task is
+//! unknown (TASK_NOT_FOUND). Unlike Mooncake's master, which waits for the timeouts, a client
+//! that goes away fails its unfinished tasks at once.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+use tycho_proto::{ClientId, ErrorCode};
+
+/// A task's id: the group's rank in the top 16 bits (so that any master can route a query to
+/// the group's primary), the rest random.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TaskId(pub u128);
+
+impl TaskId {
+    /// A task id of group `rank` with the random part `random`.
+    pub fn new(rank: u32, random: u128) -> TaskId {
+        TaskId((u128::from(rank as u16) << 112) | (random & ((1u128 << 112) - 1)))
+    }
+
+    /// The group the task belongs to.
+    pub fn rank(self) -> u32 {
+        (self.0 >> 112) as u32
+    }
+}
+
+/// What a task does (Mooncake's `TaskType`: REPLICA_COPY = 0, REPLICA_MOVE = 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskKind {
+    /// Add replicas of an object on the target segments.
+    Copy,
+    /// Move an object's replica from its source segment to the target segment.
+    Move,
+}
+
+/// Where a task stands (Mooncake's `TaskStatus`, in its order: PENDING = 0, PROCESSING = 1,
+/// FAILED = 2, SUCCESS = 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskStatus {
+    /// Waiting for its client to fetch it.
+    Pending,
+    /// Fetched by its client, which runs it.
+    Processing,
+    /// Ended without doing what it was for.
+    Failed,
+    /// Done.
+    Success,
+}
+
+impl TaskStatus {
+    /// Whether the task has ended.
+    pub fn is_finished(self) -> bool {
+        matches!(self, TaskStatus::Failed | TaskStatus::Success)
+    }
+}
+
+/// One task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Task {
+    /// Its id.
+    pub id: TaskId,
+    /// Copy or move.
+    pub kind: TaskKind,
+    /// The object's storage key (`tycho_routing::encode_object_key`).
+    pub key: Vec<u8>,
+    /// The segment whose replica is copied or moved (by name, as the user names segments).
+    pub source: String,
+    /// The segments that receive a replica (one for a move).
+    pub targets: Vec<String>,
+    /// The client that runs it: the owner of the source segment.
+    pub assigned: ClientId,
+    /// Where it stands.
+    pub status: TaskStatus,
+    /// When it was created (Unix ms).
+    pub created_ms: u64,
+    /// When its status last changed (Unix ms).
+    pub updated_ms: u64,
+    /// Why it failed, or a word on its success.
+    pub message: String,
+}
+
+/// The limits on a group's tasks (Mooncake's defaults: 10,000 of each, 300 s timeouts; a
+/// timeout of 0 is none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TaskLimits {
+    /// Most tasks waiting at once; a new task past it is refused.
+    pub max_pending: usize,
+    /// Most tasks running at once; past it, fetches hand out nothing (tasks keep waiting).
+    pub max_processing: usize,
+    /// Most finished tasks kept for queries; the oldest go first.
+    pub max_finished: usize,
+    /// A task waiting longer than this (from its creation) fails.
+    pub pending_timeout_ms: u64,
+    /// A task running longer than this (from its fetch) fails.
+    pub processing_timeout_ms: u64,
+}
+
+impl Default for TaskLimits {
+    fn default() -> TaskLimits {
+        TaskLimits {
+            max_pending: 10_000,
+            max_processing: 10_000,
+            max_finished: 10_000,
+            pending_timeout_ms: 300_000,
+            processing_timeout_ms: 300_000,
+        }
+    }
+}
+
+/// One change of a group's tasks, as logged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskRecord {
+    /// A task was created, pending.
+    Created(Task),
+    /// `client` fetched these pending tasks of its own: they run.
+    Started {
+        /// The fetching client.
+        client: ClientId,
+        /// The tasks, in the order it got them.
+        ids: Vec<TaskId>,
+        /// When (Unix ms).
+        at_ms: u64,
+    },
+    /// A task ended.
+    Finished {
+        /// The task.
+        id: TaskId,
+        /// Failed or Success.
+        status: TaskStatus,
+        /// Why, in a few words.
+        message: String,
+        /// When (Unix ms).
+        at_ms: u64,
+    },
+    /// Finished tasks dropped (past the finished limit): queries no longer find them.
+    Forgotten {
+        /// The tasks.
+        ids: Vec<TaskId>,
+    },
+}
+
+/// A group's tasks.
+#[derive(Debug, Default)]
+pub struct Tasks {
+    all: HashMap<TaskId, Task>,
+    /// Per client, its pending tasks in creation order (a task finished while pending is
+    /// taken out when it finishes).
+    pending: BTreeMap<ClientId, VecDeque<TaskId>>,
+    /// Per client, its running tasks.
+    processing: BTreeMap<ClientId, BTreeSet<TaskId>>,
+    /// Finished tasks, in the order they finished.
+    finished: VecDeque<TaskId>,
+    pending_count: usize,
+    processing_count: usize,
+}
+
+impl Tasks {
+    /// Task `id`, if the group knows it.
+    pub fn query(&self, id: TaskId) -> Option<&Task> {
+        self.all.get(&id)
+    }
+
+    /// How many tasks wait, run, and are kept finished.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.pending_count, self.processing_count, self.finished.len())
+    }
+
+    /// Whether a task of `key` runs (a remove then answers OBJECT_HAS_REPLICATION_TASK; one that
+    /// only waits fails later, finding no object).
+    pub fn running(&self, key: &[u8]) -> bool {
+        self.processing.values().flatten().any(|id| self.all.get(id).is_some_and(|t| t.key == key))
+    }
+
+    /// The record that creates `task` (pending), or TASK_PENDING_LIMIT_EXCEEDED when as many
+    /// tasks wait as the limit allows.
+    pub fn submit(&self, limits: &TaskLimits, task: Task) -> Result<TaskRecord, ErrorCode> {
+        if self.pending_count >= limits.max_pending {
+            return Err(ErrorCode::TASK_PENDING_LIMIT_EXCEEDED);
+        }
+        if self.all.contains_key(&task.id) || task.status != TaskStatus::Pending {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        Ok(TaskRecord::Created(task))
+    }
+
+    /// The record that hands `client` up to `max` of its pending tasks, oldest first, as many
+    /// as the running limit leaves room for; `None` when there is none to hand out.
+    pub fn fetch(&self, limits: &TaskLimits, client: ClientId, max: usize, now_ms: u64) -> Option<TaskRecord> {
+        let room = limits.max_processing.saturating_sub(self.processing_count).min(max);
+        let ids: Vec<TaskId> = self.pending.get(&client)?.iter().take(room).copied().collect();
+        (!ids.is_empty()).then_some(TaskRecord::Started { client, ids, at_ms: now_ms })
+    }
+
+    /// The record of `client`'s report on task `id`: `None` when the task ended already (the
+    /// first report wins). INVALID_PARAMS for a status that is not an end, TASK_NOT_FOUND for
+    /// an unknown task, ILLEGAL_CLIENT when the task is another client's.
+    pub fn complete(
+        &self,
+        client: ClientId,
+        id: TaskId,
+        status: TaskStatus,
+        message: String,
+        now_ms: u64,
+    ) -> Result<Option<TaskRecord>, ErrorCode> {
+        if !status.is_finished() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let task = self.all.get(&id).ok_or(ErrorCode::TASK_NOT_FOUND)?;
+        if task.assigned != client {
+            return Err(ErrorCode::ILLEGAL_CLIENT);
+        }
+        if task.status.is_finished() {
+            return Ok(None);
+        }
+        Ok(Some(TaskRecord::Finished { id, status, message, at_ms: now_ms }))
+    }
+
+    /// The records of the periodic clean-up at `now_ms`: tasks past their timeout fail, then
+    /// the oldest finished tasks beyond the limit (counting those) are forgotten.
+    pub fn housekeeping(&self, limits: &TaskLimits, now_ms: u64) -> Vec<TaskRecord> {
+        let mut out = Vec::new();
+        let late = |t: &Task| match t.status {
+            TaskStatus::Pending if limits.pending_timeout_ms > 0 => {
+                (now_ms.saturating_sub(t.created_ms) > limits.pending_timeout_ms).then_some("pending timeout")
+            }
+            TaskStatus::Processing if limits.processing_timeout_ms > 0 => {
+                (now_ms.saturating_sub(t.updated_ms) > limits.processing_timeout_ms).then_some("processing timeout")
+            }
+            _ => None,
+        };
+        let mut timed_out: Vec<(TaskId, &str)> =
+            self.all.values().filter_map(|t| late(t).map(|why| (t.id, why))).collect();
+        timed_out.sort_unstable();
+        let over = (self.finished.len() + timed_out.len()).saturating_sub(limits.max_finished);
+        // Finished order: those kept, then these failures as they are logged.
+        let ids: Vec<TaskId> =
+            self.finished.iter().copied().chain(timed_out.iter().map(|(id, _)| *id)).take(over).collect();
+        out.extend(timed_out.into_iter().map(|(id, why)| TaskRecord::Finished {
+            id,
+            status: TaskStatus::Failed,
+            message: why.to_string(),
+            at_ms: now_ms,
+        }));
+        if !ids.is_empty() {
+            out.push(TaskRecord::Forgotten { ids });
+        }
+        out
+    }
+
+    /// The records that fail every unfinished task of `client`, which went away (expired,
+    /// unmounted its source): nobody else can run them.
+    pub fn client_gone(&self, client: ClientId, now_ms: u64) -> Vec<TaskRecord> {
+        let mut ids: Vec<TaskId> = self.pending.get(&client).into_iter().flatten().copied().collect();
+        ids.extend(self.processing.get(&client).into_iter().flatten().copied());
+        ids.sort_unstable();
+        ids.into_iter()
+            .map(|id| TaskRecord::Finished {
+                id,
+                status: TaskStatus::Failed,
+                message: "its client went away".into(),
+                at_ms: now_ms,
+            })
+            .collect()
+    }
+
+    /// Applies a logged change. A record that does not fit the state (a task started twice, a
+    /// report on a task that ended) changes nothing: replaying a log gives the state its
+    /// primary had.
+    pub fn apply(&mut self, rec: &TaskRecord) {
+        match rec {
+            TaskRecord::Created(task) => {
+                if self.all.contains_key(&task.id) {
+                    return;
+                }
+                self.pending.entry(task.assigned).or_default().push_back(task.id);
+                self.pending_count += 1;
+                self.all.insert(task.id, Task { status: TaskStatus::Pending, ..task.clone() });
+            }
+            TaskRecord::Started { client, ids, at_ms } => {
+                for id in ids {
+                    let Some(task) = self.all.get_mut(id).filter(|t| t.status == TaskStatus::Pending) else { continue };
+                    if task.assigned != *client {
+                        continue;
+                    }
+                    task.status = TaskStatus::Processing;
+                    task.updated_ms = *at_ms;
+                    Self::unqueue(&mut self.pending, *client, *id);
+                    self.pending_count -= 1;
+                    self.processing.entry(*client).or_default().insert(*id);
+                    self.processing_count += 1;
+                }
+            }
+            TaskRecord::Finished { id, status, message, at_ms } => {
+                let Some(task) = self.all.get_mut(id).filter(|t| !t.status.is_finished()) else { return };
+                if !status.is_finished() {
+                    return;
+                }
+                match task.status {
+                    TaskStatus::Pending => {
+                        Self::unqueue(&mut self.pending, task.assigned, *id);
+                        self.pending_count -= 1;
+                    }
+                    _ => {
+                        if let Some(set) = self.processing.get_mut(&task.assigned) {
+                            set.remove(id);
+                            if set.is_empty() {
+                                self.processing.remove(&task.assigned);
+                            }
+                        }
+                        self.processing_count -= 1;
+                    }
+                }
+                task.status = *status;
+                task.message = message.clone();
+                task.updated_ms = *at_ms;
+                self.finished.push_back(*id);
+            }
+            TaskRecord::Forgotten { ids } => {
+                for id in ids {
+                    if self.all.get(id).is_some_and(|t| t.status.is_finished()) {
+                        self.all.remove(id);
+                        self.finished.retain(|f| f != id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn unqueue(pending: &mut BTreeMap<ClientId, VecDeque<TaskId>>, client: ClientId, id: TaskId) {
+        if let Some(q) = pending.get_mut(&client) {
+            q.retain(|x| *x != id);
+            if q.is_empty() {
+                pending.remove(&client);
+            }
+        }
+    }
+
+    /// Every task, for a snapshot: unfinished ones in their queues' order, then the finished
+    /// ones in the order they finished. [`Tasks::import`] of it gives this state back.
+    pub fn export(&self) -> Vec<Task> {
+        let mut out: Vec<Task> = Vec::with_capacity(self.all.len());
+        for q in self.pending.values() {
+            out.extend(q.iter().filter_map(|id| self.all.get(id)).cloned());
+        }
+        for s in self.processing.values() {
+            out.extend(s.iter().filter_map(|id| self.all.get(id)).cloned());
+        }
+        out.extend(self.finished.iter().filter_map(|id| self.all.get(id)).cloned());
+        out
+    }
+
+    /// The state a snapshot's [`Tasks::export`] was taken of.
+    pub fn import(tasks: Vec<Task>) -> Tasks {
+        let mut t = Tasks::default();
+        for task in tasks {
+            let id = task.id;
+            match task.status {
+                TaskStatus::Pending => {
+                    t.pending.entry(task.assigned).or_default().push_back(id);
+                    t.pending_count += 1;
+                }
+                TaskStatus::Processing => {
+                    t.processing.entry(task.assigned).or_default().insert(id);
+                    t.processing_count += 1;
+                }
+                _ => t.finished.push_back(id),
+            }
+            t.all.insert(id, task);
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: ClientId = ClientId(1);
+    const B: ClientId = ClientId(2);
+
+    fn task(n: u128, client: ClientId, at: u64) -> Task {
+        Task {
+            id: TaskId::new(3, n),
+            kind: TaskKind::Copy,
+            key: format!("k{n}").into_bytes(),
+            source: "seg-a".into(),
+            targets: vec!["seg-b".into()],
+            assigned: client,
+            status: TaskStatus::Pending,
+            created_ms: at,
+            updated_ms: at,
+            message: String::new(),
+        }
+    }
+
+    /// Decides and applies, as a primary does, keeping the log.
+    struct Primary {
+        tasks: Tasks,
+        log: Vec<TaskRecord>,
+        limits: TaskLimits,
+    }
+
+    impl Primary {
+        fn new(limits: TaskLimits) -> Primary {
+            Primary { tasks: Tasks::default(), log: Vec::new(), limits }
+        }
+
+        fn take(&mut self, recs: impl IntoIterator<Item = TaskRecord>) {
+            for r in recs {
+                self.tasks.apply(&r);
+                self.log.push(r);
+            }
+        }
+
+        fn submit(&mut self, t: Task) -> Result<(), ErrorCode> {
+            let r = self.tasks.submit(&self.limits, t)?;
+            self.take([r]);
+            Ok(())
+        }
+
+        fn fetch(&mut self, c: ClientId, max: usize, now: u64) -> Vec<TaskId> {
+            match self.tasks.fetch(&self.limits, c, max, now) {
+                Some(r) => {
+                    let TaskRecord::Started { ids, .. } = &r else { unreachable!() };
+                    let ids = ids.clone();
+                    self.take([r]);
+                    ids
+                }
+                None => Vec::new(),
+            }
+        }
+
+        fn complete(&mut self, c: ClientId, id: TaskId, s: TaskStatus, now: u64) -> Result<(), ErrorCode> {
+            let r = self.tasks.complete(c, id, s, "done".into(), now)?;
+            self.take(r);
+            Ok(())
+        }
+
+        /// A standby's state: the log replayed from nothing.
+        fn replayed(&self) -> Tasks {
+            let mut t = Tasks::default();
+            self.log.iter().for_each(|r| t.apply(r));
+            t
+        }
+    }
+
+    fn same(a: &Tasks, b: &Tasks) {
+        assert_eq!(a.export(), b.export());
+        assert_eq!(a.counts(), b.counts());
+    }
+
+    #[test]
+    fn ids_carry_their_group() {
+        let id = TaskId::new(513, u128::MAX);
+        assert_eq!(id.rank(), 513);
+        assert_eq!(TaskId::new(0, 7).rank(), 0);
+    }
+
+    #[test]
+    fn a_task_waits_for_its_client_then_runs_then_ends_once() {
+        let mut p = Primary::new(TaskLimits::default());
+        p.submit(task(1, A, 10)).unwrap();
+        p.submit(task(2, A, 11)).unwrap();
+        assert!(p.fetch(B, 16, 12).is_empty(), "another client's fetch gets nothing");
+        assert_eq!(p.fetch(A, 1, 12), vec![TaskId::new(3, 1)], "oldest first, at most max");
+        assert_eq!(p.tasks.counts(), (1, 1, 0));
+        let t1 = TaskId::new(3, 1);
+        assert_eq!(p.tasks.query(t1).unwrap().status, TaskStatus::Processing);
+        assert_eq!(p.complete(A, t1, TaskStatus::Pending, 13), Err(ErrorCode::INVALID_PARAMS));
+        assert_eq!(p.complete(B, t1, TaskStatus::Success, 13), Err(ErrorCode::ILLEGAL_CLIENT));
+        assert_eq!(p.complete(A, TaskId::new(3, 99), TaskStatus::Success, 13), Err(ErrorCode::TASK_NOT_FOUND));
+        p.complete(A, t1, TaskStatus::Success, 14).unwrap();
+        p.complete(A, t1, TaskStatus::Failed, 15).unwrap();
+        let t = p.tasks.query(t1).unwrap();
+        assert_eq!((t.status, t.updated_ms), (TaskStatus::Success, 14), "the first report wins");
+        assert_eq!(p.tasks.counts(), (1, 0, 1));
+        // A pending task may be reported on too (it leaves its queue).
+        p.complete(A, TaskId::new(3, 2), TaskStatus::Failed, 16).unwrap();
+        assert_eq!(p.tasks.counts(), (0, 0, 2));
+        assert!(p.fetch(A, 16, 17).is_empty());
+        same(&p.tasks, &p.replayed());
+    }
+
+    #[test]
+    fn the_pending_limit_refuses_new_tasks_and_the_running_limit_holds_them_back() {
+        let limits = TaskLimits { max_pending: 2, max_processing: 1, ..TaskLimits::default() };
+        let mut p = Primary::new(limits);
+        p.submit(task(1, A, 0)).unwrap();
+        p.submit(task(2, B, 0)).unwrap();
+        assert_eq!(p.submit(task(3, A, 0)), Err(ErrorCode::TASK_PENDING_LIMIT_EXCEEDED));
+        assert!(p.tasks.query(TaskId::new(3, 3)).is_none(), "a refused task changes nothing");
+        assert_eq!(p.fetch(A, 16, 1).len(), 1);
+        assert!(p.fetch(B, 16, 1).is_empty(), "one may run at a time: B's task waits");
+        p.submit(task(3, A, 2)).unwrap();
+        p.complete(A, TaskId::new(3, 1), TaskStatus::Success, 3).unwrap();
+        assert_eq!(p.fetch(B, 16, 4), vec![TaskId::new(3, 2)]);
+        same(&p.tasks, &p.replayed());
+    }
+
+    #[test]
+    fn timeouts_fail_tasks_and_the_oldest_finished_are_forgotten() {
+        let limits =
+            TaskLimits { max_finished: 2, pending_timeout_ms: 100, processing_timeout_ms: 50, ..TaskLimits::default() };
+        let mut p = Primary::new(limits);
+        for n in 1..=4 {
+            p.submit(task(n, A, 0)).unwrap();
+        }
+        assert_eq!(p.fetch(A, 1, 70).len(), 1, "task 1 runs from 70");
+        assert!(p.tasks.housekeeping(&p.limits, 100).is_empty(), "nothing late at 100");
+        // At 121: task 1 ran for 51 ms, tasks 2-4 waited 121 ms. Four failures, and the two
+        // oldest of them forgotten at once (finished limit 2).
+        let recs = p.tasks.housekeeping(&p.limits, 121);
+        assert_eq!(recs.len(), 5, "{recs:?}");
+        p.take(recs);
+        let t1 = p.tasks.query(TaskId::new(3, 1));
+        assert!(t1.is_none(), "forgotten: {t1:?}");
+        assert_eq!(p.tasks.counts(), (0, 0, 2));
+        let t4 = p.tasks.query(TaskId::new(3, 4)).unwrap();
+        assert_eq!((t4.status, t4.message.as_str()), (TaskStatus::Failed, "pending timeout"));
+        assert!(p.tasks.housekeeping(&p.limits, 1000).is_empty(), "nothing more to do");
+        same(&p.tasks, &p.replayed());
+        // A timeout of 0 is none.
+        let mut q = Primary::new(TaskLimits { pending_timeout_ms: 0, processing_timeout_ms: 0, ..limits });
+        q.submit(task(1, A, 0)).unwrap();
+        assert!(q.tasks.housekeeping(&q.limits, u64::MAX).is_empty());
+    }
+
+    #[test]
+    fn a_client_that_goes_away_fails_its_tasks_and_only_its_own() {
+        let mut p = Primary::new(TaskLimits::default());
+        p.submit(task(1, A, 0)).unwrap();
+        p.submit(task(2, A, 0)).unwrap();
+        p.submit(task(3, B, 0)).unwrap();
+        p.fetch(A, 1, 1);
+        let recs = p.tasks.client_gone(A, 5);
+        assert_eq!(recs.len(), 2);
+        p.take(recs);
+        for n in [1, 2] {
+            assert_eq!(p.tasks.query(TaskId::new(3, n)).unwrap().status, TaskStatus::Failed);
+        }
+        assert_eq!(p.tasks.query(TaskId::new(3, 3)).unwrap().status, TaskStatus::Pending);
+        assert!(!p.tasks.running(b"k1") && !p.tasks.running(b"k3"), "failed, and only waiting");
+        p.fetch(B, 1, 6);
+        assert!(p.tasks.running(b"k3"));
+        same(&p.tasks, &p.replayed());
+    }
+
+    #[test]
+    fn a_snapshot_of_the_tasks_gives_the_same_state_and_records_survive_the_wire() {
+        let mut p = Primary::new(TaskLimits::default());
+        for n in 1..=5 {
+            p.submit(task(n, if n % 2 == 0 { B } else { A }, n as u64)).unwrap();
+        }
+        p.fetch(A, 1, 6);
+        p.complete(B, TaskId::new(3, 2), TaskStatus::Success, 7).unwrap();
+        let restored = Tasks::import(p.tasks.export());
+        same(&p.tasks, &restored);
+        // The next decisions agree too.
+        assert_eq!(
+            restored.fetch(&p.limits, A, 16, 8),
+            p.tasks.fetch(&p.limits, A, 16, 8),
+            "the queues keep their order through a snapshot"
+        );
+        for r in &p.log {
+            let bytes = postcard::to_stdvec(r).unwrap();
+            assert_eq!(&postcard::from_bytes::<TaskRecord>(&bytes).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn records_that_do_not_fit_change_nothing() {
+        let mut p = Primary::new(TaskLimits::default());
+        p.submit(task(1, A, 0)).unwrap();
+        let before = p.tasks.export();
+        let id = TaskId::new(3, 1);
+        p.tasks.apply(&TaskRecord::Started { client: B, ids: vec![id], at_ms: 1 });
+        p.tasks.apply(&TaskRecord::Finished { id, status: TaskStatus::Processing, message: String::new(), at_ms: 1 });
+        p.tasks.apply(&TaskRecord::Forgotten { ids: vec![id] });
+        p.tasks.apply(&TaskRecord::Created(Task { targets: vec![], ..task(1, B, 9) }));
+        assert_eq!(p.tasks.export(), before);
+        assert_eq!(p.tasks.counts(), (1, 0, 0));
+    }
+}
