@@ -24,7 +24,7 @@ use tycho_proto::{ClientId, ErrorCode, SegmentDesc, SegmentId};
 use crate::object::Pins;
 
 /// Layout version of [`RecordBatch`] this build writes and the only one it reads.
-pub const RECORD_VERSION: u16 = 2;
+pub const RECORD_VERSION: u16 = 3;
 
 /// A replica's range as the log names it: enough to reserve exactly the same bytes under the
 /// same generation on replay.
@@ -162,6 +162,8 @@ pub enum Record {
         /// The segment.
         segment: SegmentId,
     },
+    /// A change of the group's copy and move tasks (layout version 3 on).
+    Task(crate::task::TaskRecord),
 }
 
 impl Record {
@@ -174,7 +176,7 @@ impl Record {
             | Record::WriteDrop { key, .. }
             | Record::Remove { key, .. }
             | Record::DropReplicas { key, .. } => Some(key),
-            Record::Mount { .. } | Record::Unmount { .. } => None,
+            Record::Mount { .. } | Record::Unmount { .. } | Record::Task(_) => None,
         }
     }
 }
@@ -257,7 +259,8 @@ impl RecordBatch {
     pub fn decode(bytes: &[u8]) -> Result<RecordBatch, RecordError> {
         let (version, payload) = envelope::open(RecordKind::OpLogBatch, RECORD_VERSION, bytes)?;
         // Version 1 (a WriteEnd without its dropped segments) was never released: refused.
-        if version < RECORD_VERSION {
+        // Version 2 is version 3 without task records: read alike.
+        if version < 2 {
             return Err(RecordError::Envelope(EnvelopeError::UnknownVersion {
                 found: version,
                 newest: RECORD_VERSION,
@@ -331,6 +334,20 @@ mod tests {
         let b = sample();
         assert_eq!(b.last_seq(), 48);
         assert_eq!(RecordBatch::decode(&b.encode()), Ok(b));
+    }
+
+    #[test]
+    fn a_version_2_batch_reads_as_before_and_a_task_record_needs_version_3() {
+        let b = sample();
+        let v2 = envelope::seal(RecordKind::OpLogBatch, 2, &postcard::to_stdvec(&b).unwrap());
+        assert_eq!(RecordBatch::decode(&v2), Ok(b.clone()));
+        let v1 = envelope::seal(RecordKind::OpLogBatch, 1, &postcard::to_stdvec(&b).unwrap());
+        assert!(RecordBatch::decode(&v1).is_err(), "version 1 was never released");
+        let task = crate::task::TaskRecord::Forgotten { ids: vec![crate::task::TaskId::new(0, 9)] };
+        let with_task = RecordBatch { records: vec![Record::Task(task)], ..b };
+        let sealed = with_task.encode();
+        assert_eq!(u16::from_le_bytes([sealed[5], sealed[6]]), 3);
+        assert_eq!(RecordBatch::decode(&sealed), Ok(with_task));
     }
 
     #[test]

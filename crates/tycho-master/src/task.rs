@@ -8,7 +8,7 @@
 //! [`Tasks::fetch`], [`Tasks::complete`], [`Tasks::housekeeping`], [`Tasks::client_gone`]),
 //! each of which changes nothing and returns the [`TaskRecord`]s to log; the primary and every
 //! standby then apply the same records ([`Tasks::apply`]), so that a failover or a reshard
-//! carries every task over, and a snapshot carries them as [`Tasks::export`] gives them.
+//! carries every task over, and a snapshot carries them as [`Tasks::to_records`] gives them.
 //!
 //! The lifecycle is Mooncake's: a task is created PENDING in the queue of the client that holds
 //! its source replica; that client's fetch takes it (PROCESSING); the client reports SUCCESS or
@@ -351,39 +351,38 @@ impl Tasks {
         }
     }
 
-    /// Every task, for a snapshot: unfinished ones in their queues' order, then the finished
-    /// ones in the order they finished. [`Tasks::import`] of it gives this state back.
-    pub fn export(&self) -> Vec<Task> {
-        let mut out: Vec<Task> = Vec::with_capacity(self.all.len());
-        for q in self.pending.values() {
-            out.extend(q.iter().filter_map(|id| self.all.get(id)).cloned());
+    /// Records that rebuild this state when applied to an empty one, in order: for a snapshot
+    /// (the log's own records may be gone). Every task is created (the waiting ones in their
+    /// queues' order), the running ones started, the finished ones ended in the order they
+    /// ended.
+    pub fn to_records(&self) -> Vec<TaskRecord> {
+        let mut out = Vec::with_capacity(self.all.len() * 2);
+        let created = |id: &TaskId| {
+            self.all.get(id).map(|t| TaskRecord::Created(Task { status: TaskStatus::Pending, ..t.clone() }))
+        };
+        out.extend(self.pending.values().flatten().filter_map(created));
+        out.extend(self.processing.values().flatten().filter_map(created));
+        out.extend(self.finished.iter().filter_map(created));
+        for (client, ids) in &self.processing {
+            for id in ids {
+                let at_ms = self.all.get(id).map_or(0, |t| t.updated_ms);
+                out.push(TaskRecord::Started { client: *client, ids: vec![*id], at_ms });
+            }
         }
-        for s in self.processing.values() {
-            out.extend(s.iter().filter_map(|id| self.all.get(id)).cloned());
-        }
-        out.extend(self.finished.iter().filter_map(|id| self.all.get(id)).cloned());
+        out.extend(self.finished.iter().filter_map(|id| self.all.get(id)).map(|t| TaskRecord::Finished {
+            id: t.id,
+            status: t.status,
+            message: t.message.clone(),
+            at_ms: t.updated_ms,
+        }));
         out
     }
 
-    /// The state a snapshot's [`Tasks::export`] was taken of.
-    pub fn import(tasks: Vec<Task>) -> Tasks {
-        let mut t = Tasks::default();
-        for task in tasks {
-            let id = task.id;
-            match task.status {
-                TaskStatus::Pending => {
-                    t.pending.entry(task.assigned).or_default().push_back(id);
-                    t.pending_count += 1;
-                }
-                TaskStatus::Processing => {
-                    t.processing.entry(task.assigned).or_default().insert(id);
-                    t.processing_count += 1;
-                }
-                _ => t.finished.push_back(id),
-            }
-            t.all.insert(id, task);
-        }
-        t
+    /// Every task, waiting ones first (in their queues' order), then running, then finished
+    /// (in the order they ended).
+    pub fn list(&self) -> Vec<&Task> {
+        let ids = self.pending.values().flatten().chain(self.processing.values().flatten()).chain(self.finished.iter());
+        ids.filter_map(|id| self.all.get(id)).collect()
     }
 }
 
@@ -461,7 +460,7 @@ mod tests {
     }
 
     fn same(a: &Tasks, b: &Tasks) {
-        assert_eq!(a.export(), b.export());
+        assert_eq!(a.list(), b.list());
         assert_eq!(a.counts(), b.counts());
     }
 
@@ -569,8 +568,10 @@ mod tests {
         }
         p.fetch(A, 1, 6);
         p.complete(B, TaskId::new(3, 2), TaskStatus::Success, 7).unwrap();
-        let restored = Tasks::import(p.tasks.export());
+        let mut restored = Tasks::default();
+        p.tasks.to_records().iter().for_each(|r| restored.apply(r));
         same(&p.tasks, &restored);
+        assert_eq!(restored.to_records(), p.tasks.to_records());
         // The next decisions agree too.
         assert_eq!(
             restored.fetch(&p.limits, A, 16, 8),
@@ -587,13 +588,13 @@ mod tests {
     fn records_that_do_not_fit_change_nothing() {
         let mut p = Primary::new(TaskLimits::default());
         p.submit(task(1, A, 0)).unwrap();
-        let before = p.tasks.export();
+        let before: Vec<Task> = p.tasks.list().into_iter().cloned().collect();
         let id = TaskId::new(3, 1);
         p.tasks.apply(&TaskRecord::Started { client: B, ids: vec![id], at_ms: 1 });
         p.tasks.apply(&TaskRecord::Finished { id, status: TaskStatus::Processing, message: String::new(), at_ms: 1 });
         p.tasks.apply(&TaskRecord::Forgotten { ids: vec![id] });
         p.tasks.apply(&TaskRecord::Created(Task { targets: vec![], ..task(1, B, 9) }));
-        assert_eq!(p.tasks.export(), before);
+        assert_eq!(p.tasks.list().into_iter().cloned().collect::<Vec<_>>(), before);
         assert_eq!(p.tasks.counts(), (1, 0, 0));
     }
 }

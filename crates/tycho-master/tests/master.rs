@@ -1821,6 +1821,8 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
                 DropReplicas { .. } => "drop-replicas",
                 Mount { .. } => "mount",
                 Unmount { .. } => "unmount",
+                // (No workload makes tasks yet: the snapshot test replays them.)
+                Task(_) => "task",
             }
         })
         .collect();
@@ -1880,6 +1882,34 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
         put_cfg(m, A, "gone", 4096, both.clone()).iter().map(|r| (r.segment, r.gen)).collect();
     assert_eq!(gone.len(), 2);
     remove(m, "gone", true).unwrap();
+    // Copy and move tasks: one waiting, one running, one done.
+    use tycho_master::task::{Task, TaskId, TaskKind, TaskRecord, TaskStatus};
+    let task = |n: u128| Task {
+        id: TaskId::new(0, n),
+        kind: TaskKind::Copy,
+        key: format!("k{n}").into_bytes(),
+        source: "a".into(),
+        targets: vec!["b".into()],
+        assigned: A,
+        status: TaskStatus::Pending,
+        created_ms: 5,
+        updated_ms: 5,
+        message: String::new(),
+    };
+    for r in [
+        TaskRecord::Created(task(1)),
+        TaskRecord::Created(task(2)),
+        TaskRecord::Created(task(3)),
+        TaskRecord::Started { client: A, ids: vec![TaskId::new(0, 1), TaskId::new(0, 2)], at_ms: 6 },
+        TaskRecord::Finished { id: TaskId::new(0, 2), status: TaskStatus::Success, message: "ok".into(), at_ms: 7 },
+    ] {
+        m.replay(0, &tycho_master::record::Record::Task(r)).unwrap();
+    }
+    let tasks = m.tasks(0).unwrap();
+    assert_eq!(
+        tasks.iter().map(|t| t.status).collect::<Vec<_>>(),
+        [TaskStatus::Pending, TaskStatus::Processing, TaskStatus::Success]
+    );
     let exported = m.export_group(0).unwrap();
     let at = log.0.lock().len();
     // Through the snapshot container, as a standby would read it.
@@ -1896,6 +1926,7 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(state(&imported.m), state(m), "the import holds what the primary holds");
+    assert_eq!(imported.m.tasks(0).unwrap(), tasks, "and the same tasks");
     assert_eq!(imported.m.export_group(0).unwrap(), exported, "and exports it alike");
     // A master serving from the import gives out generations after every one the primary
     // gave, live or not.
@@ -1943,6 +1974,7 @@ fn a_snapshot_export_rebuilds_the_same_state_and_the_log_goes_on_from_it() {
     // A reset forgets everything.
     imported.m.reset();
     assert!(imported.m.export_group(0).unwrap().is_empty());
+    assert!(imported.m.tasks(0).unwrap().is_empty());
     assert_eq!(imported.m.group(0).unwrap().applied(), 0);
 }
 

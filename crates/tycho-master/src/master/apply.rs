@@ -444,6 +444,10 @@ impl Master {
                 self.apply_unmount(self.group(rank).ok_or(not_held)?, *segment);
                 Ok(())
             }
+            Record::Task(r) => {
+                self.group(rank).ok_or(not_held)?.tasks.lock().apply(r);
+                Ok(())
+            }
         }
     }
 

@@ -8,7 +8,8 @@
 //! a grant may still reach them — and where its generations had got to), the unfinished writes
 //! of segments that went away, and every object (its committed value as a `WriteStart` and a
 //! `WriteEnd` at exactly its ranges and generations, then its unfinished write, if any, as a
-//! `WriteStart`). Soft state is left out, as the log leaves it out: read leases and client
+//! `WriteStart`), and its copy and move tasks as the task records that rebuild them. Soft state
+//! is left out, as the log leaves it out: read leases and client
 //! liveness (a promotion grants both afresh) and the grants a primary minted (a master that
 //! only replays holds every range it frees for as long as such a grant may last).
 //!
@@ -113,7 +114,14 @@ impl Master {
                 }
             }
         }
+        // The copy and move tasks, as records that rebuild them.
+        out.extend(group.tasks.lock().to_records().into_iter().map(|r| Entry::Record(Record::Task(r))));
         Some(out)
+    }
+
+    /// Group `rank`'s copy and move tasks (`None` if this master does not hold the group).
+    pub fn tasks(&self, rank: u32) -> Option<Vec<crate::task::Task>> {
+        Some(self.group(rank)?.tasks.lock().list().into_iter().cloned().collect())
     }
 
     /// Imports one snapshot entry (in the order the export made them).
@@ -150,6 +158,7 @@ impl Master {
             shard.write().clear();
         }
         g.tombstones.iter().for_each(|t| t.lock().clear());
+        *g.tasks.lock() = Default::default();
         g.reset_applied();
         g.segments.clear();
         self.deferred.lock().retain_mut(|d| {
@@ -174,6 +183,7 @@ impl Master {
                 shard.write().clear();
             }
             g.tombstones.iter().for_each(|t| t.lock().clear());
+            *g.tasks.lock() = Default::default();
             g.reset_applied();
             g.segments.clear();
         }

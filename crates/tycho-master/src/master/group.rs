@@ -40,6 +40,8 @@ pub struct Group {
     pub(super) segments: SegmentTable,
     /// Where the group's records go while this master is its primary (its OpLog writer).
     sink: RwLock<Option<Arc<dyn RecordSink>>>,
+    /// The group's copy and move tasks.
+    pub(super) tasks: Mutex<crate::task::Tasks>,
 }
 
 impl Group {
@@ -59,6 +61,7 @@ impl Group {
             log_stats: Default::default(),
             tombstones: (0..shards.len()).map(|_| Mutex::new(HashMap::new())).collect(),
             shards,
+            tasks: Mutex::default(),
         }
     }
 
