@@ -24,8 +24,9 @@ use tycho_proto::SegmentId;
 
 use crate::record::Record;
 
-/// Layout version of chunks and manifests.
-pub const SNAPSHOT_VERSION: u16 = 1;
+/// Layout version of chunks and manifests. Version 2 may hold task records (record version 3);
+/// a version 1 snapshot, which cannot, is read as before.
+pub const SNAPSHOT_VERSION: u16 = 2;
 
 /// Default most encoded record bytes per chunk.
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
