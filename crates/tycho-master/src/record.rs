@@ -249,10 +249,12 @@ impl RecordBatch {
         self.first_seq + self.records.len() as u64 - 1
     }
 
-    /// The batch sealed for storage.
+    /// The batch sealed for storage, at the oldest version that holds it (a batch without
+    /// task records is version 2), so that a master of an older build follows what it can.
     pub fn encode(&self) -> Vec<u8> {
         let payload = postcard::to_stdvec(self).expect("records always serialize");
-        envelope::seal(RecordKind::OpLogBatch, RECORD_VERSION, &payload)
+        let tasks = self.records.iter().any(|r| matches!(r, Record::Task(_)));
+        envelope::seal(RecordKind::OpLogBatch, if tasks { RECORD_VERSION } else { 2 }, &payload)
     }
 
     /// Opens a stored batch; refuses newer layouts, damage, and invalid numbering.
@@ -344,6 +346,8 @@ mod tests {
         let v1 = envelope::seal(RecordKind::OpLogBatch, 1, &postcard::to_stdvec(&b).unwrap());
         assert!(RecordBatch::decode(&v1).is_err(), "version 1 was never released");
         let task = crate::task::TaskRecord::Forgotten { ids: vec![crate::task::TaskId::new(0, 9)] };
+        let plain = b.encode();
+        assert_eq!(u16::from_le_bytes([plain[5], plain[6]]), 2, "an older build still reads it");
         let with_task = RecordBatch { records: vec![Record::Task(task)], ..b };
         let sealed = with_task.encode();
         assert_eq!(u16::from_le_bytes([sealed[5], sealed[6]]), 3);

@@ -24,8 +24,8 @@ use tycho_proto::SegmentId;
 
 use crate::record::Record;
 
-/// Layout version of chunks and manifests. Version 2 may hold task records (record version 3);
-/// a version 1 snapshot, which cannot, is read as before.
+/// Newest layout version of chunks and manifests. Version 2 may hold task records (record
+/// version 3); what holds none is written, and read, as version 1.
 pub const SNAPSHOT_VERSION: u16 = 2;
 
 /// Default most encoded record bytes per chunk.
@@ -207,12 +207,10 @@ fn chunk_file(index: u32) -> String {
     format!("chunk-{index:06}")
 }
 
-fn seal<T: Serialize>(value: &T) -> Vec<u8> {
-    envelope::seal(
-        RecordKind::SnapshotChunk,
-        SNAPSHOT_VERSION,
-        &postcard::to_stdvec(value).expect("snapshots serialize"),
-    )
+/// Seals a chunk or manifest at `version`: the oldest that holds it, so that a master of an
+/// older build reads what it can (a chunk without task records is version 1).
+fn seal<T: Serialize>(value: &T, version: u16) -> Vec<u8> {
+    envelope::seal(RecordKind::SnapshotChunk, version, &postcard::to_stdvec(value).expect("snapshots serialize"))
 }
 
 fn open<T: for<'de> Deserialize<'de>>(id: &SnapshotId, bytes: &[u8]) -> Result<T, SnapshotError> {
@@ -234,7 +232,8 @@ pub fn write(
     let (mut pending, mut bytes) = (Vec::new(), 0usize);
     let flush = |pending: &mut Vec<Entry>, index: &mut u32| -> Result<(), SnapshotError> {
         let chunk = Chunk { id, index: *index, records: std::mem::take(pending) };
-        store.put(&id, &chunk_file(*index), &seal(&chunk))?;
+        let tasks = chunk.records.iter().any(|e| matches!(e, Entry::Record(Record::Task(_))));
+        store.put(&id, &chunk_file(*index), &seal(&chunk, if tasks { SNAPSHOT_VERSION } else { 1 }))?;
         *index += 1;
         Ok(())
     };
@@ -251,7 +250,7 @@ pub fn write(
         flush(&mut pending, &mut index)?;
     }
     let manifest = Manifest { id, chunks: index, records: total };
-    store.put(&id, MANIFEST, &seal(&manifest))?;
+    store.put(&id, MANIFEST, &seal(&manifest, 1))?;
     Ok(manifest)
 }
 

@@ -29,8 +29,10 @@ use tycho_proto::{ClientId, ErrorCode};
 pub struct TaskId(pub u128);
 
 impl TaskId {
-    /// A task id of group `rank` with the random part `random`.
+    /// A task id of group `rank` (below 65,536: a cluster has at most 16,384 groups) with the
+    /// random part `random`.
     pub fn new(rank: u32, random: u128) -> TaskId {
+        debug_assert!(rank <= u32::from(u16::MAX), "group rank {rank} does not fit a task id");
         TaskId((u128::from(rank as u16) << 112) | (random & ((1u128 << 112) - 1)))
     }
 
@@ -332,19 +334,22 @@ impl Tasks {
                 self.finished.push_back(*id);
             }
             TaskRecord::Forgotten { ids } => {
-                for id in ids {
-                    if self.all.get(id).is_some_and(|t| t.status.is_finished()) {
-                        self.all.remove(id);
-                        self.finished.retain(|f| f != id);
-                    }
+                let gone: std::collections::HashSet<TaskId> =
+                    ids.iter().filter(|id| self.all.get(id).is_some_and(|t| t.status.is_finished())).copied().collect();
+                if !gone.is_empty() {
+                    gone.iter().for_each(|id| drop(self.all.remove(id)));
+                    self.finished.retain(|f| !gone.contains(f));
                 }
             }
         }
     }
 
+    /// Takes `id` out of `client`'s queue (usually its front: fetches take the oldest).
     fn unqueue(pending: &mut BTreeMap<ClientId, VecDeque<TaskId>>, client: ClientId, id: TaskId) {
         if let Some(q) = pending.get_mut(&client) {
-            q.retain(|x| *x != id);
+            if let Some(i) = q.iter().position(|x| *x == id) {
+                q.remove(i);
+            }
             if q.is_empty() {
                 pending.remove(&client);
             }
@@ -352,29 +357,28 @@ impl Tasks {
     }
 
     /// Records that rebuild this state when applied to an empty one, in order: for a snapshot
-    /// (the log's own records may be gone). Every task is created (the waiting ones in their
-    /// queues' order), the running ones started, the finished ones ended in the order they
-    /// ended.
+    /// (the log's own records may be gone). Each running task is created and at once started,
+    /// each finished one created and at once ended (in the order they ended), then the waiting
+    /// ones are created in their queues' order: every step is at a queue's front or back.
     pub fn to_records(&self) -> Vec<TaskRecord> {
         let mut out = Vec::with_capacity(self.all.len() * 2);
-        let created = |id: &TaskId| {
-            self.all.get(id).map(|t| TaskRecord::Created(Task { status: TaskStatus::Pending, ..t.clone() }))
-        };
-        out.extend(self.pending.values().flatten().filter_map(created));
-        out.extend(self.processing.values().flatten().filter_map(created));
-        out.extend(self.finished.iter().filter_map(created));
+        let created = |t: &Task| TaskRecord::Created(Task { status: TaskStatus::Pending, ..t.clone() });
         for (client, ids) in &self.processing {
-            for id in ids {
-                let at_ms = self.all.get(id).map_or(0, |t| t.updated_ms);
-                out.push(TaskRecord::Started { client: *client, ids: vec![*id], at_ms });
+            for t in ids.iter().filter_map(|id| self.all.get(id)) {
+                out.push(created(t));
+                out.push(TaskRecord::Started { client: *client, ids: vec![t.id], at_ms: t.updated_ms });
             }
         }
-        out.extend(self.finished.iter().filter_map(|id| self.all.get(id)).map(|t| TaskRecord::Finished {
-            id: t.id,
-            status: t.status,
-            message: t.message.clone(),
-            at_ms: t.updated_ms,
-        }));
+        for t in self.finished.iter().filter_map(|id| self.all.get(id)) {
+            out.push(created(t));
+            out.push(TaskRecord::Finished {
+                id: t.id,
+                status: t.status,
+                message: t.message.clone(),
+                at_ms: t.updated_ms,
+            });
+        }
+        out.extend(self.pending.values().flatten().filter_map(|id| self.all.get(id)).map(created));
         out
     }
 

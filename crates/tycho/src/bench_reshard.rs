@@ -9,11 +9,14 @@
 //! `--readers` connections reading random objects of the group (GetReplicaList) and
 //! `--writers` connections writing new ones (PutStart + PutEnd), each routed by a route cache
 //! that it refreshes from both masters on KVPT_NOT_OWNED, STALE_EPOCH or KVPT_MIGRATING, and
-//! retried after a back-off of 20 ms doubling to 500 ms (as `tycho-client` does), within 15 s.
+//! retried after a back-off of 20 ms doubling to 500 ms (as `tycho-client` does), within 15 s;
+//! except that a writer refused with KVPT_MIGRATING tries again every 5 ms, to see when the
+//! freeze ends.
 //!
 //! Per round it prints the reshard's total time (from the request until the request is
 //! cleared and the routes name the target) and when the routes first named the target; the
-//! write freeze as the writers saw it (from the first KVPT_MIGRATING to the last) and the
+//! write freeze as the writers saw it (from the first KVPT_MIGRATING to the first write
+//! acknowledged after the last one) and the
 //! longest pause between two acknowledged writes, with and without the reshard; and the read
 //! p50 / p99 / max with and without it. Then the medians over the rounds, with their spread.
 
@@ -69,6 +72,8 @@ const GROUPS: u32 = 2;
 const VALUE_SIZE: u64 = 4096;
 /// How long one call keeps retrying routing refusals.
 const RETRY_BUDGET: Duration = Duration::from_secs(15);
+/// How often a writer refused with KVPT_MIGRATING tries again.
+const PROBE: Duration = Duration::from_millis(5);
 /// How long a reshard may take before the bench gives up on it.
 const RESHARD_WAIT: Duration = Duration::from_secs(180);
 
@@ -210,7 +215,11 @@ impl Load {
             let conns: Vec<MasterClient> = self.masters.iter().map(|(_, c)| c.clone()).collect();
             let fresh = routes(&conns).await;
             let moved = self.routes.borrow_mut().learn(fresh.table()) && self.routes.borrow().owner(RANK) != owner;
-            if !moved {
+            if !moved && code == ErrorCode::KVPT_MIGRATING && kind == "write" {
+                // The writers probe the freeze: they look again every 5 ms, so that its end
+                // shows to within that (the client library backs off from 20 ms to 500 ms).
+                tokio::time::sleep(PROBE).await;
+            } else if !moved {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(500));
             }
@@ -333,8 +342,9 @@ struct Round {
     during: Window,
 }
 
-/// Polls (blocking calls on a worker thread) until group [`RANK`] is served by `target` and no
-/// request is left; returns when the routes first named it and when it was done.
+/// Polls (the admin calls on a worker thread) until group [`RANK`] is served by `target` and no
+/// request is left; returns when the routes first named it and when it was done. A request
+/// that ends without the switch is an error.
 async fn follow_reshard(conns: &[MasterClient], target: &str, admin: &str) -> Result<(Instant, Instant), String> {
     let deadline = Instant::now() + RESHARD_WAIT;
     let mut switched = None;
@@ -343,14 +353,21 @@ async fn follow_reshard(conns: &[MasterClient], target: &str, admin: &str) -> Re
         if switched.is_none() && r.owner(RANK) == target {
             switched = Some(Instant::now());
         }
-        if let Some(at) = switched {
-            let admin = admin.to_string();
-            let left = tokio::task::spawn_blocking(move || crate::admin::http_get(&admin, "/reshard"))
-                .await
-                .map_err(|e| e.to_string())??;
-            let left: serde_json::Value = serde_json::from_str(&left).map_err(|e| format!("GET /reshard: {e}"))?;
-            if left.as_array().is_some_and(|a| a.is_empty()) {
-                return Ok((at, Instant::now()));
+        let admin = admin.to_string();
+        let left = tokio::task::spawn_blocking(move || crate::admin::http_get(&admin, "/reshard"))
+            .await
+            .map_err(|e| e.to_string())??;
+        let left: serde_json::Value = serde_json::from_str(&left).map_err(|e| format!("GET /reshard: {e}"))?;
+        if left.as_array().is_some_and(|a| a.is_empty()) {
+            // The request is gone: done if the routes name the target (a moment after the
+            // switch they may not yet: look again), else abandoned.
+            match switched {
+                Some(at) => return Ok((at, Instant::now())),
+                None if routes(conns).await.owner(RANK) == target => {
+                    let now = Instant::now();
+                    return Ok((now, now));
+                }
+                None => return Err(format!("the reshard to {target} was abandoned (see the masters' logs)")),
             }
         }
         if Instant::now() > deadline {
@@ -372,8 +389,8 @@ fn spread(v: &[f64]) -> (f64, f64) {
 }
 
 fn run_inner(args: &BenchReshardArgs) -> Result<(), String> {
-    if args.rounds == 0 || args.objects == 0 {
-        return Err("--rounds and --objects must be positive".into());
+    if args.rounds == 0 || args.objects == 0 || args.readers + args.writers == 0 {
+        return Err("--rounds, --objects and --readers + --writers must be positive".into());
     }
     let etcd = tycho_testkit::EtcdServer::start_new()
         .map_err(|e| format!("cannot start etcd (install etcd-server or set TYCHO_ETCD_BIN): {e}"))?;
@@ -462,7 +479,7 @@ fn run_inner(args: &BenchReshardArgs) -> Result<(), String> {
             let from = Instant::now();
             tokio::time::sleep(Duration::from_secs_f64(args.duration)).await;
             let without = window(&load.seen, from, Instant::now());
-            let source = load.routes.borrow().owner(RANK).to_string();
+            let source = routes(&both).await.owner(RANK).to_string();
             let (target, target_admin) = masters.iter().find(|(a, _)| *a != source).cloned().expect("two masters");
             let (_, source_admin) = masters.iter().find(|(a, _)| *a == source).cloned().expect("two masters");
             let migrating_before = load.seen.migrating.borrow().len();
@@ -474,8 +491,12 @@ fn run_inner(args: &BenchReshardArgs) -> Result<(), String> {
             let (switched, done) = follow_reshard(&both, &target, &target_admin).await?;
             let during = window(&load.seen, requested, done);
             let migrating: Vec<Instant> = load.seen.migrating.borrow()[migrating_before..].to_vec();
+            // From the first refusal to the first write acknowledged after the last one.
             let frozen_ms = match (migrating.first(), migrating.last()) {
-                (Some(f), Some(l)) => (*l - *f).as_secs_f64() * 1e3,
+                (Some(f), Some(l)) => {
+                    let thawed = load.seen.writes.borrow().iter().map(|(t, _)| *t).filter(|t| t > l).min();
+                    (thawed.unwrap_or(*l) - *f).as_secs_f64() * 1e3
+                }
                 _ => 0.0,
             };
             let r = Round {
@@ -528,7 +549,7 @@ fn summarize(rounds: &[Round], seen: &Seen) {
     println!();
     show("reshard total, ms", rounds.iter().map(|r| r.total_ms).collect());
     show("request to the switch, ms", rounds.iter().map(|r| r.switch_ms).collect());
-    show("writes refused KVPT_MIGRATING, first to last, ms", rounds.iter().map(|r| r.frozen_ms).collect());
+    show("write freeze, first refusal to next ack, ms", rounds.iter().map(|r| r.frozen_ms).collect());
     show("longest write pause during a reshard, ms", rounds.iter().map(|r| r.during.write_pause_ms).collect());
     show("longest write pause without one, ms", rounds.iter().map(|r| r.without.write_pause_ms).collect());
     show("read p99 during a reshard, us", rounds.iter().map(|r| r.during.p99 as f64).collect());
