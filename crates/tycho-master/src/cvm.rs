@@ -66,6 +66,20 @@ impl From<Option<GroupRecord>> for GroupView {
 }
 
 impl GroupView {
+    /// A group as the planner sees it at `now_ms` (Unix ms): its record (`None` before it
+    /// exists) and its reshard request, if any.
+    pub fn of(record: Option<&GroupRecord>, intent: Option<&crate::reshard::ReshardIntent>, now_ms: u64) -> GroupView {
+        GroupView {
+            reshard: intent.map(|i| Reshard {
+                source: i.source.clone(),
+                target: i.target.clone(),
+                epoch: i.epoch,
+                expired: i.expired(now_ms),
+            }),
+            ..GroupView::from(record.cloned())
+        }
+    }
+
     /// Whether the group's reshard request still holds: requested from the current primary,
     /// live and at the same epoch (no failover since), to another live master, within its
     /// deadline.

@@ -510,15 +510,7 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
     let views: Vec<GroupView> = records
         .iter()
         .zip(&intents)
-        .map(|(r, i)| GroupView {
-            reshard: i.as_ref().map(|(i, _)| cvm::Reshard {
-                source: i.source.clone(),
-                target: i.target.clone(),
-                epoch: i.epoch,
-                expired: i.expired(now_ms),
-            }),
-            ..GroupView::from(r.as_ref().map(|(g, _)| g.clone()))
-        })
+        .map(|(r, i)| GroupView::of(r.as_ref().map(|(g, _)| g), i.as_ref().map(|(i, _)| i), now_ms))
         .collect();
     let intent = intents[rank as usize].clone();
     let holds = |r: u32| r == rank && (role.follower.is_some() || role.log.is_some());

@@ -237,6 +237,17 @@ impl GroupSide {
         self.applied = 0;
         self.ops.clear();
     }
+
+    /// Follows the group's log as its standby, from what it holds (from the start if nothing).
+    fn stand_by(&mut self) {
+        if !matches!(self.role, GRole::Standby) {
+            self.role = GRole::Standby;
+            if !self.holds {
+                self.forget();
+                self.holds = true;
+            }
+        }
+    }
 }
 
 struct MasterSim {
@@ -922,15 +933,7 @@ impl World {
         let views: Vec<GroupView> = records
             .iter()
             .zip(&intents)
-            .map(|(r, i)| GroupView {
-                reshard: i.as_ref().map(|(i, _)| cvm::Reshard {
-                    source: i.source.clone(),
-                    target: i.target.clone(),
-                    epoch: i.epoch,
-                    expired: i.expired(now_ms),
-                }),
-                ..GroupView::from(r.as_ref().map(|(g, _)| g.clone()))
-            })
+            .map(|(r, i)| GroupView::of(r.as_ref().map(|(g, _)| g), i.as_ref().map(|(i, _)| i), now_ms))
             .collect();
         let holds: Vec<bool> = self.masters[m].groups.iter().map(|s| s.holds).collect();
         let plan = cvm::plan(&me, &live, &views, |r| holds[r as usize]);
@@ -991,25 +994,13 @@ impl World {
                         side.switching = true;
                         Op::Change { read, primary: me.clone(), caretaken: false }
                     } else {
-                        if !matches!(side.role, GRole::Standby) {
-                            side.role = GRole::Standby;
-                            if !side.holds {
-                                side.forget();
-                                side.holds = true;
-                            }
-                        }
+                        side.stand_by();
                         Op::ReadLog { rank, from: side.applied + 1 }
                     }
                 }
                 (Some(Action::Follow), Some(_)) => {
                     let side = &mut self.masters[m].groups[rank as usize];
-                    if !matches!(side.role, GRole::Standby) {
-                        side.role = GRole::Standby;
-                        if !side.holds {
-                            side.forget();
-                            side.holds = true;
-                        }
-                    }
+                    side.stand_by();
                     Op::ReadLog { rank, from: side.applied + 1 }
                 }
                 _ => continue,
