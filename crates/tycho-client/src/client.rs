@@ -16,6 +16,8 @@ use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferSer
 use crate::config::{ClientAuth, ClientConfig, Protocol};
 use crate::retry::{call_noting, call_with_retry};
 
+mod tasks;
+
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteMode {
@@ -116,6 +118,8 @@ struct Inner {
     /// initial epoch until a master says otherwise; each group's entry only moves forward.
     routes: parking_lot::RwLock<RouteCache>,
     heartbeat: Heartbeat,
+    /// The task worker (see `tasks.rs`), stopped with the heartbeat.
+    task_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The process that connected; a forked child that inherits the client never closes it.
     pid: u32,
 }
@@ -163,9 +167,10 @@ fn shut_down(
     }
     *inner.heartbeat.stop.lock() = true;
     inner.heartbeat.wake.notify_all();
-    if let Some(t) = heartbeat_thread.lock().take() {
-        // A quick close leaves the thread to finish its current ping and stop on its own.
-        if !quick {
+    let worker = inner.task_thread.lock().take();
+    for t in [heartbeat_thread.lock().take(), worker].into_iter().flatten() {
+        // A quick close leaves the threads to finish their current call and stop on their own.
+        if !quick && t.thread().id() != std::thread::current().id() {
             let _ = t.join();
         }
     }
@@ -320,6 +325,7 @@ impl Client {
             routes: parking_lot::RwLock::new(RouteCache::new()),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
+            task_thread: Mutex::new(None),
         });
         // Who serves each group: a cluster of several masters is routed from the start.
         if let Err(e) = inner.refresh_routes() {
@@ -331,6 +337,16 @@ impl Client {
             .name("tycho-heartbeat".into())
             .spawn(move || hb.heartbeat_loop())
             .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        // A client that holds a segment runs the copy and move tasks of the replicas on it.
+        let every = inner.cfg.task_poll_interval;
+        let worker = if every.is_zero() || inner.segments.lock().is_empty() {
+            None
+        } else {
+            let w = inner.clone();
+            let spawned = std::thread::Builder::new().name("tycho-tasks".into()).spawn(move || w.task_loop(every));
+            Some(spawned.map_err(|_| ErrorCode::INTERNAL_ERROR)?)
+        };
+        *inner.task_thread.lock() = worker;
         let heartbeat_thread = Arc::new(Mutex::new(Some(thread)));
         let close = Arc::new(CloseOnDrop { inner: inner.clone(), heartbeat_thread: heartbeat_thread.clone() });
         Ok(Client { inner, heartbeat_thread, _close_on_drop: close })
@@ -1381,6 +1397,18 @@ impl Inner {
                 Ok(Response::Removed(removed))
             }
             Request::Ping { .. } => self.ping_every_primary(req),
+            // Each primary hands out the tasks of its groups.
+            Request::FetchTasks { .. } => {
+                let mut all = Vec::new();
+                for owner in self.owners() {
+                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout) {
+                        Ok(Response::Tasks(t)) => all.extend(t),
+                        Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
+                        Err(e) => tracing::debug!(master = %owner, error = %e, "could not fetch tasks"),
+                    }
+                }
+                Ok(Response::Tasks(all))
+            }
             Request::MountSegment { .. } | Request::ReMountSegment { .. } | Request::UnmountSegment { .. } => {
                 // Every primary allocates on this client's segments and expires it on its own.
                 // A primary that fails a (re)mount gets it again on a later heartbeat; the call

@@ -67,6 +67,9 @@ pub struct ClientConfig {
     /// How this client proves the cluster secret to the master and to peers (by default it
     /// looks for it: see [`ClientAuth::Discover`]).
     pub auth: ClientAuth,
+    /// How often a client that holds a segment asks for copy and move tasks to run (Mooncake:
+    /// 1 s); zero runs none (they wait, then fail at their timeout).
+    pub task_poll_interval: Duration,
 }
 
 impl ClientConfig {
@@ -102,6 +105,7 @@ impl ClientConfig {
             reuse_leases: true,
             rpc_spin: spin_from_env(),
             auth: ClientAuth::Discover,
+            task_poll_interval: Duration::from_secs(1),
         }
     }
 }

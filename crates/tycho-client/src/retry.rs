@@ -12,7 +12,7 @@ const BACKOFF: Duration = Duration::from_millis(20);
 
 /// Whether repeating `req` after an unknown outcome is harmless. Write starts, ends and
 /// revokes name their write by id: a repeated start gets the same ranges back, a repeated end
-/// or revoke finds its work done.
+/// or revoke finds its work done; so do a task's copy steps.
 pub fn is_idempotent(req: &Request) -> bool {
     !matches!(
         req,
@@ -21,6 +21,10 @@ pub fn is_idempotent(req: &Request) -> bool {
             | Request::RemoveByRegex { .. }
             | Request::RemoveAll { .. }
             | Request::BatchReplicaClear(_)
+            // A second task, or tasks handed out twice (a lost answer leaves them running until
+            // their timeout).
+            | Request::CreateTask(_)
+            | Request::FetchTasks { .. }
     )
 }
 

@@ -63,6 +63,8 @@ pub struct MasterConfig {
     /// The cluster secret: replica descriptors carry capabilities minted under it. `None`
     /// (`--insecure`) grants without capabilities.
     pub secret: Option<std::sync::Arc<tycho_proto::auth::Secret>>,
+    /// Limits and timeouts of each group's copy and move tasks (Mooncake's defaults).
+    pub task_limits: crate::task::TaskLimits,
 }
 
 impl Default for MasterConfig {
@@ -84,6 +86,7 @@ impl Default for MasterConfig {
             secret: None,
             max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
             max_segments_per_client: DEFAULT_MAX_SEGMENTS_PER_CLIENT,
+            task_limits: crate::task::TaskLimits::default(),
         }
     }
 }

@@ -23,6 +23,7 @@ use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_
 mod apply;
 mod export;
 mod group;
+mod tasks;
 pub use apply::{Logged, ReplayError};
 pub use group::Group;
 
@@ -63,6 +64,21 @@ pub struct Counters {
     pub objects_removed: AtomicU64,
     /// Housekeeping rounds that skipped client expiry because the master itself was stalled.
     pub expiry_pauses: AtomicU64,
+    /// Copy and move tasks this master decided on, by kind (copy, move).
+    pub tasks: [TaskCounters; 2],
+}
+
+/// What became of the copy or move tasks of one kind that a master created and ended.
+#[derive(Default)]
+pub struct TaskCounters {
+    /// Tasks created.
+    pub created: AtomicU64,
+    /// Tasks that succeeded.
+    pub succeeded: AtomicU64,
+    /// Tasks that failed.
+    pub failed: AtomicU64,
+    /// Milliseconds from creation to end, summed over the tasks that ended.
+    pub duration_ms: AtomicU64,
 }
 
 struct ClientEntry {
@@ -118,6 +134,8 @@ pub struct Master {
     /// release time.)
     orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
     last_abandon_scan: AtomicU64,
+    /// When the tasks were last checked for timeouts (clock ms).
+    last_task_scan: AtomicU64,
     evictor: Evictor,
     /// When the RPC runtime last showed that it runs ([`Master::note_responsive`]); 0 while
     /// nothing watches it.
@@ -155,6 +173,7 @@ impl Master {
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
             last_abandon_scan: AtomicU64::new(0),
+            last_task_scan: AtomicU64::new(0),
             evictor: Evictor::default(),
             rpc_alive: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
@@ -616,9 +635,11 @@ impl Master {
                 }
                 if !self.is_stale(old, now) {
                     // A put loses to the write in progress as Mooncake's does; an upsert is
-                    // told to come back once it has finished.
+                    // told to come back once it (or a task's copy) has finished.
                     let code = if mode == WriteMode::Put {
                         ErrorCode::OBJECT_ALREADY_EXISTS
+                    } else if old.copy.is_some() {
+                        ErrorCode::OBJECT_HAS_REPLICATION_TASK
                     } else {
                         ErrorCode::REPLICA_IS_NOT_READY
                     };
@@ -821,7 +842,8 @@ impl Master {
         now: u64,
     ) -> WireResult<Vec<ReplicaDesc>> {
         let obj = map.get(key).ok_or(ErrorCode::WRITE_DROPPED)?;
-        let ours = obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id);
+        let ours =
+            obj.pending.as_ref().is_some_and(|p| p.writer == client && p.write_id == write_id && p.copy.is_none());
         if !ours {
             // A retried end of a write that already committed is harmless.
             // It gets the same ranges to retire: its first answer may have been lost.
@@ -1066,6 +1088,10 @@ impl Master {
         if !force {
             if !obj.is_complete() {
                 return Err(ErrorCode::REPLICA_IS_NOT_READY);
+            }
+            // A task copies it: removed by force only (the copy then fails).
+            if obj.pending.as_ref().is_some_and(|p| p.copy.is_some()) {
+                return Err(ErrorCode::OBJECT_HAS_REPLICATION_TASK);
             }
             if obj.is_leased(now) {
                 return Err(ErrorCode::OBJECT_HAS_LEASE);
@@ -1539,6 +1565,7 @@ impl Master {
         self.free_deferred();
         self.expire_tombstones(self.now());
         self.reclaim_abandoned_writes();
+        self.task_housekeeping();
         // Each group's slices fill on their own: a full group is evicted from alone.
         for group in self.serving() {
             let (total, used) = group.segments.stored_usage();
@@ -1610,6 +1637,7 @@ impl Master {
             };
             if let Some(entry) = entry {
                 self.counters.clients_expired.fetch_add(1, Ordering::Relaxed);
+                self.fail_tasks_of(id);
                 tracing::info!(client = %id, "client expired; unmounting its segments");
                 let segments: Vec<SegmentId> = entry.segments.lock().drain(..).collect();
                 for group in self.serving() {
@@ -1898,7 +1926,8 @@ fn retried_start(
     write_id: u64,
     grant: impl FnOnce() -> Grant,
 ) -> Option<Vec<ReplicaDesc>> {
-    let p = map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id)?;
+    let p =
+        map.get(key)?.pending.as_ref().filter(|p| p.writer == client && p.write_id == write_id && p.copy.is_none())?;
     let grant = grant();
     Some(p.replicas.iter().map(|r| r.desc(p.size, &grant)).collect())
 }

@@ -109,6 +109,20 @@ pub struct PendingWrite {
     pub pins: Pins,
     /// The writer's count of unfinished writes.
     pub slot: PendingSlot,
+    /// Set when the write is a task's copy of the current value rather than a new value.
+    pub copy: Option<CopyOf>,
+}
+
+/// What a pending copy adds to: its commit adds its ranges to the value's replicas (and drops
+/// a move's source replica) instead of replacing the value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOf {
+    /// The task that runs it.
+    pub task: crate::task::TaskId,
+    /// The version of the value copied; the commit checks it is still the current one.
+    pub version: u64,
+    /// A move's source segment, whose replica the commit drops.
+    pub source: Option<tycho_proto::SegmentId>,
 }
 
 /// Pin state of an object.

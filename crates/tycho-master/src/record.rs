@@ -164,9 +164,50 @@ pub enum Record {
     },
     /// A change of the group's copy and move tasks (layout version 3 on).
     Task(crate::task::TaskRecord),
+    /// A task's copy of the current value started (layout version 3 on): its ranges are
+    /// reserved for the task's client, as a write's are for its writer. It ends as a
+    /// [`Record::CopyEnd`], or as a write does otherwise ([`Record::WriteRevoke`],
+    /// [`Record::WriteDrop`]).
+    CopyStart {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The client that copies.
+        writer: ClientId,
+        /// Its id for this copy.
+        write_id: u64,
+        /// When it started (Unix ms).
+        started_ms: u64,
+        /// The task.
+        task: crate::task::TaskId,
+        /// The version of the value copied.
+        version: u64,
+        /// A move's source segment, whose replica the end drops.
+        source: Option<SegmentId>,
+        /// The reserved ranges, one per target.
+        replicas: Vec<RangeRec>,
+    },
+    /// A task's copy committed (layout version 3 on): its ranges are replicas of the value, and
+    /// a move's source replica is gone.
+    CopyEnd {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The client that copied.
+        writer: ClientId,
+        /// Its id for this copy.
+        write_id: u64,
+        /// Segments whose ranges the commit left out, as dead (see [`Record::WriteEnd`]).
+        dropped: Vec<SegmentId>,
+    },
 }
 
 impl Record {
+    /// Whether the record is of a kind layout version 3 brought (tasks and their copies): a
+    /// batch or snapshot chunk holding one is written at version 3, any other at the older
+    /// version, so that a master of the build before follows it.
+    pub fn needs_v3(&self) -> bool {
+        matches!(self, Record::Task(_) | Record::CopyStart { .. } | Record::CopyEnd { .. })
+    }
+
     /// The storage key the record changes; `None` for a record of a segment.
     pub fn key(&self) -> Option<&[u8]> {
         match self {
@@ -175,7 +216,9 @@ impl Record {
             | Record::WriteRevoke { key, .. }
             | Record::WriteDrop { key, .. }
             | Record::Remove { key, .. }
-            | Record::DropReplicas { key, .. } => Some(key),
+            | Record::DropReplicas { key, .. }
+            | Record::CopyStart { key, .. }
+            | Record::CopyEnd { key, .. } => Some(key),
             Record::Mount { .. } | Record::Unmount { .. } | Record::Task(_) => None,
         }
     }
@@ -250,10 +293,10 @@ impl RecordBatch {
     }
 
     /// The batch sealed for storage, at the oldest version that holds it (a batch without
-    /// task records is version 2), so that a master of an older build follows what it can.
+    /// task or copy records is version 2), so that a master of an older build follows what it can.
     pub fn encode(&self) -> Vec<u8> {
         let payload = postcard::to_stdvec(self).expect("records always serialize");
-        let tasks = self.records.iter().any(|r| matches!(r, Record::Task(_)));
+        let tasks = self.records.iter().any(Record::needs_v3);
         envelope::seal(RecordKind::OpLogBatch, if tasks { RECORD_VERSION } else { 2 }, &payload)
     }
 

@@ -445,6 +445,12 @@ impl MasterRpc {
                 })
             }
             Request::BatchReplicaClear(r) => Response::BatchDone(m.batch_replica_clear(&r)),
+            Request::CreateTask(r) => m.create_task(&r).map_or_else(Response::Error, Response::TaskCreated),
+            Request::QueryTask(q) => m.query_task(&q).map_or_else(Response::Error, Response::Task),
+            Request::FetchTasks { client } => Response::Tasks(m.fetch_tasks(client)),
+            Request::CopyStart(s) => m.copy_start(&s).map_or_else(Response::Error, Response::CopyStarted),
+            Request::CopyEnd(s) => done(m.copy_finish(&s, true)),
+            Request::CopyRevoke(s) => done(m.copy_finish(&s, false)),
             Request::Stats => Response::Stats(m.stats()),
             Request::HealthCheck => match m.health_check_now() {
                 Some(report) => Response::Health(report),

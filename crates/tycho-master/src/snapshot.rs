@@ -232,7 +232,7 @@ pub fn write(
     let (mut pending, mut bytes) = (Vec::new(), 0usize);
     let flush = |pending: &mut Vec<Entry>, index: &mut u32| -> Result<(), SnapshotError> {
         let chunk = Chunk { id, index: *index, records: std::mem::take(pending) };
-        let tasks = chunk.records.iter().any(|e| matches!(e, Entry::Record(Record::Task(_))));
+        let tasks = chunk.records.iter().any(|e| matches!(e, Entry::Record(r) if r.needs_v3()));
         store.put(&id, &chunk_file(*index), &seal(&chunk, if tasks { SNAPSHOT_VERSION } else { 1 }))?;
         *index += 1;
         Ok(())

@@ -42,35 +42,7 @@ impl TaskId {
     }
 }
 
-/// What a task does (Mooncake's `TaskType`: REPLICA_COPY = 0, REPLICA_MOVE = 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum TaskKind {
-    /// Add replicas of an object on the target segments.
-    Copy,
-    /// Move an object's replica from its source segment to the target segment.
-    Move,
-}
-
-/// Where a task stands (Mooncake's `TaskStatus`, in its order: PENDING = 0, PROCESSING = 1,
-/// FAILED = 2, SUCCESS = 3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum TaskStatus {
-    /// Waiting for its client to fetch it.
-    Pending,
-    /// Fetched by its client, which runs it.
-    Processing,
-    /// Ended without doing what it was for.
-    Failed,
-    /// Done.
-    Success,
-}
-
-impl TaskStatus {
-    /// Whether the task has ended.
-    pub fn is_finished(self) -> bool {
-        matches!(self, TaskStatus::Failed | TaskStatus::Success)
-    }
-}
+pub use tycho_proto::{TaskKind, TaskStatus};
 
 /// One task.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,6 +148,11 @@ impl Tasks {
     /// Task `id`, if the group knows it.
     pub fn query(&self, id: TaskId) -> Option<&Task> {
         self.all.get(&id)
+    }
+
+    /// Whether the group has no task at all.
+    pub fn is_empty(&self) -> bool {
+        self.all.is_empty()
     }
 
     /// How many tasks wait, run, and are kept finished.

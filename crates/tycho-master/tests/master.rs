@@ -1821,8 +1821,10 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
                 DropReplicas { .. } => "drop-replicas",
                 Mount { .. } => "mount",
                 Unmount { .. } => "unmount",
-                // (No workload makes tasks yet: the snapshot test replays them.)
+                // (The task test replays these.)
                 Task(_) => "task",
+                CopyStart { .. } => "copy-start",
+                CopyEnd { .. } => "copy-end",
             }
         })
         .collect();
@@ -2017,4 +2019,207 @@ fn with_several_groups_each_key_lives_in_its_group_container() {
     assert!(before < 200);
     assert_eq!(m.remove_all(true), before);
     assert_eq!(objects(m), 0);
+}
+
+// ---- copy and move tasks -------------------------------------------------------------------
+
+fn create(m: &Master, key: &str, kind: TaskKind, source: &str, targets: &[&str]) -> WireResult<u128> {
+    m.create_task(&CreateTask {
+        tenant: T.into(),
+        key: kref(key),
+        kind,
+        source: source.into(),
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+    })
+}
+
+fn step(client: ClientId, key: &str, task: u128, write_id: u64) -> CopyStep {
+    CopyStep { client, tenant: T.into(), key: kref(key), task, write_id, message: String::new() }
+}
+
+fn task_status(m: &Master, id: u128) -> WireResult<(TaskStatus, String)> {
+    let route = RouteTag { partition_id: 0, epoch: 1 };
+    m.query_task(&TaskQuery { tenant: T.into(), id, route }).map(|t| (t.status, t.message))
+}
+
+fn segments_of(m: &Master, key: &str) -> BTreeSet<u128> {
+    get(m, key).map(|l| l.replicas.iter().map(|r| r.segment.0).collect()).unwrap_or_default()
+}
+
+#[test]
+fn a_copy_task_adds_a_replica_a_move_moves_one_and_each_is_fenced() {
+    let primary = Env::new();
+    let log = Arc::new(Recorder::default());
+    assert!(primary.m.set_record_sink(0, Some(log.clone())));
+    let m = &primary.m;
+    mount(m, A, 1, MIB);
+    put(m, A, "k", 5000);
+    put(m, A, "m", 3000);
+    mount(m, B, 2, MIB);
+    mount(m, C, 3, MIB);
+    let seg1 = BTreeSet::from([1]);
+    assert_eq!(segments_of(m, "k"), seg1);
+
+    // Refused at once: no such key, target or source; a target that holds a replica; a move
+    // without exactly one target.
+    assert_eq!(create(m, "nope", TaskKind::Copy, "", &["seg-2"]), Err(ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-9"]), Err(ErrorCode::SEGMENT_NOT_FOUND));
+    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-1"]), Err(ErrorCode::REPLICA_ALREADY_EXISTS));
+    assert_eq!(create(m, "k", TaskKind::Move, "seg-2", &["seg-3"]), Err(ErrorCode::REPLICA_NOT_FOUND));
+    assert_eq!(create(m, "k", TaskKind::Move, "seg-1", &["seg-2", "seg-3"]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(create(m, "k", TaskKind::Copy, "", &[]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-2", "seg-2"]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(m.task_counts(), (0, 0, 0), "a refused task changes nothing");
+
+    // A copy to two segments: assigned to A, which holds the replica; only A fetches it.
+    let copy = create(m, "k", TaskKind::Copy, "", &["seg-2", "seg-3"]).unwrap();
+    assert_eq!(task_status(m, copy), Ok((TaskStatus::Pending, String::new())));
+    assert!(m.fetch_tasks(B).is_empty());
+    let fetched = m.fetch_tasks(A);
+    assert_eq!(fetched.len(), 1);
+    let t = &fetched[0];
+    assert_eq!((t.id, t.kind, t.key.as_str(), t.source.as_str()), (copy, TaskKind::Copy, "k", "seg-1"));
+    assert_eq!((t.tenant.as_str(), t.assigned, t.status), (T, A, TaskStatus::Processing));
+    assert!(m.fetch_tasks(A).is_empty(), "handed out once");
+    // Only A runs it, on its own key.
+    assert_eq!(m.copy_start(&step(B, "k", copy, 7)), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(m.copy_start(&step(A, "m", copy, 7)), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(m.copy_start(&step(A, "k", copy + 1, 7)), Err(ErrorCode::TASK_NOT_FOUND));
+    let before_copy = used(m);
+    let grant = m.copy_start(&step(A, "k", copy, 7)).unwrap();
+    assert_eq!(grant.source.segment, SegmentId(1));
+    assert_eq!(grant.source.len, 5000);
+    assert_eq!(grant.targets.iter().map(|r| r.segment.0).collect::<BTreeSet<_>>(), BTreeSet::from([2, 3]));
+    assert!(used(m) > before_copy, "the targets' ranges are reserved");
+    assert_eq!(m.copy_start(&step(A, "k", copy, 7)), Ok(grant.clone()), "a repeated start gets the same ranges");
+    // While it copies: no remove but by force, no upsert, no other write's end; reads go on.
+    assert_eq!(remove(m, "k", false), Err(ErrorCode::OBJECT_HAS_REPLICATION_TASK));
+    let upsert = m.write_start(WriteMode::Upsert, &ws(B, "k", 100, ReplicateConfig::default()));
+    assert_eq!(upsert.err(), Some(ErrorCode::OBJECT_HAS_REPLICATION_TASK));
+    assert_eq!(
+        m.write_finish(&WriteFinish { client: A, tenant: T.into(), key: kref("k"), write_id: 7 }, true).err(),
+        Some(ErrorCode::WRITE_DROPPED)
+    );
+    assert_eq!(segments_of(m, "k"), seg1, "the copies are not readable before the end");
+    assert_eq!(
+        m.copy_finish(&step(A, "k", copy, 8), true),
+        Err(ErrorCode::OBJECT_NO_REPLICATION_TASK),
+        "another copy id"
+    );
+    // (That failed the task: a copy step that names no pending copy ends it.)
+    assert_eq!(task_status(m, copy).unwrap().0, TaskStatus::Failed);
+    assert_eq!(
+        m.copy_finish(&step(A, "k", copy, 7), true),
+        Err(ErrorCode::OBJECT_NO_REPLICATION_TASK),
+        "a failed task's copy does not commit"
+    );
+    assert_eq!(segments_of(m, "k"), seg1);
+    assert!(used(m) > before_copy, "the dropped copy's ranges stay held: its client may still write");
+
+    // Again, to the end: three readable replicas, the task done, a repeated end harmless.
+    let copy = create(m, "k", TaskKind::Copy, "", &["seg-2", "seg-3"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    m.copy_start(&step(A, "k", copy, 9)).unwrap();
+    m.copy_finish(&step(A, "k", copy, 9), true).unwrap();
+    assert_eq!(segments_of(m, "k"), BTreeSet::from([1, 2, 3]));
+    assert_eq!(task_status(m, copy), Ok((TaskStatus::Success, String::new())));
+    assert_eq!(m.copy_finish(&step(A, "k", copy, 9), true), Ok(()));
+    remove(m, "k", true).unwrap();
+
+    // A move: the source replica goes only at the end.
+    let mv = create(m, "m", TaskKind::Move, "seg-1", &["seg-2"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    m.copy_start(&step(A, "m", mv, 11)).unwrap();
+    assert_eq!(segments_of(m, "m"), seg1);
+    m.copy_finish(&step(A, "m", mv, 11), true).unwrap();
+    assert_eq!(segments_of(m, "m"), BTreeSet::from([2]));
+    assert_eq!(get(m, "m").unwrap().size, 3000);
+    assert_eq!(used_of(m, 1), Some(0), "the source's range is free");
+
+    // A revoke frees the ranges at once and fails the task with the client's word.
+    let back = create(m, "m", TaskKind::Move, "seg-2", &["seg-3"]).unwrap();
+    assert_eq!(m.fetch_tasks(B).len(), 1);
+    let before = used_of(m, 3);
+    m.copy_start(&step(B, "m", back, 12)).unwrap();
+    let mut revoke = step(B, "m", back, 12);
+    revoke.message = "the network broke".into();
+    m.copy_finish(&revoke, false).unwrap();
+    assert_eq!(used_of(m, 3), before);
+    assert_eq!(task_status(m, back), Ok((TaskStatus::Failed, "the network broke".into())));
+    assert_eq!(segments_of(m, "m"), BTreeSet::from([2]));
+
+    // A client that goes silent fails its tasks, and its pending copy is dropped.
+    put(m, B, "n", 2000);
+    let n_on = segments_of(m, "n");
+    let source = format!("seg-{}", n_on.iter().next().unwrap());
+    let target = ["seg-1", "seg-2", "seg-3"].into_iter().find(|s| **s != source).unwrap();
+    let orphan = create(m, "n", TaskKind::Copy, "", &[target]).unwrap();
+    let owner = m.fetch_tasks(A).into_iter().chain(m.fetch_tasks(B)).chain(m.fetch_tasks(C)).next().unwrap().assigned;
+    m.copy_start(&step(owner, "n", orphan, 13)).unwrap();
+    let others: Vec<ClientId> = [A, B, C].into_iter().filter(|c| *c != owner).collect();
+    for _ in 0..(DEFAULT_CLIENT_TTL_MS / 1000 + 2) {
+        primary.advance(1000);
+        primary.tick_alive(&others);
+    }
+    assert_eq!(task_status(m, orphan).unwrap().0, TaskStatus::Failed);
+    assert_eq!(m.copy_finish(&step(owner, "n", orphan, 13), true).err(), Some(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+
+    // Every record replays on a standby to the same objects, segments and tasks.
+    let records = log.0.lock().clone();
+    use tycho_master::record::Record;
+    assert!(records.iter().any(|r| matches!(r, Record::CopyStart { .. })));
+    assert!(records.iter().any(|r| matches!(r, Record::CopyEnd { .. })));
+    let batch = tycho_master::record::RecordBatch { group: 0, epoch: 1, first_seq: 1, records };
+    let standby = Env::new();
+    standby.advance(primary.clock.now_ms() - standby.clock.now_ms());
+    for r in tycho_master::record::RecordBatch::decode(&batch.encode()).unwrap().records {
+        standby.m.replay(0, &r).unwrap_or_else(|e| panic!("{r:?} does not replay: {e}"));
+    }
+    assert_eq!(state(&standby.m), state(m));
+    assert_eq!(standby.m.tasks(0), m.tasks(0));
+}
+
+#[test]
+fn a_pending_copy_survives_a_snapshot_and_task_limits_hold() {
+    let cfg = MasterConfig {
+        task_limits: tycho_master::task::TaskLimits { max_pending: 2, max_finished: 1, ..Default::default() },
+        ..MasterConfig::default()
+    };
+    let primary = Env::with(cfg.clone());
+    let log = Arc::new(Recorder::default());
+    assert!(primary.m.set_record_sink(0, Some(log.clone())));
+    let m = &primary.m;
+    mount(m, A, 1, MIB);
+    for k in ["a", "b", "c"] {
+        put(m, A, k, 1000);
+    }
+    mount(m, B, 2, MIB);
+    let first = create(m, "a", TaskKind::Copy, "", &["seg-2"]).unwrap();
+    let second = create(m, "b", TaskKind::Copy, "", &["seg-2"]).unwrap();
+    assert_eq!(create(m, "c", TaskKind::Copy, "", &["seg-2"]), Err(ErrorCode::TASK_PENDING_LIMIT_EXCEEDED));
+    assert_eq!(m.fetch_tasks(A).len(), 2);
+    m.copy_start(&step(A, "a", first, 1)).unwrap();
+    // The export of a running copy, imported, ends as on the primary.
+    let exported = m.export_group(0).unwrap();
+    let at = log.0.lock().len();
+    m.copy_finish(&step(A, "a", first, 1), true).unwrap();
+    let imported = Env::with(cfg);
+    imported.advance(primary.clock.now_ms() - imported.clock.now_ms());
+    exported.iter().for_each(|e| imported.m.import(0, e).unwrap());
+    for r in log.0.lock()[at..].iter() {
+        imported.m.replay(0, r).unwrap_or_else(|e| panic!("{r:?} does not replay on the import: {e}"));
+    }
+    assert_eq!(state(&imported.m), state(m));
+    assert_eq!(segments_of(&imported.m, "a"), BTreeSet::from([1, 2]));
+    // The finished limit: one kept, the older forgotten (TASK_NOT_FOUND) at the next look.
+    m.copy_start(&step(A, "b", second, 2)).unwrap();
+    m.copy_finish(&step(A, "b", second, 2), true).unwrap();
+    primary.advance(2000);
+    primary.tick_alive(&[A, B]);
+    assert_eq!(task_status(m, first).err(), Some(ErrorCode::TASK_NOT_FOUND));
+    assert_eq!(task_status(m, second).unwrap().0, TaskStatus::Success);
+    // Another tenant's query finds nothing.
+    let route = RouteTag { partition_id: 0, epoch: 1 };
+    let other = m.query_task(&TaskQuery { tenant: "tenant-b".into(), id: second, route });
+    assert_eq!(other.err(), Some(ErrorCode::TASK_NOT_FOUND));
 }

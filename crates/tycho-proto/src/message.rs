@@ -133,6 +133,57 @@ pub struct ReplicaClear {
     pub segment: String,
 }
 
+/// Create a copy or move task of one key (Mooncake's CreateCopyTask / CreateMoveTask). The
+/// task is run by the client that owns the source segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct CreateTask {
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+    /// Copy or move.
+    pub kind: TaskKind,
+    /// The segment (by name) whose replica a move moves; empty for a copy (the master picks a
+    /// complete replica).
+    pub source: String,
+    /// The segments (by name) to put a replica on: one for a move.
+    pub targets: Vec<String>,
+}
+
+/// Ask about a task of the caller's tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct TaskQuery {
+    /// Tenant namespace of the task's key.
+    pub tenant: String,
+    /// The task.
+    pub id: u128,
+    /// A partition of the task's group (the id's top 16 bits are the group's rank), for the
+    /// request's route.
+    pub route: RouteTag,
+}
+
+/// A step of a copy that the task's client runs: start it (CopyStart), commit it (CopyEnd), or
+/// give it up (CopyRevoke, which fails the task).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct CopyStep {
+    /// The client the task is assigned to.
+    pub client: ClientId,
+    /// Tenant namespace of the key.
+    pub tenant: String,
+    /// Key and route.
+    pub key: KeyRef,
+    /// The task.
+    pub task: u128,
+    /// Identity of this copy, chosen by the client (non-zero): the end or revoke names it, and
+    /// a retried start with the same id gets the same ranges back.
+    pub write_id: u64,
+    /// Why a revoke gives up (empty otherwise).
+    pub message: String,
+}
+
 /// Every call a client can make to a master.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(Arbitrary))]
@@ -243,6 +294,22 @@ pub enum Request {
     /// The KVPT groups this master serves and their epochs, for the routes of key-addressed
     /// requests (a client asks again when a request answers STALE_EPOCH).
     Routes,
+    /// Create a copy or move task; answered with its id.
+    CreateTask(CreateTask),
+    /// Where a task stands.
+    QueryTask(TaskQuery),
+    /// The caller's tasks waiting to run, handed to it to run now (at most 16).
+    FetchTasks {
+        /// The caller.
+        client: ClientId,
+    },
+    /// Start a task's copy: the new ranges are reserved and granted.
+    CopyStart(CopyStep),
+    /// Commit a task's copy: the new replicas are readable (and a move's source is gone), and
+    /// the task has succeeded.
+    CopyEnd(CopyStep),
+    /// Give up a task's copy: its ranges are free and the task has failed.
+    CopyRevoke(CopyStep),
 }
 
 /// Answer to [`Request::Routes`].
@@ -275,6 +342,7 @@ impl Request {
                 | Request::Stats
                 | Request::HealthCheck
                 | Request::Routes
+                | Request::QueryTask(_)
         )
     }
 
@@ -299,6 +367,9 @@ impl Request {
             Request::Remove(r) => vec![&mut r.key.route],
             Request::BatchRemove(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
             Request::BatchReplicaClear(r) => r.keys.iter_mut().map(|k| &mut k.route).collect(),
+            Request::CreateTask(r) => vec![&mut r.key.route],
+            Request::QueryTask(q) => vec![&mut q.route],
+            Request::CopyStart(r) | Request::CopyEnd(r) | Request::CopyRevoke(r) => vec![&mut r.key.route],
             _ => Vec::new(),
         }
     }
@@ -324,6 +395,9 @@ impl Request {
             Request::Remove(r) => one(&r.key),
             Request::BatchRemove(r) => many(&r.keys),
             Request::BatchReplicaClear(r) => many(&r.keys),
+            Request::CreateTask(r) => one(&r.key),
+            Request::QueryTask(q) => vec![q.route.partition_id],
+            Request::CopyStart(r) | Request::CopyEnd(r) | Request::CopyRevoke(r) => one(&r.key),
             _ => Vec::new(),
         }
     }
@@ -432,6 +506,14 @@ pub enum Response {
     },
     /// Answer to Routes.
     Routes(RouteTable),
+    /// Answer to CreateTask: the new task's id.
+    TaskCreated(u128),
+    /// Answer to QueryTask.
+    Task(TaskInfo),
+    /// Answer to FetchTasks: the tasks to run now, oldest first.
+    Tasks(Vec<TaskInfo>),
+    /// Answer to CopyStart.
+    CopyStarted(CopyGrant),
     /// A key-addressed request at a master that does not serve the key's group, which knows
     /// who does (KVPT_NOT_OWNED, with the owner): send it there.
     NotOwned(Redirect),
@@ -573,6 +655,12 @@ impl Request {
         "batch_replica_clear",
         "register",
         "routes",
+        "create_task",
+        "query_task",
+        "fetch_tasks",
+        "copy_start",
+        "copy_end",
+        "copy_revoke",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -615,6 +703,12 @@ impl Request {
             Request::BatchReplicaClear(_) => 29,
             Request::Register { .. } => 30,
             Request::Routes => 31,
+            Request::CreateTask(_) => 32,
+            Request::QueryTask(_) => 33,
+            Request::FetchTasks { .. } => 34,
+            Request::CopyStart(_) => 35,
+            Request::CopyEnd(_) => 36,
+            Request::CopyRevoke(_) => 37,
         }
     }
 
@@ -635,6 +729,10 @@ impl Request {
             | Request::BatchUpsertEnd(r)
             | Request::BatchUpsertRevoke(r) => Some(r.client),
             Request::BatchReplicaClear(r) => Some(r.client),
+            Request::FetchTasks { client } => Some(*client),
+            // (Not the tenant: a task's client may hold replicas of other tenants' objects; the
+            // master checks that the task is the caller's.)
+            Request::CopyStart(r) | Request::CopyEnd(r) | Request::CopyRevoke(r) => Some(r.client),
             _ => None,
         }
     }
@@ -658,6 +756,8 @@ impl Request {
             Request::RemoveByRegex { tenant, .. } => Some(tenant),
             Request::BatchReplicaClear(r) => Some(&r.tenant),
             Request::ListKeys { tenant, .. } => tenant.as_deref(),
+            Request::CreateTask(r) => Some(&r.tenant),
+            Request::QueryTask(q) => Some(&q.tenant),
             _ => None,
         }
     }
@@ -720,8 +820,15 @@ mod tests {
     fn names_and_indices_agree() {
         assert_eq!(Request::HealthCheck.name(), "health_check");
         assert_eq!(Request::Stats.name(), "stats");
-        let last = Request::Routes;
-        assert_eq!(last.name(), "routes");
+        let last = Request::CopyRevoke(CopyStep {
+            client: ClientId(1),
+            tenant: String::new(),
+            key: KeyRef { key: "k".into(), route: RouteTag { partition_id: 0, epoch: 0 } },
+            task: 1,
+            write_id: 1,
+            message: String::new(),
+        });
+        assert_eq!(last.name(), "copy_revoke");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

@@ -268,3 +268,76 @@ pub struct HealthReport {
     /// Index of the first shard that stayed write-locked past the budget (0 when `ok`).
     pub shards_blocked: u64,
 }
+
+/// What a copy or move task does (Mooncake's `TaskType`: REPLICA_COPY = 0, REPLICA_MOVE = 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum TaskKind {
+    /// Add replicas of an object on the target segments.
+    Copy,
+    /// Move an object's replica from its source segment to the target segment.
+    Move,
+}
+
+/// Where a task stands (Mooncake's `TaskStatus`, in its order: PENDING = 0, PROCESSING = 1,
+/// FAILED = 2, SUCCESS = 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub enum TaskStatus {
+    /// Waiting for its client to fetch it.
+    Pending,
+    /// Fetched by its client, which runs it.
+    Processing,
+    /// Ended without doing what it was for.
+    Failed,
+    /// Done.
+    Success,
+}
+
+impl TaskStatus {
+    /// Whether the task has ended.
+    pub fn is_finished(self) -> bool {
+        matches!(self, TaskStatus::Failed | TaskStatus::Success)
+    }
+}
+
+/// A copy or move task as the master describes it: to its user (QueryTask) and to the client
+/// that runs it (FetchTasks).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct TaskInfo {
+    /// Its id: the KVPT group's rank in the top 16 bits.
+    pub id: u128,
+    /// Copy or move.
+    pub kind: TaskKind,
+    /// Where it stands.
+    pub status: TaskStatus,
+    /// The tenant of its object.
+    pub tenant: String,
+    /// Its object's key.
+    pub key: String,
+    /// The segment (by name) whose replica is copied or moved.
+    pub source: String,
+    /// The segments (by name) that receive a replica.
+    pub targets: Vec<String>,
+    /// The client that runs it: the owner of the source segment.
+    pub assigned: ClientId,
+    /// When it was created (Unix ms).
+    pub created_ms: u64,
+    /// When its status last changed (Unix ms).
+    pub updated_ms: u64,
+    /// Why it failed, or a word on its success.
+    pub message: String,
+}
+
+/// What a task's client is granted to run a copy: read the source replica, write the targets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct CopyGrant {
+    /// The version of the object copied: the write id of the write that committed it.
+    pub version: u64,
+    /// The replica to copy from, with a read grant.
+    pub source: ReplicaDesc,
+    /// The new ranges, one per target segment, with write grants.
+    pub targets: Vec<ReplicaDesc>,
+}

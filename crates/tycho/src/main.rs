@@ -39,6 +39,12 @@ enum Command {
     Put(objects::PutArgs),
     /// Fetch a key to a file or standard output.
     Get(objects::GetArgs),
+    /// Copy a key's value onto more segments (a task run by the client holding it).
+    Copy(objects::CopyArgs),
+    /// Move a key's replica from one segment to another (a task run by the client holding it).
+    Move(objects::MoveArgs),
+    /// Show a copy or move task.
+    Task(objects::TaskArgs),
     /// End-to-end benchmark of the data path; `tycho bench master` for the metadata plane.
     Bench(BenchTop),
     /// Whole-master figures: capacity, used, objects, clients, segments.
@@ -105,6 +111,9 @@ fn main() {
         Command::Node(a) => node::run(a),
         Command::Put(a) => objects::put(a),
         Command::Get(a) => objects::get(a),
+        Command::Copy(a) => objects::copy(a),
+        Command::Move(a) => objects::move_replica(a),
+        Command::Task(a) => objects::task(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Reshard(a)), .. }) => bench_reshard::run(a),

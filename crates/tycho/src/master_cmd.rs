@@ -51,6 +51,22 @@ pub struct MasterArgs {
     /// After this long the space of an unfinished PutStart is reclaimed: seconds or a duration.
     #[arg(long = "put-start-release-timeout-sec", alias = "put_start_release_timeout_sec", default_value = "600", value_parser = duration_s)]
     pub put_start_release_timeout: u64,
+    /// Most copy and move tasks waiting at once, per KVPT group; more are refused
+    /// (TASK_PENDING_LIMIT_EXCEEDED).
+    #[arg(long = "max-total-pending-tasks", alias = "max_total_pending_tasks", default_value_t = 10_000)]
+    pub max_total_pending_tasks: usize,
+    /// Most copy and move tasks running at once, per KVPT group; the rest wait.
+    #[arg(long = "max-total-processing-tasks", alias = "max_total_processing_tasks", default_value_t = 10_000)]
+    pub max_total_processing_tasks: usize,
+    /// Most finished tasks kept for queries, per KVPT group; the oldest are forgotten first.
+    #[arg(long = "max-total-finished-tasks", alias = "max_total_finished_tasks", default_value_t = 10_000)]
+    pub max_total_finished_tasks: usize,
+    /// A task waiting this long for its client fails (0: never): seconds or a duration.
+    #[arg(long = "pending-task-timeout-sec", alias = "pending_task_timeout_sec", default_value = "300", value_parser = duration_s)]
+    pub pending_task_timeout: u64,
+    /// A task running this long fails (0: never): seconds or a duration.
+    #[arg(long = "processing-task-timeout-sec", alias = "processing_task_timeout_sec", default_value = "300", value_parser = duration_s)]
+    pub processing_task_timeout: u64,
     /// Most unfinished writes (started, neither ended nor revoked) one client may hold.
     #[arg(long = "max-pending-writes-per-client", default_value_t = tycho_master::DEFAULT_MAX_PENDING_WRITES_PER_CLIENT)]
     pub max_pending_writes_per_client: u64,
@@ -288,6 +304,13 @@ impl MasterArgs {
             max_pending_writes_per_client: self.max_pending_writes_per_client.max(1),
             max_segment_size: self.max_segment_size,
             max_segments_per_client: self.max_segments_per_client.max(1),
+            task_limits: tycho_master::task::TaskLimits {
+                max_pending: self.max_total_pending_tasks,
+                max_processing: self.max_total_processing_tasks,
+                max_finished: self.max_total_finished_tasks,
+                pending_timeout_ms: self.pending_task_timeout,
+                processing_timeout_ms: self.processing_task_timeout,
+            },
             ..MasterConfig::default()
         })
     }

@@ -41,7 +41,6 @@ const NO_SSD: &str = "Tycho has no SSD or file tier: objects live in DRAM segmen
 const NO_CXL: &str = "Tycho has no CXL segments";
 const NO_NOF: &str = "Tycho has no NVMe-oF segments";
 const NO_KV_EVENTS: &str = "Tycho does not publish KV events";
-const TASKS: &str = "Tycho has no copy/move tasks yet (issue 15)";
 const FANOUT: &str = "Tycho's hot-replica fan-out is not built yet (issue 16)";
 const GLOG: &str = "Tycho logs through RUST_LOG (for example RUST_LOG=debug), not glog";
 const GFLAGS: &str = "a gflags feature Tycho's command line does not have";
@@ -103,11 +102,11 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("kv_events_queue_capacity", false, Ignored(NO_KV_EVENTS)),
     ("kv_events_tenant_id", false, Ignored(NO_KV_EVENTS)),
     ("max_kv_soft_pin_ttl", false, Native("max-kv-soft-pin-ttl")),
-    ("max_retry_attempts", false, Ignored(TASKS)),
+    ("max_retry_attempts", false, Ignored("a failed copy or move task is not retried: create another")),
     ("max_threads", false, Ignored("Mooncake's deprecated spelling of --rpc_thread_num, which Tycho reads")),
-    ("max_total_finished_tasks", false, Ignored(TASKS)),
-    ("max_total_pending_tasks", false, Ignored(TASKS)),
-    ("max_total_processing_tasks", false, Ignored(TASKS)),
+    ("max_total_finished_tasks", false, Native("max-total-finished-tasks")),
+    ("max_total_pending_tasks", false, Native("max-total-pending-tasks")),
+    ("max_total_processing_tasks", false, Native("max-total-processing-tasks")),
     ("memory_allocator", false, Ignored("Tycho has one segment allocator")),
     ("metrics_host", false, Native("metrics-address")),
     ("metrics_port", false, Native("metrics-port")),
@@ -123,11 +122,11 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("offloading_queue_limit", false, Ignored(NO_SSD)),
     ("oplog_batch_max_entries", false, Ignored(HA)),
     ("oplog_poll_interval_ms", false, Ignored(HA)),
-    ("pending_task_timeout_sec", false, Ignored(TASKS)),
+    ("pending_task_timeout_sec", false, Native("pending-task-timeout-sec")),
     ("pod_name", false, Ignored("Tycho does no Kubernetes label routing")),
     ("pod_namespace", false, Ignored("Tycho does no Kubernetes label routing")),
     ("port", false, Native("rpc-port")),
-    ("processing_task_timeout_sec", false, Ignored(TASKS)),
+    ("processing_task_timeout_sec", false, Native("processing-task-timeout-sec")),
     ("promotion_admission_threshold", false, Ignored(NO_SSD)),
     ("promotion_max_per_heartbeat", false, Ignored(NO_SSD)),
     ("promotion_on_hit", true, Ignored(NO_SSD)),
@@ -394,7 +393,6 @@ mod tests {
             "--enable_offload",
             "--dynamic_replication_mode",
             "observe",
-            "--max_total_pending_tasks=5",
             "--noenable_oplog",
             "--logtostderr",
             "--client-ttl",
@@ -406,7 +404,6 @@ mod tests {
             vec![
                 ("enable_offload", "true"),
                 ("dynamic_replication_mode", "observe"),
-                ("max_total_pending_tasks", "5"),
                 ("enable_oplog", "false"),
                 ("logtostderr", "true"),
             ]

@@ -1,4 +1,4 @@
-//! `tycho put` and `tycho get`.
+//! `tycho put`, `tycho get`, and copy and move tasks: `tycho copy`, `tycho move`, `tycho task`.
 
 use std::io::{Read, Write};
 
@@ -127,4 +127,123 @@ pub fn get(a: GetArgs) -> i32 {
             1
         }
     }
+}
+
+/// `tycho copy`.
+#[derive(Args, Debug)]
+pub struct CopyArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Segments (by name, as `tycho segments` lists them) to put a replica on.
+    #[arg(long = "to", required = true, value_delimiter = ',')]
+    targets: Vec<String>,
+    /// Wait until the task ends; fail if it fails.
+    #[arg(long)]
+    wait: bool,
+    /// The key.
+    key: String,
+}
+
+/// `tycho move`.
+#[derive(Args, Debug)]
+pub struct MoveArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// The segment whose replica moves.
+    #[arg(long = "from")]
+    source: String,
+    /// The segment it moves to.
+    #[arg(long = "to")]
+    target: String,
+    /// Wait until the task ends; fail if it fails.
+    #[arg(long)]
+    wait: bool,
+    /// The key.
+    key: String,
+}
+
+/// `tycho task`.
+#[derive(Args, Debug)]
+pub struct TaskArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Wait until the task ends; fail if it fails.
+    #[arg(long)]
+    wait: bool,
+    /// The task's id, as `tycho copy` and `tycho move` print it (32 hex digits).
+    id: String,
+}
+
+/// How long `--wait` waits for a task: past its default processing timeout, it has ended.
+const TASK_WAIT: std::time::Duration = std::time::Duration::from_secs(330);
+
+/// Prints task `id` (waiting for its end with `wait`); 0 unless it failed or cannot be read.
+fn show_task(c: &Client, id: u128, wait: bool) -> i32 {
+    let deadline = std::time::Instant::now() + TASK_WAIT;
+    loop {
+        let t = match c.query_task(id) {
+            Ok(t) => t,
+            Err(e) => return fail(e),
+        };
+        if wait && !t.status.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            continue;
+        }
+        println!("task     {:032x}", t.id);
+        println!("type     {:?}", t.kind);
+        println!("status   {:?}", t.status);
+        println!("key      {}", t.key);
+        println!("source   {}", t.source);
+        println!("targets  {}", t.targets.join(","));
+        println!("client   {}", t.assigned);
+        println!("created  {} ms", t.created_ms);
+        println!("updated  {} ms", t.updated_ms);
+        if !t.message.is_empty() {
+            println!("message  {}", t.message);
+        }
+        return i32::from(t.status == tycho_proto::TaskStatus::Failed || (wait && !t.status.is_finished()));
+    }
+}
+
+/// Creates a task with `create` and prints its id (and, with `wait`, how it ended).
+fn task_command(conn: &Conn, wait: bool, create: impl FnOnce(&Client) -> Result<u128, ErrorCode>) -> i32 {
+    let c = match client(conn, 0) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let code = match create(&c) {
+        Ok(id) if wait => show_task(&c, id, true),
+        Ok(id) => {
+            println!("{id:032x}");
+            0
+        }
+        Err(e) => fail(e),
+    };
+    let _ = c.close();
+    code
+}
+
+/// Asks for copies of a key on more segments.
+pub fn copy(a: CopyArgs) -> i32 {
+    task_command(&a.conn, a.wait, |c| c.create_copy_task(&a.key, &a.targets))
+}
+
+/// Asks for a key's replica to move to another segment.
+pub fn move_replica(a: MoveArgs) -> i32 {
+    task_command(&a.conn, a.wait, |c| c.create_move_task(&a.key, &a.source, &a.target))
+}
+
+/// Shows a task.
+pub fn task(a: TaskArgs) -> i32 {
+    let Ok(id) = u128::from_str_radix(a.id.trim_start_matches("0x"), 16) else {
+        eprintln!("error: {} is not a task id (32 hex digits)", a.id);
+        return 1;
+    };
+    let c = match client(&a.conn, 0) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let code = show_task(&c, id, a.wait);
+    let _ = c.close();
+    code
 }

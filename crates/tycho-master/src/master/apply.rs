@@ -14,7 +14,7 @@ use thiserror::Error;
 use tycho_proto::{ClientId, ErrorCode, SegmentId};
 
 use super::{Group, Master};
-use crate::object::{ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
+use crate::object::{CopyOf, ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
 use crate::record::{RangeRec, Record, RecordSink};
 use crate::segment::{MountedSegment, Replica, SegAlloc};
 
@@ -225,7 +225,7 @@ impl Master {
         pending_count: &Arc<AtomicU64>,
     ) {
         let slot = PendingSlot::take(pending_count);
-        let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot };
+        let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: None };
         match map.get_mut(&key) {
             Some(obj) => obj.pending = Some(pending),
             None => {
@@ -303,6 +303,61 @@ impl Master {
         true
     }
 
+    /// A task's copy of `key`'s value starts: `replicas` (reserved already) are its ranges.
+    /// False (and nothing changed) when the object has no value or a write pending.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn apply_copy_start(
+        &self,
+        map: &mut ShardMap,
+        key: &[u8],
+        writer: ClientId,
+        write_id: u64,
+        started_ms: u64,
+        copy: CopyOf,
+        replicas: Vec<Replica>,
+        pending_count: &Arc<AtomicU64>,
+    ) -> Result<(), Vec<Replica>> {
+        let Some(obj) = map.get_mut(key).filter(|o| o.is_complete() && o.pending.is_none()) else {
+            return Err(replicas);
+        };
+        let slot = PendingSlot::take(pending_count);
+        let size = obj.size;
+        let pins = Pins::default();
+        obj.pending = Some(PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: Some(copy) });
+        Ok(())
+    }
+
+    /// The pending copy of `key` commits: its ranges (less those on the `dropped` segments)
+    /// become replicas of the value, and a move's source replica leaves it. Returns the source
+    /// replicas, for the caller to release; REPLICA_IS_GONE when no range is left (the value
+    /// stays as it was), WRITE_DROPPED when no copy of the current value is pending.
+    pub(super) fn apply_copy_end(
+        &self,
+        map: &mut ShardMap,
+        key: &[u8],
+        dropped: &[SegmentId],
+    ) -> Result<Vec<Replica>, ErrorCode> {
+        let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
+        let copy = match &obj.pending {
+            Some(p) => p.copy.filter(|c| c.version == obj.version).ok_or(ErrorCode::WRITE_DROPPED)?,
+            None => return Err(ErrorCode::WRITE_DROPPED),
+        };
+        let mut added = obj.pending.take().map(|p| p.replicas).unwrap_or_default();
+        added.retain(|r| !dropped.contains(&r.seg.desc.id));
+        if added.is_empty() {
+            return Err(ErrorCode::REPLICA_IS_GONE);
+        }
+        let mut gone = Vec::new();
+        if let Some(source) = copy.source {
+            let (out, kept): (Vec<Replica>, Vec<Replica>) =
+                std::mem::take(&mut obj.replicas).into_iter().partition(|r| r.seg.desc.id == source);
+            obj.replicas = kept;
+            gone = out;
+        }
+        obj.replicas.extend(added);
+        Ok(gone)
+    }
+
     /// `key` is removed (by a client or by eviction): its value's ranges are free at once
     /// (readers check generations); an unfinished write's stay reserved until its release
     /// timeout. Returns the object, already disposed of, for the caller's accounting.
@@ -345,6 +400,13 @@ impl Master {
                 obj.pending = None;
             }
         }
+        // A copy of a value that is gone goes with it (its client may still be writing).
+        if obj.replicas.is_empty() && obj.pending.as_ref().is_some_and(|p| p.copy.is_some()) {
+            if let Some(p) = obj.pending.take() {
+                dropped += p.replicas.len();
+                self.defer(p.replicas, p.started_ms + self.cfg.put_start_release_timeout_ms, now);
+            }
+        }
         if obj.replicas.is_empty() && obj.pending.is_none() {
             map.remove(key);
         }
@@ -362,30 +424,7 @@ impl Master {
         let shard_of = |key: &[u8]| group(key).map(|g| g.shard_of(key));
         match rec {
             Record::WriteStart { key, upsert: _, writer, write_id, started_ms, size, pins, replicas } => {
-                let mut reserved: Vec<Replica> = Vec::with_capacity(replicas.len());
-                for r in replicas {
-                    let fail = |why| ReplayError::Range { segment: r.segment, offset: r.offset, why };
-                    let got = match group(key)?.segments.get(r.segment) {
-                        // The segment went away here already: the primary allocated in it just
-                        // before its unmount was logged, and its replica is dead there too. The
-                        // write goes on without it, as on the primary (a commit leaves it out).
-                        None => Ok(None),
-                        Some(seg) if seg.desc.incarnation < r.incarnation => Err(fail("a later incarnation")),
-                        Some(seg) if seg.desc.incarnation > r.incarnation || !seg.is_alive() => Ok(None),
-                        Some(seg) => match self.reserve_replayed(&seg, r) {
-                            Some(a) => Ok(Some(Replica::new(seg, a, super::tenant_of(key)))),
-                            None => Err(fail("range taken")),
-                        },
-                    };
-                    match got {
-                        Ok(Some(rep)) => reserved.push(rep),
-                        Ok(None) => {}
-                        Err(e) => {
-                            reserved.into_iter().for_each(Replica::release);
-                            return Err(e);
-                        }
-                    }
-                }
+                let reserved = self.reserve_record_ranges(group(key)?, key, replicas)?;
                 let mut map = shard_of(key)?.write();
                 if map.get(key.as_slice()).is_some_and(|o| o.pending.is_some()) {
                     drop(map);
@@ -448,7 +487,65 @@ impl Master {
                 self.group(rank).ok_or(not_held)?.tasks.lock().apply(r);
                 Ok(())
             }
+            Record::CopyStart { key, writer, write_id, started_ms, task, version, source, replicas } => {
+                let reserved = self.reserve_record_ranges(group(key)?, key, replicas)?;
+                let mut map = shard_of(key)?.write();
+                let count = self.register_client(*writer).pending.clone();
+                let copy = CopyOf { task: *task, version: *version, source: *source };
+                let started = self.local_time(*started_ms);
+                self.apply_copy_start(&mut map, key, *writer, *write_id, started, copy, reserved, &count).map_err(
+                    |reserved| {
+                        reserved.into_iter().for_each(Replica::release);
+                        ReplayError::NoSuchWrite("CopyStart of an object without a value, or with a write pending")
+                    },
+                )
+            }
+            Record::CopyEnd { key, writer, write_id, dropped } => {
+                let mut map = shard_of(key)?.write();
+                check_pending(&map, key, *writer, *write_id, "CopyEnd")?;
+                match self.apply_copy_end(&mut map, key, dropped) {
+                    Ok(gone) => gone.into_iter().for_each(Replica::release),
+                    // Every segment it wrote to had died: the copy is gone, as on the primary.
+                    Err(ErrorCode::REPLICA_IS_GONE) => {}
+                    Err(_) => return Err(ReplayError::NoSuchWrite("CopyEnd of a write that is not a copy")),
+                }
+                Ok(())
+            }
         }
+    }
+
+    /// Reserves the ranges a record of a write or a copy of `key` names, exactly. A range on a
+    /// segment that went away here already is left out: the primary allocated in it just
+    /// before its unmount was logged, and its replica is dead there too (a commit leaves it
+    /// out).
+    fn reserve_record_ranges(
+        &self,
+        group: &Group,
+        key: &[u8],
+        replicas: &[RangeRec],
+    ) -> Result<Vec<Replica>, ReplayError> {
+        let mut reserved: Vec<Replica> = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            let fail = |why| ReplayError::Range { segment: r.segment, offset: r.offset, why };
+            let got = match group.segments.get(r.segment) {
+                None => Ok(None),
+                Some(seg) if seg.desc.incarnation < r.incarnation => Err(fail("a later incarnation")),
+                Some(seg) if seg.desc.incarnation > r.incarnation || !seg.is_alive() => Ok(None),
+                Some(seg) => match self.reserve_replayed(&seg, r) {
+                    Some(a) => Ok(Some(Replica::new(seg, a, super::tenant_of(key)))),
+                    None => Err(fail("range taken")),
+                },
+            };
+            match got {
+                Ok(Some(rep)) => reserved.push(rep),
+                Ok(None) => {}
+                Err(e) => {
+                    reserved.into_iter().for_each(Replica::release);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(reserved)
     }
 
     /// Reserves a replayed range exactly. A range this master still holds back (a write's

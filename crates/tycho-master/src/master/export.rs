@@ -8,7 +8,7 @@
 //! a grant may still reach them — and where its generations had got to), the unfinished writes
 //! of segments that went away, and every object (its committed value as a `WriteStart` and a
 //! `WriteEnd` at exactly its ranges and generations, then its unfinished write, if any, as a
-//! `WriteStart`), and its copy and move tasks as the task records that rebuild them. Soft state
+//! `WriteStart`, or a `CopyStart` for a task's copy), and its copy and move tasks as the task records that rebuild them. Soft state
 //! is left out, as the log leaves it out: read leases and client
 //! liveness (a promotion grants both afresh) and the grants a primary minted (a master that
 //! only replays holds every range it frees for as long as such a grant may last).
@@ -100,7 +100,18 @@ impl Master {
                         dropped: Vec::new(),
                     }));
                 }
-                if let Some(p) = &obj.pending {
+                if let Some((p, copy)) = obj.pending.as_ref().and_then(|p| p.copy.map(|c| (p, c))) {
+                    out.push(Entry::Record(Record::CopyStart {
+                        key: key.to_vec(),
+                        writer: p.writer,
+                        write_id: p.write_id,
+                        started_ms: self.unix_time(p.started_ms),
+                        task: copy.task,
+                        version: copy.version,
+                        source: copy.source,
+                        replicas: p.replicas.iter().map(range_rec).collect(),
+                    }));
+                } else if let Some(p) = &obj.pending {
                     out.push(Entry::Record(Record::WriteStart {
                         key: key.to_vec(),
                         upsert: obj.is_complete(),

@@ -1,0 +1,465 @@
+//! Copy and move tasks on the master (issue 15): creating and answering about them, handing
+//! them to their clients, and the copy a task's client runs — CopyStart, CopyEnd, CopyRevoke —
+//! as a pending write of the object that adds replicas to its value instead of replacing it.
+//!
+//! The copy is fenced three ways: by the task (it must be running, assigned to the caller, and
+//! of this key), by the object's version (a copy starts only on a committed value with no write
+//! pending, holds the object's one pending slot while it runs, so that no other write can
+//! commit meanwhile, and its end checks the version again), and by the copy's write id (the
+//! end or revoke must name the copy that is pending). A task's state changes in the same
+//! decision as its copy's, under the key's shard lock (lock order: the shard's, then the
+//! group's tasks), so that a copy never commits for a task that ended, nor a task succeeds
+//! without its copy.
+
+use std::sync::atomic::Ordering;
+
+use tycho_proto::auth::capability::{RIGHT_READ, RIGHT_WRITE};
+use tycho_proto::*;
+use tycho_routing::{decode_object_key, kvpt_to_rank, PARTITION_COUNT};
+
+use super::{Group, Master, Routed};
+use crate::object::{CopyOf, ShardMap};
+use crate::record::Record;
+use crate::segment::{MountedSegment, Replica};
+use crate::task::{Task, TaskId, TaskRecord};
+
+/// Most tasks one fetch hands out (Mooncake's clients ask for 16 at a time).
+pub const FETCH_BATCH: usize = 16;
+
+/// The description of `task` for its user or its client.
+fn info(task: &Task) -> TaskInfo {
+    let (tenant, key) = decode_object_key(&task.key).unwrap_or(("", ""));
+    TaskInfo {
+        id: task.id.0,
+        kind: task.kind,
+        status: task.status,
+        tenant: tenant.to_string(),
+        key: key.to_string(),
+        source: task.source.clone(),
+        targets: task.targets.clone(),
+        assigned: task.assigned,
+        created_ms: task.created_ms,
+        updated_ms: task.updated_ms,
+        message: task.message.clone(),
+    }
+}
+
+fn kind_index(kind: TaskKind) -> usize {
+    match kind {
+        TaskKind::Copy => 0,
+        TaskKind::Move => 1,
+    }
+}
+
+impl Master {
+    /// The group a request that names a partition of it (rather than a key) is routed to,
+    /// fenced by epoch as a key's route is.
+    fn route_group(&self, route: &RouteTag) -> WireResult<&Group> {
+        if u32::from(route.partition_id) >= PARTITION_COUNT {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let rank = kvpt_to_rank(route.partition_id, self.cfg.group_count.max(1));
+        let group = self.group(rank).filter(|g| g.is_serving()).ok_or_else(|| self.refusal(rank))?;
+        match route.epoch.cmp(&group.epoch()) {
+            std::cmp::Ordering::Less => Err(ErrorCode::STALE_EPOCH),
+            std::cmp::Ordering::Greater => Err(ErrorCode::KVPT_NOT_OWNED),
+            std::cmp::Ordering::Equal => Ok(group),
+        }
+    }
+
+    /// Logs and applies task records of `group` decided under its tasks' lock, counting the
+    /// tasks that end.
+    fn take_task_records(&self, group: &Group, tasks: &mut crate::task::Tasks, recs: Vec<TaskRecord>) {
+        for rec in recs {
+            match &rec {
+                TaskRecord::Created(t) => {
+                    self.counters.tasks[kind_index(t.kind)].created.fetch_add(1, Ordering::Relaxed);
+                }
+                TaskRecord::Finished { id, status, at_ms, .. } => {
+                    if let Some(t) = tasks.query(*id).filter(|t| !t.status.is_finished()) {
+                        let c = &self.counters.tasks[kind_index(t.kind)];
+                        let ended = if *status == TaskStatus::Success { &c.succeeded } else { &c.failed };
+                        ended.fetch_add(1, Ordering::Relaxed);
+                        c.duration_ms.fetch_add(at_ms.saturating_sub(t.created_ms), Ordering::Relaxed);
+                    }
+                }
+                _ => {}
+            }
+            self.log_to(group, || Record::Task(rec.clone()));
+            tasks.apply(&rec);
+        }
+    }
+
+    /// Ends task `id` of `group` (the first end wins), as `client`'s copy step decided.
+    fn end_task(&self, group: &Group, client: ClientId, id: TaskId, status: TaskStatus, message: String) {
+        let mut tasks = group.tasks.lock();
+        if let Ok(Some(rec)) = tasks.complete(client, id, status, message, self.clock.unix_now_ms()) {
+            self.take_task_records(group, &mut tasks, vec![rec]);
+        }
+    }
+
+    /// A live segment of `group` named `name`.
+    fn segment_named(group: &Group, name: &str) -> Option<std::sync::Arc<MountedSegment>> {
+        group.segments.live().iter().find(|s| s.desc.name == name && s.is_alive()).cloned()
+    }
+
+    /// CreateTask: a copy of `key`'s value to the target segments, or a move of its replica on
+    /// the source segment to the target, assigned to the client that owns the source segment.
+    /// Refused at once when it could not run: no such object (OBJECT_NOT_FOUND), not written
+    /// yet (REPLICA_IS_NOT_READY), no replica on the source (REPLICA_NOT_FOUND), a target that
+    /// is not mounted (SEGMENT_NOT_FOUND) or holds a replica already (REPLICA_ALREADY_EXISTS),
+    /// too many tasks waiting (TASK_PENDING_LIMIT_EXCEEDED).
+    pub fn create_task(&self, req: &CreateTask) -> WireResult<u128> {
+        let r = self.route(&req.tenant, &req.key)?;
+        self.admit_write(&r)?;
+        let mut targets = req.targets.clone();
+        targets.sort_unstable();
+        targets.dedup();
+        let one_target = req.kind == TaskKind::Move && req.targets.len() == 1 && !req.source.is_empty();
+        if targets.is_empty() || targets.len() != req.targets.len() || (req.kind == TaskKind::Move && !one_target) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        if targets.len() > crate::config::MAX_REPLICA_NUM as usize || targets.contains(&req.source) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let group = self.routed(&r);
+        for t in &req.targets {
+            Self::segment_named(group, t).ok_or(ErrorCode::SEGMENT_NOT_FOUND)?;
+        }
+        let (source, assigned) = {
+            let map = group.shards.shard(r.shard).read();
+            let obj = map.get(&r.key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
+            if !obj.is_complete() {
+                return Err(ErrorCode::REPLICA_IS_NOT_READY);
+            }
+            let live = || obj.replicas.iter().filter(|x| x.seg.is_alive());
+            if live().any(|x| req.targets.contains(&x.seg.desc.name)) {
+                return Err(ErrorCode::REPLICA_ALREADY_EXISTS);
+            }
+            let from = match req.source.as_str() {
+                // A copy from whichever replica comes first.
+                "" => live().next(),
+                name => live().find(|x| x.seg.desc.name == name),
+            };
+            let from = from.ok_or(ErrorCode::REPLICA_NOT_FOUND)?;
+            (from.seg.desc.name.clone(), from.seg.client)
+        };
+        let now = self.clock.unix_now_ms();
+        let task = Task {
+            id: TaskId::new(r.group, rand::random()),
+            kind: req.kind,
+            key: r.key.to_vec(),
+            source,
+            targets: req.targets.clone(),
+            assigned,
+            status: TaskStatus::Pending,
+            created_ms: now,
+            updated_ms: now,
+            message: String::new(),
+        };
+        let id = task.id;
+        let mut tasks = group.tasks.lock();
+        let rec = tasks.submit(&self.cfg.task_limits, task)?;
+        self.take_task_records(group, &mut tasks, vec![rec]);
+        Ok(id.0)
+    }
+
+    /// QueryTask: a task of the caller's tenant (TASK_NOT_FOUND for any other, or one
+    /// forgotten past the finished limit).
+    pub fn query_task(&self, q: &TaskQuery) -> WireResult<TaskInfo> {
+        let group = self.route_group(&q.route)?;
+        let id = TaskId(q.id);
+        if id.rank() != group.rank() {
+            return Err(ErrorCode::TASK_NOT_FOUND);
+        }
+        let tasks = group.tasks.lock();
+        let task = tasks.query(id).ok_or(ErrorCode::TASK_NOT_FOUND)?;
+        let info = info(task);
+        if info.tenant != q.tenant {
+            return Err(ErrorCode::TASK_NOT_FOUND);
+        }
+        Ok(info)
+    }
+
+    /// FetchTasks: up to [`FETCH_BATCH`] of `client`'s waiting tasks, over the groups this
+    /// master serves, oldest first in each; they run from now on.
+    pub fn fetch_tasks(&self, client: ClientId) -> Vec<TaskInfo> {
+        let mut out = Vec::new();
+        for group in self.serving() {
+            let room = FETCH_BATCH - out.len();
+            if room == 0 {
+                break;
+            }
+            let mut tasks = group.tasks.lock();
+            let Some(rec) = tasks.fetch(&self.cfg.task_limits, client, room, self.clock.unix_now_ms()) else {
+                continue;
+            };
+            let TaskRecord::Started { ids, .. } = &rec else { continue };
+            let ids = ids.clone();
+            self.take_task_records(group, &mut tasks, vec![rec]);
+            out.extend(ids.iter().filter_map(|id| tasks.query(*id)).map(info));
+        }
+        out
+    }
+
+    /// The running task `step` names, checked against the caller and the key.
+    fn running_task(&self, group: &Group, r: &Routed, step: &CopyStep) -> WireResult<Task> {
+        let tasks = group.tasks.lock();
+        let task = tasks.query(TaskId(step.task)).ok_or(ErrorCode::TASK_NOT_FOUND)?;
+        if task.assigned != step.client {
+            return Err(ErrorCode::ILLEGAL_CLIENT);
+        }
+        if *task.key != *r.key {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        Ok(task.clone())
+    }
+
+    /// CopyStart: reserves a range on each of the task's targets and grants its client the
+    /// source replica to read and the ranges to write. A copy that cannot run fails its task
+    /// (and answers why); a repeated start of the same copy gets the same ranges back.
+    pub fn copy_start(&self, step: &CopyStep) -> WireResult<CopyGrant> {
+        let r = self.route(&step.tenant, &step.key)?;
+        self.admit_write(&r)?;
+        if step.write_id == 0 {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let group = self.routed(&r);
+        let task = self.running_task(group, &r, step)?;
+        let shard = group.shards.shard(r.shard);
+        let describe = |map: &ShardMap| -> Option<CopyGrant> {
+            let obj = map.get(&r.key)?;
+            let p = obj.pending.as_ref().filter(|p| p.writer == step.client && p.write_id == step.write_id)?;
+            let copy = p.copy.filter(|c| c.task == task.id)?;
+            let source = obj.replicas.iter().find(|x| x.seg.desc.name == task.source && x.seg.is_alive())?;
+            let read = self.grant(RIGHT_READ, self.cfg.put_start_discard_timeout_ms, &r.key);
+            let write = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+            Some(CopyGrant {
+                version: copy.version,
+                source: source.desc(obj.size, &read),
+                targets: p.replicas.iter().map(|x| x.desc(obj.size, &write)).collect(),
+            })
+        };
+        if let Some(grant) = describe(&shard.read()) {
+            self.await_logged(&r.key);
+            return Ok(grant);
+        }
+        if task.status != TaskStatus::Processing {
+            return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
+        }
+        let fail = |code: ErrorCode, why: &str| {
+            self.end_task(group, step.client, task.id, TaskStatus::Failed, format!("{why} ({code:?})"));
+            Err(code)
+        };
+        // What to copy, as things stand: checked again under the write lock.
+        let (size, version) = {
+            let map = shard.read();
+            let Some(obj) = map.get(&r.key) else { return fail(ErrorCode::OBJECT_NOT_FOUND, "the object is gone") };
+            if let Some(p) = &obj.pending {
+                return match p.copy {
+                    Some(_) => fail(ErrorCode::OBJECT_HAS_REPLICATION_TASK, "another task copies the object"),
+                    None => fail(ErrorCode::REPLICA_IS_NOT_READY, "a write of the object is in progress"),
+                };
+            }
+            if !obj.is_complete() {
+                return fail(ErrorCode::REPLICA_IS_NOT_READY, "the object has no value");
+            }
+            if !obj.replicas.iter().any(|x| x.seg.desc.name == task.source && x.seg.is_alive()) {
+                return fail(ErrorCode::REPLICA_NOT_FOUND, "no replica on the source segment");
+            }
+            if obj.replicas.iter().any(|x| x.seg.is_alive() && task.targets.contains(&x.seg.desc.name)) {
+                return fail(ErrorCode::REPLICA_ALREADY_EXISTS, "a target holds a replica already");
+            }
+            (obj.size, obj.version)
+        };
+        let mut reserved: Vec<Replica> = Vec::with_capacity(task.targets.len());
+        for name in &task.targets {
+            let got = Self::segment_named(group, name).ok_or(ErrorCode::SEGMENT_NOT_FOUND).and_then(|seg| {
+                match seg.allocate(size, crate::master::tenant_of(&r.key)) {
+                    Some(a) => Ok(Replica::new(seg, a, crate::master::tenant_of(&r.key))),
+                    None => Err(ErrorCode::NO_AVAILABLE_HANDLE),
+                }
+            });
+            match got {
+                Ok(x) => reserved.push(x),
+                Err(code) => {
+                    reserved.into_iter().for_each(Replica::release);
+                    return fail(code, &format!("no room on target {name}"));
+                }
+            }
+        }
+        let source = (task.kind == TaskKind::Move)
+            .then(|| Self::segment_named(group, &task.source).map(|s| s.desc.id))
+            .flatten();
+        let copy = CopyOf { task: task.id, version, source };
+        let read = self.grant(RIGHT_READ, self.cfg.put_start_discard_timeout_ms, &r.key);
+        let write = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+        let targets: Vec<ReplicaDesc> = reserved.iter().map(|x| x.desc(size, &write)).collect();
+        let count = match self.writer(step.client) {
+            Ok((_, count)) => count,
+            Err(code) => {
+                reserved.into_iter().for_each(Replica::release);
+                return Err(code);
+            }
+        };
+        let mut map = shard.write();
+        let still = map.get(&r.key).filter(|o| o.version == version && o.pending.is_none() && o.is_complete());
+        let Some(source_desc) = still
+            .and_then(|o| o.replicas.iter().find(|x| x.seg.desc.name == task.source && x.seg.is_alive()))
+            .map(|x| x.desc(size, &read))
+        else {
+            drop(map);
+            reserved.into_iter().for_each(Replica::release);
+            return fail(ErrorCode::REPLICA_IS_NOT_READY, "the object changed while the copy started");
+        };
+        // (The task is checked running again under the shard lock: a report of its end cannot
+        // slip in between, since every end of a running task takes this lock first.)
+        if group.tasks.lock().query(task.id).is_none_or(|t| t.status != TaskStatus::Processing) {
+            drop(map);
+            reserved.into_iter().for_each(Replica::release);
+            return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
+        }
+        let now = self.now();
+        self.log(|| Record::CopyStart {
+            key: r.key.to_vec(),
+            writer: step.client,
+            write_id: step.write_id,
+            started_ms: self.unix_time(now),
+            task: task.id,
+            version,
+            source,
+            replicas: reserved.iter().map(super::apply::range_rec).collect(),
+        });
+        if let Err(reserved) =
+            self.apply_copy_start(&mut map, &r.key, step.client, step.write_id, now, copy, reserved, &count)
+        {
+            // Checked above under this lock: cannot happen.
+            reserved.into_iter().for_each(Replica::release);
+            return Err(ErrorCode::INTERNAL_ERROR);
+        }
+        Ok(CopyGrant { version, source: source_desc, targets })
+    }
+
+    /// CopyEnd (`end`) or CopyRevoke: commits the copy `step` names (its ranges become
+    /// replicas, a move's source replica goes) and the task succeeds, or drops it and the task
+    /// fails. A step with no such copy pending answers OBJECT_NO_REPLICATION_TASK and fails the
+    /// task if it still runs (its copy was dropped: pre-empted, its object removed by force,
+    /// its targets gone); a repeated step whose task ended as it asked is answered Ok.
+    pub fn copy_finish(&self, step: &CopyStep, end: bool) -> WireResult<()> {
+        let r = self.route(&step.tenant, &step.key)?;
+        let group = self.routed(&r);
+        let task = self.running_task(group, &r, step)?;
+        let mut map = group.shards.shard(r.shard).write();
+        let ours = map.get(&r.key).and_then(|o| o.pending.as_ref()).is_some_and(|p| {
+            p.writer == step.client && p.write_id == step.write_id && p.copy.is_some_and(|c| c.task == task.id)
+        });
+        let running = group.tasks.lock().query(task.id).is_some_and(|t| t.status == TaskStatus::Processing);
+        if !ours || !running {
+            if ours {
+                // The task ended (it timed out) while its copy was pending: the copy goes, and
+                // its client may still be writing.
+                let p = map.get(&r.key).and_then(|o| o.pending.as_ref()).expect("ours implies pending");
+                let release = p.started_ms + self.cfg.put_start_release_timeout_ms;
+                let release_at_ms = self.unix_time(release);
+                let (writer, write_id) = (p.writer, p.write_id);
+                self.log(|| Record::WriteDrop { key: r.key.to_vec(), writer, write_id, release_at_ms });
+                self.apply_write_cancel(&mut map, &r.key, Some(release), self.now());
+            }
+            let done = group.tasks.lock().query(task.id).map(|t| t.status);
+            return match done {
+                Some(TaskStatus::Success) if end => {
+                    self.await_logged(&r.key);
+                    Ok(())
+                }
+                Some(TaskStatus::Failed) if !end => {
+                    self.await_logged(&r.key);
+                    Ok(())
+                }
+                _ => {
+                    drop(map);
+                    let why = "its copy was dropped".to_string();
+                    self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+                    Err(ErrorCode::OBJECT_NO_REPLICATION_TASK)
+                }
+            };
+        }
+        if !end {
+            self.log(|| Record::WriteRevoke { key: r.key.to_vec(), writer: step.client, write_id: step.write_id });
+            self.apply_write_cancel(&mut map, &r.key, None, self.now());
+            let why = if step.message.is_empty() { "revoked by its client".to_string() } else { step.message.clone() };
+            self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+            return Ok(());
+        }
+        let dropped = Self::dead_segments_of_pending(&map, &r.key);
+        self.log(|| Record::CopyEnd {
+            key: r.key.to_vec(),
+            writer: step.client,
+            write_id: step.write_id,
+            dropped: dropped.clone(),
+        });
+        match self.apply_copy_end(&mut map, &r.key, &dropped) {
+            Ok(gone) => {
+                gone.into_iter().for_each(Replica::release);
+                self.end_task(group, step.client, task.id, TaskStatus::Success, String::new());
+                Ok(())
+            }
+            Err(code) => {
+                let why = format!("every target went away ({code:?})");
+                self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+                Err(code)
+            }
+        }
+    }
+
+    /// Fails every unfinished task of `client` (it expired: nobody else can run them), and
+    /// drops the copies it had started, whose ranges stay reserved until the release timeout
+    /// (it may still be writing, if only paused).
+    pub(super) fn fail_tasks_of(&self, client: ClientId) {
+        for group in self.serving() {
+            let copying: Vec<(TaskId, Vec<u8>)> = {
+                let tasks = group.tasks.lock();
+                let mine =
+                    tasks.list().into_iter().filter(|t| t.assigned == client && t.status == TaskStatus::Processing);
+                mine.map(|t| (t.id, t.key.clone())).collect()
+            };
+            for (id, key) in copying {
+                let mut map = group.shard_of(&key).write();
+                let Some(p) = map.get(key.as_slice()).and_then(|o| o.pending.as_ref()) else { continue };
+                if p.writer != client || p.copy.is_none_or(|c| c.task != id) {
+                    continue;
+                }
+                let release = p.started_ms + self.cfg.put_start_release_timeout_ms;
+                let (writer, write_id, release_at_ms) = (p.writer, p.write_id, self.unix_time(release));
+                self.log(|| Record::WriteDrop { key: key.clone(), writer, write_id, release_at_ms });
+                self.apply_write_cancel(&mut map, &key, Some(release), self.now());
+            }
+            let mut tasks = group.tasks.lock();
+            let recs = tasks.client_gone(client, self.clock.unix_now_ms());
+            self.take_task_records(group, &mut tasks, recs);
+        }
+    }
+
+    /// Fails the tasks past their timeouts and forgets the oldest finished ones past the
+    /// limit, in every group served.
+    pub(super) fn task_housekeeping(&self) {
+        // Timeouts are minutes long: a look once a second is plenty.
+        let now = self.now();
+        if now < self.last_task_scan.load(Ordering::Relaxed) + 1000 {
+            return;
+        }
+        self.last_task_scan.store(now, Ordering::Relaxed);
+        for group in self.serving() {
+            let mut tasks = group.tasks.lock();
+            if tasks.is_empty() {
+                continue;
+            }
+            let recs = tasks.housekeeping(&self.cfg.task_limits, self.clock.unix_now_ms());
+            self.take_task_records(group, &mut tasks, recs);
+        }
+    }
+
+    /// How many tasks wait, run, and are kept finished, over the groups served.
+    pub fn task_counts(&self) -> (usize, usize, usize) {
+        self.serving().map(|g| g.tasks.lock().counts()).fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
+    }
+}
