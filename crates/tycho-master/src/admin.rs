@@ -673,6 +673,36 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
     ] {
         simple(&mut out, name, "counter", help, v.load(Ordering::Relaxed) as f64);
     }
+    // Copy and move tasks: decided here, by type and what became of them; and the tasks of the
+    // groups served, by state.
+    family(
+        &mut out,
+        "tycho_master_tasks_total",
+        "counter",
+        "Copy and move tasks, by type and outcome (created, succeeded, failed).",
+    );
+    let mut durations = String::new();
+    for (kind, t) in ["copy", "move"].iter().zip(&c.tasks) {
+        let (ok, failed) = (t.succeeded.load(Ordering::Relaxed), t.failed.load(Ordering::Relaxed));
+        for (outcome, n) in [("created", t.created.load(Ordering::Relaxed)), ("succeeded", ok), ("failed", failed)] {
+            let _ = writeln!(out, "tycho_master_tasks_total{{type=\"{kind}\",outcome=\"{outcome}\"}} {n}");
+        }
+        let secs = t.duration_ms.load(Ordering::Relaxed) as f64 / 1000.0;
+        let _ = writeln!(durations, "tycho_master_task_duration_seconds_sum{{type=\"{kind}\"}} {secs}");
+        let _ = writeln!(durations, "tycho_master_task_duration_seconds_count{{type=\"{kind}\"}} {}", ok + failed);
+    }
+    family(
+        &mut out,
+        "tycho_master_task_duration_seconds",
+        "summary",
+        "Time from a task's creation to its end, by type.",
+    );
+    out.push_str(&durations);
+    let (pending, processing, finished) = s.master.task_counts();
+    family(&mut out, "tycho_master_tasks", "gauge", "Copy and move tasks of the groups served, by state.");
+    for (state, n) in [("pending", pending), ("processing", processing), ("finished", finished)] {
+        let _ = writeln!(out, "tycho_master_tasks{{state=\"{state}\"}} {n}");
+    }
     simple(
         &mut out,
         "tycho_master_sweeps_running",

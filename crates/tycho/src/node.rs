@@ -44,6 +44,9 @@ impl NodeArgs {
 
 /// Runs a node until SIGINT or SIGTERM, then unmounts cleanly.
 pub fn run(args: NodeArgs) -> i32 {
+    // A failpoints build takes failpoints from FAILPOINTS in the environment (tests only).
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cfg = match args.client_config() {
         Ok(c) => c,
         Err(e) => {

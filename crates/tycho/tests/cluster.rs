@@ -967,3 +967,215 @@ fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint
         println!("{failpoint}: group 1 ends with {end}; {} acknowledged, {} calls failed", acked.len(), errors.len());
     }
 }
+
+// ---- copy and move tasks (issue 15) ------------------------------------------------------------
+
+/// A master with a secret, alone (no etcd), with `extra` flags, and a way to reach it.
+struct Alone {
+    master: MasterProc,
+    _home: TempDir,
+    secret: PathBuf,
+}
+
+impl Alone {
+    fn new(extra: &[&str]) -> Alone {
+        let home = TempDir::new("tycho-tasks").unwrap();
+        let secret = secret_file(home.path());
+        let mut flags = vec!["--secret-file", secret.to_str().unwrap()];
+        flags.extend_from_slice(extra);
+        Alone { master: MasterProc::start(TYCHO, &flags), _home: home, secret }
+    }
+
+    /// A node of 64 MB with `env` set (FAILPOINTS in a failpoints build).
+    fn node(&self, env: &[(&str, &str)]) -> NodeProc {
+        NodeProc::start_env(TYCHO, &self.master.rpc, "64MB", &["--secret-file", self.secret.to_str().unwrap()], env)
+    }
+
+    fn client(&self) -> Client {
+        let mut cfg = ClientConfig::new(&self.master.rpc);
+        cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(&self.secret).unwrap()));
+        cfg.segment_size = 0;
+        cfg.protocol = Protocol::Tcp;
+        Client::connect(cfg).unwrap()
+    }
+
+    /// `tycho <args>` against the master, with the cluster secret.
+    fn cli(&self, args: &[&str]) -> std::process::Output {
+        let env = [("TYCHO_SECRET_FILE", self.secret.to_str().unwrap())];
+        tycho_testkit::run_cli(TYCHO, &self.master.rpc, args, &env, b"")
+    }
+}
+
+/// Puts `key` (`len` bytes) on segment `on` alone, once that segment is mounted.
+fn put_on(client: &Client, key: &str, len: usize, on: &str) {
+    let cfg = tycho_proto::ReplicateConfig { preferred_segments: vec![on.to_string()], ..Default::default() };
+    let deadline = Instant::now() + ROLE_WAIT;
+    loop {
+        client.put(key, &value_of(key, len), &cfg).unwrap();
+        if replica_segments(client, key) == [on.to_string()] {
+            return;
+        }
+        // Placed elsewhere before the segment was mounted: again.
+        assert!(Instant::now() < deadline, "{on} never took {key}");
+        client.remove(key, true).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The names of the segments holding `key`'s replicas, sorted.
+fn replica_segments(client: &Client, key: &str) -> Vec<String> {
+    let Ok(reps) = client.replicas(key) else { return Vec::new() };
+    let Ok(tycho_proto::Response::Segments(segs)) = client.call(&tycho_proto::Request::ListSegments) else {
+        panic!("no segment list")
+    };
+    let mut names: Vec<String> =
+        reps.iter().filter_map(|r| segs.iter().find(|s| s.desc.id == r.segment).map(|s| s.desc.name.clone())).collect();
+    names.sort();
+    names
+}
+
+/// Waits (bounded) until task `id` has ended; returns it.
+fn task_ended(client: &Client, id: u128) -> tycho_proto::TaskInfo {
+    let deadline = Instant::now() + ROLE_WAIT;
+    loop {
+        let t = client.query_task(id).unwrap();
+        if t.status.is_finished() {
+            return t;
+        }
+        assert!(Instant::now() < deadline, "task {id:032x} never ended: {t:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Copy and move tasks run by the node that holds the replica, asked for through the client
+/// library and the command line: a move leaves the value readable on the target alone, a copy
+/// adds a replica that serves the value once the source node is gone, and the pending-task limit
+/// refuses more tasks while a stopped node lets its tasks wait.
+#[test]
+fn copy_and_move_tasks_run_on_the_node_that_holds_the_replica() {
+    let _one = serial();
+    let s = Alone::new(&["--max-total-pending-tasks", "2"]);
+    let mut n1 = s.node(&[]);
+    let n2 = s.node(&[]);
+    let c = s.client();
+    const LEN: usize = 3 << 20;
+    put_on(&c, "t/move", LEN, &n1.hostname);
+    put_on(&c, "t/copy", LEN, &n1.hostname);
+
+    // A move, from the command line, waiting for its end.
+    let out = s.cli(&["move", "t/move", "--from", &n1.hostname, "--to", &n2.hostname, "--wait"]);
+    let shown = tycho_testkit::text(&out.stdout);
+    assert!(out.status.success(), "{shown}{}", tycho_testkit::text(&out.stderr));
+    assert!(shown.contains("status   Success") && shown.contains("type     Move"), "{shown}");
+    assert_eq!(replica_segments(&c, "t/move"), [n2.hostname.clone()]);
+    assert_eq!(c.get("t/move").unwrap(), value_of("t/move", LEN));
+
+    // A copy, through the library.
+    let id = c.create_copy_task("t/copy", std::slice::from_ref(&n2.hostname)).unwrap();
+    let t = task_ended(&c, id);
+    assert_eq!(
+        (t.status, t.kind, t.key.as_str()),
+        (tycho_proto::TaskStatus::Success, tycho_proto::TaskKind::Copy, "t/copy")
+    );
+    assert_eq!((t.source.as_str(), t.targets.clone()), (n1.hostname.as_str(), vec![n2.hostname.clone()]));
+    let mut both = vec![n1.hostname.clone(), n2.hostname.clone()];
+    both.sort();
+    assert_eq!(replica_segments(&c, "t/copy"), both);
+    let out = s.cli(&["task", &format!("{id:032x}")]);
+    assert!(tycho_testkit::text(&out.stdout).contains("status   Success"), "{}", tycho_testkit::text(&out.stdout));
+    // A copy to a segment that holds the value already, or one that does not exist, is refused.
+    let again = c.create_copy_task("t/copy", std::slice::from_ref(&n2.hostname));
+    assert_eq!(again, Err(tycho_proto::ErrorCode::REPLICA_ALREADY_EXISTS));
+    let nowhere = c.create_copy_task("t/copy", &["127.0.0.1:1".to_string()]);
+    assert_eq!(nowhere, Err(tycho_proto::ErrorCode::SEGMENT_NOT_FOUND));
+
+    // The limit: with n1 stopped its tasks wait; two may, the third is refused.
+    put_on(&c, "t/limit0", 4096, &n1.hostname);
+    put_on(&c, "t/limit1", 4096, &n1.hostname);
+    put_on(&c, "t/limit2", 4096, &n1.hostname);
+    n1.proc.signal(libc::SIGSTOP);
+    let to = std::slice::from_ref(&n2.hostname);
+    let waiting = [c.create_copy_task("t/limit0", to).unwrap(), c.create_copy_task("t/limit1", to).unwrap()];
+    assert_eq!(c.create_copy_task("t/limit2", to), Err(tycho_proto::ErrorCode::TASK_PENDING_LIMIT_EXCEEDED));
+    for id in waiting {
+        assert_eq!(c.query_task(id).unwrap().status, tycho_proto::TaskStatus::Pending);
+    }
+    n1.proc.signal(libc::SIGCONT);
+    for id in waiting {
+        assert_eq!(task_ended(&c, id).status, tycho_proto::TaskStatus::Success);
+    }
+    let last = c.create_copy_task("t/limit2", to).unwrap();
+    assert_eq!(task_ended(&c, last).status, tycho_proto::TaskStatus::Success);
+
+    // The copy serves the value once its source is gone (n1 unmounts as it stops).
+    n1.proc.signal(libc::SIGTERM);
+    let deadline = Instant::now() + ROLE_WAIT;
+    while replica_segments(&c, "t/copy") != [n2.hostname.clone()] {
+        assert!(Instant::now() < deadline, "n1's replica never went away");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.get("t/copy").unwrap(), value_of("t/copy", LEN));
+    let metrics = http_get(&s.master.http, "/metrics");
+    for line in [
+        "tycho_master_tasks_total{type=\"copy\",outcome=\"succeeded\"} 4",
+        "tycho_master_tasks_total{type=\"move\",outcome=\"succeeded\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} not in the metrics");
+    }
+}
+
+#[cfg(feature = "failpoints")]
+/// How many times `master` answered `rpc` (its `tycho_master_rpc_requests_total`).
+fn rpc_count(master: &MasterProc, rpc: &str) -> u64 {
+    let prefix = format!("tycho_master_rpc_requests_total{{rpc=\"{rpc}\"}} ");
+    let page = http_get(&master.http, "/metrics");
+    page.lines().find_map(|l| l.strip_prefix(prefix.as_str())).map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// A node held at a failpoint just after it started a task's copy: a remove of the object is
+/// refused with OBJECT_HAS_REPLICATION_TASK; then the node is SIGKILLed, and the master fails
+/// the task once the node's client expires, drops the copy, and frees the target's ranges at
+/// the release timeout.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_task_whose_node_is_killed_mid_copy_fails_and_is_cleaned_up_failpoint() {
+    let _one = serial();
+    let s = Alone::new(&[
+        "--client-ttl",
+        "2",
+        "--put-start-discard-timeout-sec",
+        "1",
+        "--put-start-release-timeout-sec",
+        "3",
+    ]);
+    let mut n1 = s.node(&[("FAILPOINTS", "client::task::copy_started=sleep(60000)")]);
+    let n2 = s.node(&[]);
+    let c = s.client();
+    put_on(&c, "t/held", 64 << 10, &n1.hostname);
+    let id = c.create_copy_task("t/held", std::slice::from_ref(&n2.hostname)).unwrap();
+    let deadline = Instant::now() + ROLE_WAIT;
+    while rpc_count(&s.master, "copy_start") == 0 {
+        assert!(Instant::now() < deadline, "the node never started the copy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let used_on = |name: &str| -> u64 {
+        let Ok(tycho_proto::Response::Segments(segs)) = c.call(&tycho_proto::Request::ListSegments) else { panic!() };
+        segs.iter().find(|x| x.desc.name == name).map_or(0, |x| x.used)
+    };
+    assert!(used_on(&n2.hostname) >= 64 << 10, "the copy's range is reserved on the target");
+    assert_eq!(c.query_task(id).unwrap().status, tycho_proto::TaskStatus::Processing);
+    assert_eq!(c.remove("t/held", false), Err(tycho_proto::ErrorCode::OBJECT_HAS_REPLICATION_TASK));
+    assert_eq!(c.get("t/held").unwrap(), value_of("t/held", 64 << 10), "reads go on during the copy");
+
+    n1.proc.signal(libc::SIGKILL);
+    let t = task_ended(&c, id);
+    assert_eq!((t.status, t.message.as_str()), (tycho_proto::TaskStatus::Failed, "its client went away"));
+    // The copy's range comes back at the release timeout; the object went with its only replica.
+    let deadline = Instant::now() + ROLE_WAIT;
+    while used_on(&n2.hostname) > 0 {
+        assert!(Instant::now() < deadline, "the copy's range on the target was never freed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.get("t/held"), Err(tycho_proto::ErrorCode::OBJECT_NOT_FOUND));
+    assert_eq!(task_ended(&c, id).status, tycho_proto::TaskStatus::Failed);
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tycho_client::{Client, ClientAuth, ClientConfig, Protocol};
 use tycho_master::record::RecordBatch;
 use tycho_meta::{MetaStore, RangeRequest};
-use tycho_proto::{ErrorCode, KeyRef, Request, Response, WriteFinish, WriteStart};
+use tycho_proto::{ErrorCode, KeyRef, Request, Response, SegmentId, WriteFinish, WriteStart};
 use tycho_testkit::EtcdServer;
 use tycho_testkit::{MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
@@ -294,6 +294,80 @@ fn a_standby_takes_over_a_killed_primary_and_serves_everything_acknowledged() {
     });
     check_acked(&client(&both, &c.secret), &acked);
     drop(node);
+}
+
+/// A copy task survives a failover of its group: created while the node that must run it is
+/// stopped, it waits in the primary's group state; the primary is killed, the standby takes
+/// over with the task in its replayed state, and once the node runs again it fetches the task
+/// from the new primary and runs it to the end.
+#[test]
+fn a_copy_task_created_before_a_failover_runs_after_it() {
+    let _one = serial();
+    let c = Cluster::new("tasks", "2");
+    let mut a = c.master("primary");
+    let mut b = c.master("standby");
+    let both = format!("{},{}", a.rpc, b.rpc);
+    let flags = ["--secret-file", c.secret.to_str().unwrap()];
+    let mut n1 = NodeProc::start_env(TYCHO, &both, "64MB", &flags, &[]);
+    let n2 = NodeProc::start_env(TYCHO, &both, "64MB", &flags, &[]);
+    let writer = client(&both, &c.secret);
+    let on_n1 = tycho_proto::ReplicateConfig { preferred_segments: vec![n1.hostname.clone()], ..Default::default() };
+    let segments_of = |key: &str| -> Vec<SegmentId> {
+        writer.replicas(key).map(|r| r.iter().map(|d| d.segment).collect()).unwrap_or_default()
+    };
+    let n1_segment = || -> Option<SegmentId> {
+        let Ok(Response::Segments(segs)) = writer.call(&Request::ListSegments) else { return None };
+        segs.iter().find(|s| s.desc.name == n1.hostname).map(|s| s.desc.id)
+    };
+    let deadline = Instant::now() + ROLE_WAIT;
+    // Both segments mounted, and the key on n1's alone.
+    loop {
+        let mounted = matches!(writer.call(&Request::ListSegments), Ok(Response::Segments(s)) if s.len() == 2);
+        if mounted {
+            writer.put("task/k", &value("task/k", 100_000), &on_n1).unwrap();
+            if segments_of("task/k") == n1_segment().into_iter().collect::<Vec<_>>() {
+                break;
+            }
+            writer.remove("task/k", true).unwrap();
+        }
+        assert!(Instant::now() < deadline, "the nodes' segments never became usable");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    n1.proc.signal(libc::SIGSTOP);
+    let id = writer.create_copy_task("task/k", std::slice::from_ref(&n2.hostname)).unwrap();
+    assert_eq!(writer.query_task(id).unwrap().status, tycho_proto::TaskStatus::Pending);
+    a.proc.signal(libc::SIGKILL);
+    b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
+    let t = writer.query_task(id).expect("the new primary knows the task");
+    assert_eq!((t.status, t.key.as_str()), (tycho_proto::TaskStatus::Pending, "task/k"));
+    n1.proc.signal(libc::SIGCONT);
+    let deadline = Instant::now() + ROLE_WAIT;
+    let t = loop {
+        let t = writer.query_task(id).unwrap();
+        if t.status.is_finished() {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "the task never ended: {t:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(t.status, tycho_proto::TaskStatus::Success, "{t:?}");
+    assert_eq!(segments_of("task/k").len(), 2);
+    // The copy alone serves the value once n1 is gone (it unmounts as it stops).
+    n1.proc.signal(libc::SIGTERM);
+    let fresh = client(&b.rpc, &c.secret);
+    let deadline = Instant::now() + ROLE_WAIT;
+    loop {
+        match fresh.get("task/k") {
+            Ok(v) if fresh.replicas("task/k").is_ok_and(|r| r.len() == 1) => {
+                assert_eq!(v, value("task/k", 100_000));
+                break;
+            }
+            Ok(v) => assert_eq!(v, value("task/k", 100_000)),
+            Err(e) => panic!("the copied value is lost: {e:?}"),
+        }
+        assert!(Instant::now() < deadline, "n1's replica never went away");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// SIGTERM under a steady put and get load: the primary gives up its registration and answers

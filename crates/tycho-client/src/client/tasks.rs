@@ -127,6 +127,9 @@ impl Inner {
                 return Err(e);
             }
         };
+        // Tests hold a copy here (its ranges reserved, its object fenced) to act on it.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("client::task::copy_started");
         if let Err(e) = self.copy_bytes(&grant) {
             step.message = format!("the copy failed ({e:?})");
             let _ = self.call(&Request::CopyRevoke(step));
