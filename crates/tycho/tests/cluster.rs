@@ -1067,7 +1067,7 @@ fn copy_and_move_tasks_run_on_the_node_that_holds_the_replica() {
     let shown = tycho_testkit::text(&out.stdout);
     assert!(out.status.success(), "{shown}{}", tycho_testkit::text(&out.stderr));
     assert!(shown.contains("status   Success") && shown.contains("type     Move"), "{shown}");
-    assert_eq!(replica_segments(&c, "t/move"), [n2.hostname.clone()]);
+    assert_eq!(replica_segments(&c, "t/move"), std::slice::from_ref(&n2.hostname));
     assert_eq!(c.get("t/move").unwrap(), value_of("t/move", LEN));
 
     // A copy, through the library.
