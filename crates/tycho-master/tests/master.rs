@@ -2060,12 +2060,13 @@ fn a_copy_task_adds_a_replica_a_move_moves_one_and_each_is_fenced() {
     let seg1 = BTreeSet::from([1]);
     assert_eq!(segments_of(m, "k"), seg1);
 
-    // Refused at once: no such key, target or source; a target that holds a replica; a move
-    // without exactly one target.
+    // Refused at once, with Mooncake's codes: no such key; no such target or source, a source
+    // without a replica, a move to its own source or without exactly one target, no target.
     assert_eq!(create(m, "nope", TaskKind::Copy, "", &["seg-2"]), Err(ErrorCode::OBJECT_NOT_FOUND));
-    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-9"]), Err(ErrorCode::SEGMENT_NOT_FOUND));
-    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-1"]), Err(ErrorCode::REPLICA_ALREADY_EXISTS));
-    assert_eq!(create(m, "k", TaskKind::Move, "seg-2", &["seg-3"]), Err(ErrorCode::REPLICA_NOT_FOUND));
+    assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-9"]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(create(m, "k", TaskKind::Move, "seg-2", &["seg-3"]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(create(m, "k", TaskKind::Move, "seg-9", &["seg-3"]), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(create(m, "k", TaskKind::Move, "seg-1", &["seg-1"]), Err(ErrorCode::INVALID_PARAMS));
     assert_eq!(create(m, "k", TaskKind::Move, "seg-1", &["seg-2", "seg-3"]), Err(ErrorCode::INVALID_PARAMS));
     assert_eq!(create(m, "k", TaskKind::Copy, "", &[]), Err(ErrorCode::INVALID_PARAMS));
     assert_eq!(create(m, "k", TaskKind::Copy, "", &["seg-2", "seg-2"]), Err(ErrorCode::INVALID_PARAMS));
@@ -2122,8 +2123,12 @@ fn a_copy_task_adds_a_replica_a_move_moves_one_and_each_is_fenced() {
     m.copy_start(&step(A, "k", copy, 9)).unwrap();
     m.copy_finish(&step(A, "k", copy, 9), true).unwrap();
     assert_eq!(segments_of(m, "k"), BTreeSet::from([1, 2, 3]));
-    assert_eq!(task_status(m, copy), Ok((TaskStatus::Success, String::new())));
+    assert_eq!(task_status(m, copy), Ok((TaskStatus::Success, "done".into())));
     assert_eq!(m.copy_finish(&step(A, "k", copy, 9), true), Ok(()));
+    // A copy to segments that hold the value already is done as it is created.
+    let noop = create(m, "k", TaskKind::Copy, "", &["seg-1", "seg-2"]).unwrap();
+    assert_eq!(task_status(m, noop).unwrap().0, TaskStatus::Success);
+    assert!(m.fetch_tasks(A).is_empty());
     remove(m, "k", true).unwrap();
 
     // A move: the source replica goes only at the end.
@@ -2135,6 +2140,17 @@ fn a_copy_task_adds_a_replica_a_move_moves_one_and_each_is_fenced() {
     assert_eq!(segments_of(m, "m"), BTreeSet::from([2]));
     assert_eq!(get(m, "m").unwrap().size, 3000);
     assert_eq!(used_of(m, 1), Some(0), "the source's range is free");
+    // A move to a segment that holds a replica already drops the source's at once.
+    let on_1 = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
+    put_cfg(m, A, "both", 1000, on_1);
+    let copy_both = create(m, "both", TaskKind::Copy, "", &["seg-2"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    m.copy_start(&step(A, "both", copy_both, 10)).unwrap();
+    m.copy_finish(&step(A, "both", copy_both, 10), true).unwrap();
+    assert_eq!(segments_of(m, "both"), BTreeSet::from([1, 2]));
+    let drop_move = create(m, "both", TaskKind::Move, "seg-1", &["seg-2"]).unwrap();
+    assert_eq!(task_status(m, drop_move).unwrap().0, TaskStatus::Success);
+    assert_eq!(segments_of(m, "both"), BTreeSet::from([2]));
 
     // A revoke frees the ranges at once and fails the task with the client's word.
     let back = create(m, "m", TaskKind::Move, "seg-2", &["seg-3"]).unwrap();

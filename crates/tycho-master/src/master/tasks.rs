@@ -105,47 +105,50 @@ impl Master {
 
     /// CreateTask: a copy of `key`'s value to the target segments, or a move of its replica on
     /// the source segment to the target, assigned to the client that owns the source segment.
-    /// Refused at once when it could not run: no such object (OBJECT_NOT_FOUND), not written
-    /// yet (REPLICA_IS_NOT_READY), no replica on the source (REPLICA_NOT_FOUND), a target that
-    /// is not mounted (SEGMENT_NOT_FOUND) or holds a replica already (REPLICA_ALREADY_EXISTS),
-    /// too many tasks waiting (TASK_PENDING_LIMIT_EXCEEDED).
+    /// As Mooncake's master does, it is refused with INVALID_PARAMS when a target is not
+    /// mounted, the source holds no replica, a move's source is its target, or there is no
+    /// target; with OBJECT_NOT_FOUND for no object, REPLICA_IS_NOT_READY for one not written
+    /// yet, TASK_PENDING_LIMIT_EXCEEDED when too many tasks wait. A target that holds a replica
+    /// already needs nothing: a copy to such targets alone succeeds at once, and a move to one
+    /// drops the source replica at once.
     pub fn create_task(&self, req: &CreateTask) -> WireResult<u128> {
         let r = self.route(&req.tenant, &req.key)?;
         self.admit_write(&r)?;
         let mut targets = req.targets.clone();
         targets.sort_unstable();
         targets.dedup();
-        let one_target = req.kind == TaskKind::Move && req.targets.len() == 1 && !req.source.is_empty();
-        if targets.is_empty() || targets.len() != req.targets.len() || (req.kind == TaskKind::Move && !one_target) {
-            return Err(ErrorCode::INVALID_PARAMS);
-        }
-        if targets.len() > crate::config::MAX_REPLICA_NUM as usize || targets.contains(&req.source) {
+        let moving = req.kind == TaskKind::Move;
+        let shape_ok = !targets.is_empty()
+            && targets.len() == req.targets.len()
+            && targets.len() <= crate::config::MAX_REPLICA_NUM as usize
+            && (!moving || (targets.len() == 1 && !req.source.is_empty()))
+            && !targets.contains(&req.source);
+        if !shape_ok {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let group = self.routed(&r);
-        for t in &req.targets {
-            Self::segment_named(group, t).ok_or(ErrorCode::SEGMENT_NOT_FOUND)?;
+        let mounted = |name: &str| Self::segment_named(group, name).is_some();
+        if !req.targets.iter().all(|t| mounted(t)) || !(req.source.is_empty() || mounted(&req.source)) {
+            return Err(ErrorCode::INVALID_PARAMS);
         }
-        let (source, assigned) = {
+        let (source, assigned, needed) = {
             let map = group.shards.shard(r.shard).read();
             let obj = map.get(&r.key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
             if !obj.is_complete() {
                 return Err(ErrorCode::REPLICA_IS_NOT_READY);
             }
             let live = || obj.replicas.iter().filter(|x| x.seg.is_alive());
-            if live().any(|x| req.targets.contains(&x.seg.desc.name)) {
-                return Err(ErrorCode::REPLICA_ALREADY_EXISTS);
-            }
             let from = match req.source.as_str() {
                 // A copy from whichever replica comes first.
-                "" => live().next(),
-                name => live().find(|x| x.seg.desc.name == name),
+                "" => live().next().ok_or(ErrorCode::OBJECT_NOT_FOUND)?,
+                name => live().find(|x| x.seg.desc.name == name).ok_or(ErrorCode::INVALID_PARAMS)?,
             };
-            let from = from.ok_or(ErrorCode::REPLICA_NOT_FOUND)?;
-            (from.seg.desc.name.clone(), from.seg.client)
+            let holds = |t: &String| live().any(|x| x.seg.desc.name == *t);
+            let needed: Vec<String> = req.targets.iter().filter(|t| !holds(t)).cloned().collect();
+            (from.seg.desc.name.clone(), from.seg.client, needed)
         };
         let now = self.clock.unix_now_ms();
-        let task = Task {
+        let mut task = Task {
             id: TaskId::new(r.group, rand::random()),
             kind: req.kind,
             key: r.key.to_vec(),
@@ -158,9 +161,33 @@ impl Master {
             message: String::new(),
         };
         let id = task.id;
+        if !needed.is_empty() {
+            task.targets = needed;
+            let mut tasks = group.tasks.lock();
+            let rec = tasks.submit(&self.cfg.task_limits, task)?;
+            self.take_task_records(group, &mut tasks, vec![rec]);
+            return Ok(id.0);
+        }
+        // Nothing to copy: the task is done as it is created (a move's source replica goes
+        // first, while the target still holds one).
+        let mut map = group.shards.shard(r.shard).write();
+        let source = Self::segment_named(group, &task.source).map(|s| s.desc.id);
         let mut tasks = group.tasks.lock();
-        let rec = tasks.submit(&self.cfg.task_limits, task)?;
-        self.take_task_records(group, &mut tasks, vec![rec]);
+        let created = tasks.submit(&self.cfg.task_limits, task)?;
+        if moving {
+            let obj = map.get(&r.key).filter(|o| o.pending.is_none());
+            let target_holds = obj.is_some_and(|o| o.replicas.iter().any(|x| x.seg.desc.name == req.targets[0]));
+            let (Some(segment), true) = (source, target_holds) else { return Err(ErrorCode::REPLICA_IS_NOT_READY) };
+            self.log(|| Record::DropReplicas { key: r.key.to_vec(), segment });
+            self.apply_drop_replicas(&mut map, &r.key, segment, self.now());
+        }
+        let done = TaskRecord::Finished {
+            id,
+            status: TaskStatus::Success,
+            message: "every target holds a replica already".into(),
+            at_ms: now,
+        };
+        self.take_task_records(group, &mut tasks, vec![created, done]);
         Ok(id.0)
     }
 
@@ -400,7 +427,7 @@ impl Master {
         match self.apply_copy_end(&mut map, &r.key, &dropped) {
             Ok(gone) => {
                 gone.into_iter().for_each(Replica::release);
-                self.end_task(group, step.client, task.id, TaskStatus::Success, String::new());
+                self.end_task(group, step.client, task.id, TaskStatus::Success, "done".into());
                 Ok(())
             }
             Err(code) => {
