@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 
-# The methods LMCache's and SGLang's Mooncake backends call, and those the real-client issue adds.
+# The methods LMCache's and SGLang's Mooncake backends call, those the real-client issue adds, and
+# the copy and move task methods.
 METHODS = [
     "setup", "close", "get_hostname", "health_check",
     "put", "put_parts", "put_batch", "upsert", "upsert_parts", "upsert_batch",
@@ -33,6 +34,7 @@ METHODS = [
     "batch_replica_clear", "batch_put_from_multi_buffers", "batch_get_into_multi_buffers",
     "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges",
     "put_from_with_metadata", "get_replica_desc", "batch_get_replica_desc",
+    "create_copy_task", "create_move_task", "query_task",
 ]
 CONFIG_FIELDS = [
     "replica_num", "soft_pin_action", "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment",

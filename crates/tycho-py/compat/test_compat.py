@@ -246,3 +246,88 @@ def test_client_call_conventions(store):
     assert ctypes.string_at(dst, 32) == b"\x07" * 32
     assert store.get_into(k2, dst, 64) == 32
     assert store.remove_all(True) >= 2
+
+
+# ---- copy and move tasks ------------------------------------------------------------------
+
+TASK_NOT_FOUND = -1400
+
+
+def wait_task(store, mc, task_id, timeout=30):
+    """The task's answer once it has ended (bounded wait)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        resp, rc = store.query_task(task_id)
+        assert rc == 0 and resp is not None, rc
+        if resp.status in (mc.TaskStatus.SUCCESS, mc.TaskStatus.FAILED):
+            return resp
+        assert time.monotonic() < deadline, f"task {task_id} still {resp.status}"
+        time.sleep(0.05)
+
+
+def on_segment(mc, name):
+    cfg = mc.ReplicateConfig()
+    cfg.preferred_segment = name
+    return cfg
+
+
+def test_task_enums_and_fields(mc):
+    assert [int(mc.TaskType.REPLICA_COPY), int(mc.TaskType.REPLICA_MOVE)] == [0, 1]
+    assert [int(s) for s in (mc.TaskStatus.PENDING, mc.TaskStatus.PROCESSING, mc.TaskStatus.FAILED,
+                             mc.TaskStatus.SUCCESS)] == [0, 1, 2, 3]
+    names = ["UNDEFINED", "INITIALIZED", "PROCESSING", "COMPLETE", "REMOVED", "FAILED"]
+    assert [int(getattr(mc.ReplicaStatus, n)) for n in names] == list(range(6))
+    fields = {"id", "type", "status", "created_at_ms_epoch", "last_updated_at_ms_epoch", "assigned_client", "message"}
+    assert fields <= set(dir(mc.QueryTaskResponse))
+
+
+def test_a_copy_task_adds_a_replica_on_the_target(make_store, mc):
+    a, b = make_store(), make_store()
+    k = key("copy")
+    assert a.put(k, b"c" * 10000, on_segment(mc, a.get_hostname())) == 0
+    assert len(a.get_replica_desc(k)) == 1
+    task_id, rc = a.create_copy_task(k, [b.get_hostname()])
+    assert rc == 0 and isinstance(task_id, tuple) and len(task_id) == 2 and task_id != (0, 0)
+    resp = wait_task(a, mc, task_id)
+    assert resp.status == mc.TaskStatus.SUCCESS, resp.message
+    assert resp.type == mc.TaskType.REPLICA_COPY and resp.id == task_id
+    assert isinstance(resp.assigned_client, tuple) and resp.created_at_ms_epoch > 0
+    assert resp.last_updated_at_ms_epoch >= resp.created_at_ms_epoch
+    assert len(a.get_replica_desc(k)) == 2
+    assert b.get(k) == b"c" * 10000
+    # A copy onto a segment that holds the value already is accepted (and has nothing to do).
+    again, rc = a.create_copy_task(k, [b.get_hostname()])
+    assert rc == 0 and again != (0, 0)
+    assert wait_task(a, mc, again).status == mc.TaskStatus.SUCCESS
+
+
+def test_a_move_task_moves_the_replica(make_store, mc):
+    a, b = make_store(), make_store()
+    k = key("move")
+    assert a.put(k, b"m" * 5000, on_segment(mc, a.get_hostname())) == 0
+    endpoint = lambda d: d.get_memory_descriptor().buffer_descriptor.transport_endpoint  # noqa: E731
+    before = [endpoint(d) for d in a.get_replica_desc(k)]
+    assert len(before) == 1
+    task_id, rc = a.create_move_task(k, a.get_hostname(), b.get_hostname())
+    assert rc == 0
+    resp = wait_task(a, mc, task_id)
+    assert resp.status == mc.TaskStatus.SUCCESS and resp.type == mc.TaskType.REPLICA_MOVE, resp.message
+    after = [endpoint(d) for d in a.get_replica_desc(k)]
+    assert len(after) == 1 and after != before, (before, after)
+    assert a.get(k) == b"m" * 5000 and b.get(k) == b"m" * 5000
+
+
+def test_task_errors_and_unknown_ids(make_store, mc):
+    a, b = make_store(), make_store()
+    k = key("task-errors")
+    assert a.put(k, b"e" * 100, on_segment(mc, a.get_hostname())) == 0
+    assert a.create_copy_task(key("missing"), [b.get_hostname()]) == ((0, 0), OBJECT_NOT_FOUND)
+    assert a.create_copy_task(k, ["127.0.0.1:1"]) == ((0, 0), INVALID_PARAMS)
+    assert a.create_copy_task(k, []) == ((0, 0), INVALID_PARAMS)
+    assert a.create_move_task(k, "127.0.0.1:1", b.get_hostname()) == ((0, 0), INVALID_PARAMS)
+    assert a.create_move_task(k, b.get_hostname(), a.get_hostname()) == ((0, 0), INVALID_PARAMS)
+    assert a.create_move_task(k, a.get_hostname(), a.get_hostname()) == ((0, 0), INVALID_PARAMS)
+    assert a.query_task((1, 2)) == (None, TASK_NOT_FOUND)
+    assert a.query_task((0, 0)) == (None, TASK_NOT_FOUND)

@@ -40,6 +40,117 @@ enum SoftPinAction {
     DISABLE = 2,
 }
 
+/// What a copy or move task does (Mooncake's `TaskType`).
+#[pyclass(module = "tycho._tycho", eq, eq_int)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::upper_case_acronyms, non_camel_case_types)]
+enum TaskType {
+    /// Copy an object onto more segments.
+    REPLICA_COPY = 0,
+    /// Move an object's replica to another segment.
+    REPLICA_MOVE = 1,
+}
+
+/// Where a task stands (Mooncake's `TaskStatus`).
+#[pyclass(module = "tycho._tycho", eq, eq_int)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::upper_case_acronyms)]
+enum TaskStatus {
+    /// Waiting for the client that holds the source replica.
+    PENDING = 0,
+    /// Being run by that client.
+    PROCESSING = 1,
+    /// Ended without doing its work (the message says why).
+    FAILED = 2,
+    /// Done.
+    SUCCESS = 3,
+}
+
+/// The states of a replica (Mooncake's `ReplicaStatus`); Tycho lists complete replicas only.
+#[pyclass(module = "tycho._tycho", eq, eq_int)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[allow(clippy::upper_case_acronyms)]
+enum ReplicaStatus {
+    /// Not set.
+    UNDEFINED = 0,
+    /// Space reserved.
+    INITIALIZED = 1,
+    /// Being written.
+    PROCESSING = 2,
+    /// Written and readable.
+    COMPLETE = 3,
+    /// Removed.
+    REMOVED = 4,
+    /// Its write failed.
+    FAILED = 5,
+}
+
+/// A 128-bit id as Mooncake's Python API spells UUIDs: `(high 64 bits, low 64 bits)`.
+fn uuid_pair(id: u128) -> (u64, u64) {
+    ((id >> 64) as u64, id as u64)
+}
+
+/// Answer to `query_task` (Mooncake's `QueryTaskResponse`).
+#[pyclass(module = "tycho._tycho", get_all, frozen)]
+#[derive(Clone)]
+struct QueryTaskResponse {
+    /// The task's id.
+    id: (u64, u64),
+    /// Copy or move.
+    #[pyo3(name = "type")]
+    kind: TaskType,
+    /// Where it stands.
+    status: TaskStatus,
+    /// When it was created (Unix ms).
+    created_at_ms_epoch: u64,
+    /// When its status last changed (Unix ms).
+    last_updated_at_ms_epoch: u64,
+    /// The client that runs it.
+    assigned_client: (u64, u64),
+    /// Why it failed, or a word on its success.
+    message: String,
+}
+
+#[pymethods]
+impl QueryTaskResponse {
+    fn __repr__(&self) -> String {
+        format!(
+            "QueryTaskResponse(id={}-{}, type={}, status={}, created_at={}, last_updated_at={}, assigned_client={}-{}, message={:?})",
+            self.id.0,
+            self.id.1,
+            self.kind as i32,
+            self.status as i32,
+            self.created_at_ms_epoch,
+            self.last_updated_at_ms_epoch,
+            self.assigned_client.0,
+            self.assigned_client.1,
+            self.message
+        )
+    }
+}
+
+impl From<tycho_proto::TaskInfo> for QueryTaskResponse {
+    fn from(t: tycho_proto::TaskInfo) -> Self {
+        QueryTaskResponse {
+            id: uuid_pair(t.id),
+            kind: match t.kind {
+                tycho_proto::TaskKind::Copy => TaskType::REPLICA_COPY,
+                tycho_proto::TaskKind::Move => TaskType::REPLICA_MOVE,
+            },
+            status: match t.status {
+                tycho_proto::TaskStatus::Pending => TaskStatus::PENDING,
+                tycho_proto::TaskStatus::Processing => TaskStatus::PROCESSING,
+                tycho_proto::TaskStatus::Failed => TaskStatus::FAILED,
+                tycho_proto::TaskStatus::Success => TaskStatus::SUCCESS,
+            },
+            created_at_ms_epoch: t.created_ms,
+            last_updated_at_ms_epoch: t.updated_ms,
+            assigned_client: uuid_pair(t.assigned.0),
+            message: t.message,
+        }
+    }
+}
+
 /// Placement and pinning of a write (Mooncake's `ReplicateConfig`).
 #[pyclass(module = "tycho._tycho", get_all)]
 #[derive(Clone)]
@@ -1054,6 +1165,44 @@ impl Store {
         }
     }
 
+    // ---- copy and move tasks ----
+
+    /// Asks for copies of `key` on the `targets` segments (by name, as `get_hostname` gives
+    /// them): `((high, low) task id, 0)`, or `((0, 0), negative code)`.
+    fn create_copy_task(&self, py: Python<'_>, key: &str, targets: Vec<String>) -> ((u64, u64), i64) {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return ((0, 0), code(e)),
+        };
+        py.allow_threads(|| c.create_copy_task(key, &targets))
+            .map_or_else(|e| ((0, 0), code(e)), |id| (uuid_pair(id), 0))
+    }
+
+    /// Asks for `key`'s replica on segment `source` to move to segment `target`: as
+    /// `create_copy_task` answers.
+    fn create_move_task(&self, py: Python<'_>, key: &str, source: &str, target: &str) -> ((u64, u64), i64) {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return ((0, 0), code(e)),
+        };
+        py.allow_threads(|| c.create_move_task(key, source, target))
+            .map_or_else(|e| ((0, 0), code(e)), |id| (uuid_pair(id), 0))
+    }
+
+    /// Where task `task_id` (a `(high, low)` pair) stands: `(QueryTaskResponse, 0)`, or
+    /// `(None, negative code)`.
+    fn query_task(&self, py: Python<'_>, task_id: (u64, u64)) -> (Option<QueryTaskResponse>, i64) {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return (None, code(e)),
+        };
+        let id = (u128::from(task_id.0) << 64) | u128::from(task_id.1);
+        match py.allow_threads(|| c.query_task(id)) {
+            Ok(t) => (Some(t.into()), 0),
+            Err(e) => (None, code(e)),
+        }
+    }
+
     /// Replica descriptors of `key` (empty when missing).
     fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
         let Ok(c) = self.client() else { return Vec::new() };
@@ -1097,6 +1246,10 @@ fn _tycho(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MemoryDescriptor>()?;
     m.add_class::<BufferDescriptor>()?;
     m.add_class::<BufferHandle>()?;
+    m.add_class::<TaskType>()?;
+    m.add_class::<TaskStatus>()?;
+    m.add_class::<ReplicaStatus>()?;
+    m.add_class::<QueryTaskResponse>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     Ok(())
 }

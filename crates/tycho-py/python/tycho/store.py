@@ -15,10 +15,14 @@ from ._tycho import (  # noqa: F401  (re-exported)
     BufferDescriptor,
     BufferHandle,
     MemoryDescriptor,
+    QueryTaskResponse,
     ReplicaDescriptor,
+    ReplicaStatus,
     ReplicateConfig,
     SoftPinAction,
     Store as _Store,
+    TaskStatus,
+    TaskType,
     parse_size as _parse_size,
 )
 
@@ -31,6 +35,10 @@ __all__ = [
     "MemoryDescriptor",
     "BufferDescriptor",
     "BufferHandle",
+    "TaskType",
+    "TaskStatus",
+    "ReplicaStatus",
+    "QueryTaskResponse",
 ]
 
 # Mooncake's setup() defaults.
