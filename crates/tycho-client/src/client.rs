@@ -73,6 +73,29 @@ struct Segment {
     memory: Arc<Mapping>,
 }
 
+/// A 64-bit mix (splitmix64's finalizer): every input bit moves every output bit.
+fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The rendezvous seed of `reader` reading `key`.
+fn rendezvous_seed(reader: ClientId, key: &str) -> u64 {
+    let mut h = mix64(reader.0 as u64 ^ mix64((reader.0 >> 64) as u64));
+    for chunk in key.as_bytes().chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = mix64(h ^ u64::from_le_bytes(word));
+    }
+    mix64(h ^ key.len() as u64)
+}
+
+/// The rank of the replica on `segment` for a reader of `seed`: highest first.
+fn rendezvous_score(seed: u64, segment: SegmentId) -> u64 {
+    mix64(seed ^ mix64(segment.0 as u64 ^ mix64((segment.0 >> 64) as u64)))
+}
+
 /// A fresh write id: random, never 0.
 fn new_write_id() -> u64 {
     loop {
@@ -762,12 +785,22 @@ impl Client {
     // ---- reads ---------------------------------------------------------------------------
 
     /// Replica order for reading: this process's own, then same host, then the rest.
-    fn by_preference<'a>(&self, replicas: &'a [ReplicaDesc]) -> Vec<&'a ReplicaDesc> {
+    fn by_preference<'a>(&self, key: &str, replicas: &'a [ReplicaDesc]) -> Vec<&'a ReplicaDesc> {
         let mut v: Vec<&ReplicaDesc> = replicas.iter().collect();
-        v.sort_by_key(|r| match self.inner.engine.transport_for(r) {
-            Transport::Local => 0,
-            Transport::SharedMemory => 1,
-            Transport::Tcp => 2,
+        if v.len() < 2 {
+            return v;
+        }
+        // Nearest tier first; within a tier, replicas are equivalent, and each reader ranks them
+        // by rendezvous hashing of (reader, key, replica): the readers of a hot key spread
+        // evenly over its replicas, and a replica's loss moves only its own readers.
+        let reader = rendezvous_seed(self.inner.id, key);
+        v.sort_by_cached_key(|r| {
+            let tier = match self.inner.engine.transport_for(r) {
+                Transport::Local => 0u8,
+                Transport::SharedMemory => 1,
+                Transport::Tcp => 2,
+            };
+            (tier, std::cmp::Reverse(rendezvous_score(reader, r.segment)))
         });
         v
     }
@@ -813,13 +846,13 @@ impl Client {
 
     /// Reads `list`'s object into `dst`, trying replicas in order of preference; fails with
     /// LEASE_EXPIRED rather than return bytes read after the lease ran out.
-    fn read_replicas(&self, list: &ReplicaList, asked: Instant, dst: &mut [u8]) -> Result<usize, ErrorCode> {
+    fn read_replicas(&self, key: &str, list: &ReplicaList, asked: Instant, dst: &mut [u8]) -> Result<usize, ErrorCode> {
         let size = list.size as usize;
         if dst.len() < size {
             return Err(ErrorCode::BUFFER_OVERFLOW);
         }
         let mut last = ErrorCode::REPLICA_NOT_FOUND;
-        for r in self.by_preference(&list.replicas) {
+        for r in self.by_preference(key, &list.replicas) {
             match self.inner.engine.read(r, 0, &mut dst[..size]) {
                 Ok(()) => {
                     // The lease was granted no earlier than `asked`.
@@ -866,7 +899,7 @@ impl Client {
 
     /// Reads the whole object of `lookup` into `dst`; returns its size.
     pub fn read_lookup(&self, lookup: &Lookup, dst: &mut [u8]) -> Result<usize, ErrorCode> {
-        let r = self.read_replicas(&lookup.list, lookup.asked, dst);
+        let r = self.read_replicas(&lookup.key, &lookup.list, lookup.asked, dst);
         if r.is_err() {
             self.forget_lease(&lookup.key);
         }
@@ -879,7 +912,7 @@ impl Client {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let mut last = ErrorCode::REPLICA_NOT_FOUND;
-        for r in self.by_preference(&lookup.list.replicas) {
+        for r in self.by_preference(&lookup.key, &lookup.list.replicas) {
             match self.inner.engine.read(r, at, dst) {
                 Ok(()) => {
                     if lookup.asked.elapsed() > Duration::from_millis(lookup.list.lease_ttl_ms) {
@@ -928,7 +961,7 @@ impl Client {
                 match l {
                     Err(e) => out[i] = Err(*e),
                     Ok(l) if room < l.list.size => out[i] = Err(too_small),
-                    Ok(l) => match self.by_preference(&l.list.replicas).first() {
+                    Ok(l) => match self.by_preference(&l.key, &l.list.replicas).first() {
                         Some(r) => {
                             owner.extend(scatter(r, l.list.size, dst, &mut parts).map(|_| i));
                             reading.push((i, l.list.size as usize));
@@ -952,7 +985,7 @@ impl Client {
             let Ok(l) = &lookups[i] else { continue };
             self.forget_lease(&l.key);
             out[i] = match self.replica_list(&l.key, false) {
-                Ok((list, asked)) => self.read_scattered(&list, asked, &mut dsts[i], too_small),
+                Ok((list, asked)) => self.read_scattered(&l.key, &list, asked, &mut dsts[i], too_small),
                 Err(e) => Err(e),
             };
         }
@@ -962,6 +995,7 @@ impl Client {
     /// Reads `list`'s object scattered over `dst`, trying each replica in order of preference.
     fn read_scattered(
         &self,
+        key: &str,
         list: &ReplicaList,
         asked: Instant,
         dst: &mut [&mut [u8]],
@@ -971,7 +1005,7 @@ impl Client {
             return Err(too_small);
         }
         let mut last = ErrorCode::REPLICA_NOT_FOUND;
-        for r in self.by_preference(&list.replicas) {
+        for r in self.by_preference(key, &list.replicas) {
             let mut parts = Vec::new();
             scatter(r, list.size, dst, &mut parts).for_each(drop);
             match self.inner.engine.run(parts) {
@@ -988,7 +1022,7 @@ impl Client {
     /// Reads `key` into `dst`; returns its size.
     pub fn get_into(&self, key: &str, dst: &mut [u8]) -> Result<usize, ErrorCode> {
         self.check_open()?;
-        self.read_with_retries(key, |list, asked| self.read_replicas(list, asked, dst))
+        self.read_with_retries(key, |list, asked| self.read_replicas(key, list, asked, dst))
     }
 
     /// Reads `key` into a new buffer.
@@ -997,7 +1031,7 @@ impl Client {
         let mut buf = Vec::new();
         self.read_with_retries(key, |list, asked| {
             buf.resize(list.size as usize, 0);
-            self.read_replicas(list, asked, &mut buf)
+            self.read_replicas(key, list, asked, &mut buf)
         })?;
         Ok(buf)
     }
@@ -1672,5 +1706,44 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.server.lock().take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replica reader `r` picks among `segments` for `key`.
+    fn pick(r: u128, key: &str, segments: &[SegmentId]) -> SegmentId {
+        let seed = rendezvous_seed(ClientId(r), key);
+        *segments.iter().max_by_key(|s| rendezvous_score(seed, **s)).unwrap()
+    }
+
+    #[test]
+    fn readers_spread_evenly_over_equivalent_replicas_and_a_loss_moves_only_its_own() {
+        let segments: Vec<SegmentId> = (0..4u128).map(|i| SegmentId(0x5eed_0000 + i * 7919)).collect();
+        let readers: Vec<u128> =
+            (0..8000u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834)).collect();
+        for key in ["hot/system-prompt", "k", "a-much-longer-key-of-a-document-prefix/0042"] {
+            let before: Vec<SegmentId> = readers.iter().map(|r| pick(*r, key, &segments)).collect();
+            for s in &segments {
+                let share = before.iter().filter(|p| *p == s).count() as f64 / readers.len() as f64;
+                assert!((0.2..0.3).contains(&share), "{key}: {s} serves {share:.3} of the readers, not about 1/4");
+            }
+            // The third replica goes: its readers move, nobody else's does.
+            let left: Vec<SegmentId> = segments.iter().copied().filter(|s| *s != segments[2]).collect();
+            for (r, was) in readers.iter().zip(&before) {
+                let now = pick(*r, key, &left);
+                if *was != segments[2] {
+                    assert_eq!(now, *was, "{key}: a reader of a replica that stayed moved");
+                }
+            }
+        }
+        // A reader keeps its replica from call to call; another key ranks them anew.
+        let r = readers[17];
+        assert_eq!(pick(r, "k", &segments), pick(r, "k", &segments));
+        let firsts: std::collections::BTreeSet<SegmentId> =
+            (0..64).map(|i| pick(r, &format!("key-{i}"), &segments)).collect();
+        assert_eq!(firsts.len(), segments.len(), "one reader's keys use every replica");
     }
 }

@@ -540,6 +540,15 @@ async fn fail_remove(axum::extract::Path(name): axum::extract::Path<String>) -> 
 }
 
 /// Writes one metric family's HELP and TYPE lines.
+/// Each suppression reason's label and count.
+fn tycho_master_suppressed(f: &crate::master::FanoutCounters) -> Vec<(&'static str, u64)> {
+    crate::master::Suppressed::ALL
+        .iter()
+        .zip(&f.suppressed)
+        .map(|(s, n)| (s.label(), n.load(Ordering::Relaxed)))
+        .collect()
+}
+
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -703,6 +712,30 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
     for (state, n) in [("pending", pending), ("processing", processing), ("finished", finished)] {
         let _ = writeln!(out, "tycho_master_tasks{{state=\"{state}\"}} {n}");
     }
+    // Hot-replica fan-out.
+    let f = &s.master.fanout;
+    for (name, help, v) in [
+        ("tycho_master_fanout_hot_keys_total", "Keys that turned hot (once per key and heat window).", &f.hot),
+        (
+            "tycho_master_fanout_admissions_total",
+            "Hot keys given a copy task (in observe mode: that would have been).",
+            &f.admitted,
+        ),
+        ("tycho_master_fanout_reads_dropped_total", "Reads not counted in the heat window: it was full.", &f.dropped),
+    ] {
+        simple(&mut out, name, "counter", help, v.load(Ordering::Relaxed) as f64);
+    }
+    family(&mut out, "tycho_master_fanout_suppressed_total", "counter", "Hot keys not given a copy, by reason.");
+    for (why, n) in tycho_master_suppressed(f) {
+        let _ = writeln!(out, "tycho_master_fanout_suppressed_total{{reason=\"{why}\"}} {n}");
+    }
+    simple(
+        &mut out,
+        "tycho_master_fanout_tracked_keys",
+        "gauge",
+        "Keys in the heat window.",
+        s.master.heat_keys() as f64,
+    );
     simple(
         &mut out,
         "tycho_master_sweeps_running",

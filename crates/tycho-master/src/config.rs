@@ -65,6 +65,57 @@ pub struct MasterConfig {
     pub secret: Option<std::sync::Arc<tycho_proto::auth::Secret>>,
     /// Limits and timeouts of each group's copy and move tasks (Mooncake's defaults).
     pub task_limits: crate::task::TaskLimits,
+    /// Hot-replica fan-out (spec 05): off by default, as in Mooncake.
+    pub fanout: FanoutConfig,
+}
+
+/// What the master does about hot keys (Mooncake's `--dynamic_replication_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FanoutMode {
+    /// No heat is kept.
+    #[default]
+    Off,
+    /// Heat is kept, and what enforce would do is counted and logged, not done.
+    Observe,
+    /// A key that turns hot gets a copy on another segment, up to the replica limit.
+    Enforce,
+}
+
+impl std::str::FromStr for FanoutMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<FanoutMode, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "off" => Ok(FanoutMode::Off),
+            "observe" => Ok(FanoutMode::Observe),
+            "enforce" => Ok(FanoutMode::Enforce),
+            other => Err(format!("{other:?} is not off, observe or enforce")),
+        }
+    }
+}
+
+/// Hot-replica fan-out settings (Mooncake's `--dynamic_replication_*` flags and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FanoutConfig {
+    /// Off, observe or enforce.
+    pub mode: FanoutMode,
+    /// The heat window: its length, the reads per second that make a key hot, its bounds.
+    pub heat: crate::heat::HeatConfig,
+    /// Most memory replicas fan-out gives an object (its first included).
+    pub max_memory_replicas: u32,
+    /// Most hot keys waiting for the admission worker; more are suppressed.
+    pub queue: usize,
+}
+
+impl Default for FanoutConfig {
+    fn default() -> FanoutConfig {
+        FanoutConfig {
+            mode: FanoutMode::Off,
+            heat: crate::heat::HeatConfig::default(),
+            max_memory_replicas: 2,
+            queue: 1024,
+        }
+    }
 }
 
 impl Default for MasterConfig {
@@ -87,6 +138,7 @@ impl Default for MasterConfig {
             max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
             max_segments_per_client: DEFAULT_MAX_SEGMENTS_PER_CLIENT,
             task_limits: crate::task::TaskLimits::default(),
+            fanout: FanoutConfig::default(),
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod cvm;
 mod evict;
 pub mod ha;
 mod health;
+pub mod heat;
 mod master;
 mod metrics;
 mod object;
@@ -39,8 +40,8 @@ pub use config::*;
 pub use evict::{RoundRequest, EVICTION_WAIT};
 pub use health::HEALTH_CHECK_BUDGET;
 pub use master::{
-    Counters, Group, KeyCursor, Master, ObjectGauges, ReplayError, WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS,
-    MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS, STALL_MS,
+    Counters, FanoutCounters, Group, KeyCursor, Master, ObjectGauges, ReplayError, Suppressed, WriteMode,
+    MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS, STALL_MS,
 };
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;

@@ -22,9 +22,11 @@ use tycho_proto::auth::capability::{tenant_tag, RIGHT_READ, RIGHT_RETIRE, RIGHT_
 
 mod apply;
 mod export;
+mod fanout;
 mod group;
 mod tasks;
 pub use apply::{Logged, ReplayError};
+pub use fanout::{FanoutCounters, Suppressed};
 pub use group::Group;
 
 /// Put (put-if-absent) or upsert (replace).
@@ -151,12 +153,19 @@ pub struct Master {
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
     pub counters: Counters,
+    /// How often each key is read (soft state, for hot-replica fan-out).
+    heat: crate::heat::Heat,
+    /// Keys that turned hot, waiting for admission.
+    hot_keys: Mutex<std::collections::VecDeque<ObjectKey>>,
+    /// What hot-replica fan-out did.
+    pub fanout: FanoutCounters,
 }
 
 impl Master {
     /// A master owning every KVPT group of a `cfg.group_count`-group cluster.
     pub fn new(cfg: MasterConfig, clock: Arc<dyn Clock>) -> Master {
         let count = cfg.group_count.max(1);
+        let heat = crate::heat::Heat::new(cfg.fanout.heat, SHARD_COUNT);
         let groups = (0..count)
             .map(|rank| {
                 let table = SegmentTable::with_secret(cfg.secret.clone(), clock.clone(), (rank, count));
@@ -181,6 +190,9 @@ impl Master {
             routes: RwLock::new(None),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
+            heat,
+            hot_keys: Mutex::new(std::collections::VecDeque::new()),
+            fanout: FanoutCounters::default(),
         }
     }
 
@@ -894,7 +906,8 @@ impl Master {
     fn revoke(&self, map: &mut ShardMap, key: &ObjectKey, client: ClientId, write_id: u64) -> WireResult<()> {
         let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
         match &obj.pending {
-            Some(p) if p.writer == client && p.write_id == write_id => {}
+            // (A task's copy is given up by CopyRevoke, which ends its task too.)
+            Some(p) if p.writer == client && p.write_id == write_id && p.copy.is_none() => {}
             _ if obj.writer == client && obj.version == write_id => return Err(ErrorCode::INVALID_WRITE),
             _ => return Err(ErrorCode::WRITE_DROPPED),
         }
@@ -1015,6 +1028,7 @@ impl Master {
             return Err(ErrorCode::OBJECT_NOT_FOUND);
         }
         obj.extend_lease(now + ttl);
+        self.note_read(key);
         Ok(ReplicaList { size: obj.size, replicas, lease_ttl_ms: ttl })
     }
 
@@ -1566,6 +1580,7 @@ impl Master {
         self.expire_tombstones(self.now());
         self.reclaim_abandoned_writes();
         self.task_housekeeping();
+        self.admit_hot_keys();
         // Each group's slices fill on their own: a full group is evicted from alone.
         for group in self.serving() {
             let (total, used) = group.segments.stored_usage();

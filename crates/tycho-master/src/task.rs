@@ -142,12 +142,19 @@ pub struct Tasks {
     finished: VecDeque<TaskId>,
     pending_count: usize,
     processing_count: usize,
+    /// Per object key, how many of its tasks have not ended.
+    unfinished: HashMap<Vec<u8>, u32>,
 }
 
 impl Tasks {
     /// Task `id`, if the group knows it.
     pub fn query(&self, id: TaskId) -> Option<&Task> {
         self.all.get(&id)
+    }
+
+    /// How many tasks of object `key` have not ended.
+    pub fn unfinished_of(&self, key: &[u8]) -> u32 {
+        self.unfinished.get(key).copied().unwrap_or(0)
     }
 
     /// Whether the group has no task at all.
@@ -158,12 +165,6 @@ impl Tasks {
     /// How many tasks wait, run, and are kept finished.
     pub fn counts(&self) -> (usize, usize, usize) {
         (self.pending_count, self.processing_count, self.finished.len())
-    }
-
-    /// Whether a task of `key` runs (a remove then answers OBJECT_HAS_REPLICATION_TASK; one that
-    /// only waits fails later, finding no object).
-    pub fn running(&self, key: &[u8]) -> bool {
-        self.processing.values().flatten().any(|id| self.all.get(id).is_some_and(|t| t.key == key))
     }
 
     /// The record that creates `task` (pending), or TASK_PENDING_LIMIT_EXCEEDED when as many
@@ -269,6 +270,7 @@ impl Tasks {
                 }
                 self.pending.entry(task.assigned).or_default().push_back(task.id);
                 self.pending_count += 1;
+                *self.unfinished.entry(task.key.clone()).or_default() += 1;
                 self.all.insert(task.id, Task { status: TaskStatus::Pending, ..task.clone() });
             }
             TaskRecord::Started { client, ids, at_ms } => {
@@ -309,6 +311,12 @@ impl Tasks {
                 task.message = message.clone();
                 task.updated_ms = *at_ms;
                 self.finished.push_back(*id);
+                if let Some(n) = self.unfinished.get_mut(&task.key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.unfinished.remove(&task.key);
+                    }
+                }
             }
             TaskRecord::Forgotten { ids } => {
                 let gone: std::collections::HashSet<TaskId> =
@@ -535,9 +543,9 @@ mod tests {
             assert_eq!(p.tasks.query(TaskId::new(3, n)).unwrap().status, TaskStatus::Failed);
         }
         assert_eq!(p.tasks.query(TaskId::new(3, 3)).unwrap().status, TaskStatus::Pending);
-        assert!(!p.tasks.running(b"k1") && !p.tasks.running(b"k3"), "failed, and only waiting");
         p.fetch(B, 1, 6);
-        assert!(p.tasks.running(b"k3"));
+        assert_eq!(p.tasks.query(TaskId::new(3, 3)).unwrap().status, TaskStatus::Processing);
+        assert_eq!((p.tasks.unfinished_of(b"k1"), p.tasks.unfinished_of(b"k3")), (0, 1));
         same(&p.tasks, &p.replayed());
     }
 

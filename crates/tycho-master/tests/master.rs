@@ -2234,8 +2234,122 @@ fn a_pending_copy_survives_a_snapshot_and_task_limits_hold() {
     primary.tick_alive(&[A, B]);
     assert_eq!(task_status(m, first).err(), Some(ErrorCode::TASK_NOT_FOUND));
     assert_eq!(task_status(m, second).unwrap().0, TaskStatus::Success);
+    // A task that runs past its timeout fails, and its copy goes with it (the object is no
+    // longer held, the copy cannot commit).
+    let slow = create(m, "c", TaskKind::Copy, "", &["seg-2"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    m.copy_start(&step(A, "c", slow, 3)).unwrap();
+    assert_eq!(remove(m, "c", false), Err(ErrorCode::OBJECT_HAS_REPLICATION_TASK));
+    primary.advance(tycho_master::task::TaskLimits::default().processing_timeout_ms + 2000);
+    primary.tick_alive(&[A, B]);
+    assert_eq!(task_status(m, slow), Ok((TaskStatus::Failed, "processing timeout".into())));
+    assert_eq!(m.copy_finish(&step(A, "c", slow, 3), true), Err(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+    assert_eq!(segments_of(m, "c"), BTreeSet::from([1]));
+    remove(m, "c", true).unwrap();
     // Another tenant's query finds nothing.
     let route = RouteTag { partition_id: 0, epoch: 1 };
-    let other = m.query_task(&TaskQuery { tenant: "tenant-b".into(), id: second, route });
+    let other = m.query_task(&TaskQuery { tenant: "tenant-b".into(), id: slow, route });
     assert_eq!(other.err(), Some(ErrorCode::TASK_NOT_FOUND));
+}
+
+// ---- hot-replica fan-out -------------------------------------------------------------------
+
+fn fanout_env(mode: tycho_master::FanoutMode) -> Env {
+    let fanout = tycho_master::FanoutConfig { mode, ..Default::default() };
+    Env::with(MasterConfig { fanout, ..MasterConfig::default() })
+}
+
+/// Mounts segment `id` for `client` on host `host`.
+fn mount_on(m: &Master, client: ClientId, id: u128, host: &str) {
+    let d = SegmentDesc { host: host.into(), ..seg_desc(id, MIB) };
+    m.mount_segment(client, d).unwrap();
+}
+
+fn suppressed(m: &Master, why: tycho_master::Suppressed) -> u64 {
+    let i = tycho_master::Suppressed::ALL.iter().position(|s| *s == why).unwrap();
+    m.fanout.suppressed[i].load(Ordering::Relaxed)
+}
+
+#[test]
+fn a_key_read_past_the_threshold_gets_a_copy_on_another_host_in_enforce_mode() {
+    use tycho_master::{FanoutMode, Suppressed};
+    let e = fanout_env(FanoutMode::Enforce);
+    let m = &e.m;
+    mount_on(m, A, 1, "host-a");
+    put(m, A, "hot", 4096);
+    put(m, A, "batch-hot", 4096);
+    // Another segment of the source's host, with the lowest id: passed over for another host's.
+    mount_on(m, A, 2, "host-a");
+    mount_on(m, B, 7, "host-b");
+    mount_on(m, C, 5, "host-c");
+    // Seven reads in the window (10 s at 0.8/s: eight make a key hot): nothing.
+    for _ in 0..7 {
+        get(m, "hot").unwrap();
+    }
+    e.tick_alive(&[A, B, C]);
+    assert_eq!(m.fanout.hot.load(Ordering::Relaxed), 0);
+    assert!(m.fetch_tasks(A).is_empty(), "below the threshold nothing is admitted");
+    get(m, "hot").unwrap();
+    // BatchGet counts too.
+    let batch = BatchKeyQuery { tenant: T.into(), keys: vec![kref("batch-hot")] };
+    for _ in 0..8 {
+        assert!(m.batch_get_replica_list(&batch)[0].is_ok());
+    }
+    e.tick_alive(&[A, B, C]);
+    assert_eq!(m.fanout.hot.load(Ordering::Relaxed), 2);
+    assert_eq!(m.fanout.admitted.load(Ordering::Relaxed), 2);
+    let tasks = m.fetch_tasks(A);
+    assert_eq!(tasks.len(), 2, "{tasks:?}");
+    for t in &tasks {
+        assert_eq!((t.kind, t.source.as_str()), (TaskKind::Copy, "seg-1"));
+        assert_eq!(t.targets, vec!["seg-5".to_string()], "another host first, then the lowest id");
+        m.copy_start(&step(A, &t.key, t.id, 40)).unwrap();
+        m.copy_finish(&step(A, &t.key, t.id, 40), true).unwrap();
+    }
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1, 5]));
+    // Hot again in the next window: two replicas is the limit.
+    e.advance(10_000);
+    for _ in 0..8 {
+        get(m, "hot").unwrap();
+    }
+    e.tick_alive(&[A, B, C]);
+    assert_eq!(suppressed(m, Suppressed::ReplicaLimit), 1);
+    assert!(m.fetch_tasks(A).is_empty() && m.fetch_tasks(C).is_empty());
+    // A hot key with a task waiting already is in flight.
+    let two = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
+    put_cfg(m, A, "busy", 4096, two);
+    create(m, "busy", TaskKind::Copy, "", &["seg-7"]).unwrap();
+    for _ in 0..8 {
+        get(m, "busy").unwrap();
+    }
+    e.tick_alive(&[A, B, C]);
+    assert_eq!(suppressed(m, Suppressed::InFlight), 1);
+}
+
+#[test]
+fn observe_mode_counts_what_it_would_do_and_creates_nothing() {
+    use tycho_master::FanoutMode;
+    let e = fanout_env(FanoutMode::Observe);
+    let m = &e.m;
+    mount_on(m, A, 1, "host-a");
+    put(m, A, "hot", 4096);
+    mount_on(m, B, 2, "host-b");
+    for _ in 0..8 {
+        get(m, "hot").unwrap();
+    }
+    e.tick_alive(&[A, B]);
+    assert_eq!(m.fanout.hot.load(Ordering::Relaxed), 1);
+    assert_eq!(m.fanout.admitted.load(Ordering::Relaxed), 1);
+    assert!(m.fetch_tasks(A).is_empty(), "observe mode creates no task");
+    assert_eq!(m.task_counts(), (0, 0, 0));
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1]));
+    // And with fan-out off, no heat is kept at all.
+    let off = fanout_env(FanoutMode::Off);
+    mount_on(&off.m, A, 1, "host-a");
+    put(&off.m, A, "hot", 4096);
+    for _ in 0..20 {
+        get(&off.m, "hot").unwrap();
+    }
+    off.tick_alive(&[A]);
+    assert_eq!((off.m.fanout.hot.load(Ordering::Relaxed), off.m.heat_keys()), (0, 0));
 }

@@ -67,6 +67,27 @@ pub struct MasterArgs {
     /// A task running this long fails (0: never): seconds or a duration.
     #[arg(long = "processing-task-timeout-sec", alias = "processing_task_timeout_sec", default_value = "300", value_parser = duration_s)]
     pub processing_task_timeout: u64,
+    /// Hot-replica fan-out: off, observe (count and log what enforce would do) or enforce
+    /// (copy a key that turns hot to another host's segment).
+    #[arg(long = "dynamic-replication-mode", alias = "dynamic_replication_mode", default_value = "off")]
+    pub dynamic_replication_mode: tycho_master::FanoutMode,
+    /// Length of a key's heat window: seconds or a duration.
+    #[arg(long = "dynamic-replication-heat-window-seconds", alias = "dynamic_replication_heat_window_seconds", default_value = "10", value_parser = duration_s)]
+    pub dynamic_replication_heat_window: u64,
+    /// Reads per second over a window that make a key hot.
+    #[arg(
+        long = "dynamic-replication-admission-qps-threshold",
+        alias = "dynamic_replication_admission_qps_threshold",
+        default_value_t = 0.8
+    )]
+    pub dynamic_replication_admission_qps_threshold: f64,
+    /// Most memory replicas fan-out gives an object, its first included.
+    #[arg(
+        long = "dynamic-replication-max-memory-replicas",
+        alias = "dynamic_replication_max_memory_replicas",
+        default_value_t = 2
+    )]
+    pub dynamic_replication_max_memory_replicas: u32,
     /// Most unfinished writes (started, neither ended nor revoked) one client may hold.
     #[arg(long = "max-pending-writes-per-client", default_value_t = tycho_master::DEFAULT_MAX_PENDING_WRITES_PER_CLIENT)]
     pub max_pending_writes_per_client: u64,
@@ -287,6 +308,10 @@ impl MasterArgs {
         if self.default_kv_lease_ttl == 0 {
             return Err("--default-kv-lease-ttl must be positive".into());
         }
+        let threshold = self.dynamic_replication_admission_qps_threshold;
+        if self.dynamic_replication_heat_window == 0 || !threshold.is_finite() || threshold <= 0.0 {
+            return Err("the heat window and the admission threshold must be positive".into());
+        }
         if self.default_kv_soft_pin_ttl > self.max_kv_soft_pin_ttl {
             return Err("--default-kv-soft-pin-ttl cannot exceed --max-kv-soft-pin-ttl".into());
         }
@@ -310,6 +335,16 @@ impl MasterArgs {
                 max_finished: self.max_total_finished_tasks,
                 pending_timeout_ms: self.pending_task_timeout,
                 processing_timeout_ms: self.processing_task_timeout,
+            },
+            fanout: tycho_master::FanoutConfig {
+                mode: self.dynamic_replication_mode,
+                heat: tycho_master::heat::HeatConfig {
+                    window_ms: self.dynamic_replication_heat_window,
+                    threshold_qps: self.dynamic_replication_admission_qps_threshold,
+                    ..Default::default()
+                },
+                max_memory_replicas: self.dynamic_replication_max_memory_replicas,
+                ..Default::default()
             },
             ..MasterConfig::default()
         })

@@ -41,7 +41,6 @@ const NO_SSD: &str = "Tycho has no SSD or file tier: objects live in DRAM segmen
 const NO_CXL: &str = "Tycho has no CXL segments";
 const NO_NOF: &str = "Tycho has no NVMe-oF segments";
 const NO_KV_EVENTS: &str = "Tycho does not publish KV events";
-const FANOUT: &str = "Tycho's hot-replica fan-out is not built yet (issue 16)";
 const GLOG: &str = "Tycho logs through RUST_LOG (for example RUST_LOG=debug), not glog";
 const GFLAGS: &str = "a gflags feature Tycho's command line does not have";
 const NO_HTTP_META: &str = "Tycho needs no metadata server: segments carry their own endpoints";
@@ -59,10 +58,10 @@ const FLAGS: &[(&str, bool, Kind)] = &[
     ("cxl_size", false, Ignored(NO_CXL)),
     ("default_kv_lease_ttl", false, Native("default-kv-lease-ttl")),
     ("default_kv_soft_pin_ttl", false, Native("default-kv-soft-pin-ttl")),
-    ("dynamic_replication_admission_qps_threshold", false, Ignored(FANOUT)),
-    ("dynamic_replication_heat_window_seconds", false, Ignored(FANOUT)),
-    ("dynamic_replication_max_memory_replicas", false, Ignored(FANOUT)),
-    ("dynamic_replication_mode", false, Ignored(FANOUT)),
+    ("dynamic_replication_admission_qps_threshold", false, Native("dynamic-replication-admission-qps-threshold")),
+    ("dynamic_replication_heat_window_seconds", false, Native("dynamic-replication-heat-window-seconds")),
+    ("dynamic_replication_max_memory_replicas", false, Native("dynamic-replication-max-memory-replicas")),
+    ("dynamic_replication_mode", false, Native("dynamic-replication-mode")),
     ("enable_cxl", true, Ignored(NO_CXL)),
     ("enable_disk_eviction", true, Ignored(NO_SSD)),
     ("enable_ha", true, Native("enable-ha")),
@@ -391,8 +390,8 @@ mod tests {
     fn unknown_to_tycho_flags_are_set_aside_with_their_values() {
         let (kept, un) = split(args(&[
             "--enable_offload",
-            "--dynamic_replication_mode",
-            "observe",
+            "--kv_events_model_name",
+            "llama",
             "--noenable_oplog",
             "--logtostderr",
             "--client-ttl",
@@ -403,7 +402,7 @@ mod tests {
             names(&un),
             vec![
                 ("enable_offload", "true"),
-                ("dynamic_replication_mode", "observe"),
+                ("kv_events_model_name", "llama"),
                 ("enable_oplog", "false"),
                 ("logtostderr", "true"),
             ]

@@ -174,8 +174,9 @@ pub struct TaskArgs {
     id: String,
 }
 
-/// How long `--wait` waits for a task: past its default processing timeout, it has ended.
-const TASK_WAIT: std::time::Duration = std::time::Duration::from_secs(330);
+/// How long `--wait` waits for a task: past its default pending and processing timeouts
+/// (300 s each), it has ended.
+const TASK_WAIT: std::time::Duration = std::time::Duration::from_secs(630);
 
 /// Prints task `id` (waiting for its end with `wait`); 0 unless it failed or cannot be read.
 fn show_task(c: &Client, id: u128, wait: bool) -> i32 {

@@ -118,12 +118,12 @@ impl Inner {
             Ok(Response::CopyStarted(g)) => g,
             Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
             Err(e) => {
-                // The start may have reached the master: give it up by its id (a revoke of a
-                // copy that never started changes nothing).
-                if matches!(e, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT) {
-                    step.message = format!("its start got no answer ({e:?})");
-                    let _ = self.call(&Request::CopyRevoke(step));
-                }
+                // Whatever kept the start from being answered (a lost answer, a group that kept
+                // moving), the task ends now rather than at its timeout: a revoke by the copy's
+                // id gives up a start that did reach the master, and fails the task if it still
+                // runs (the master failed it already when it refused the start itself).
+                step.message = format!("its start failed ({e:?})");
+                let _ = self.call(&Request::CopyRevoke(step));
                 return Err(e);
             }
         };

@@ -303,8 +303,11 @@ impl Master {
         true
     }
 
-    /// A task's copy of `key`'s value starts: `replicas` (reserved already) are its ranges.
-    /// False (and nothing changed) when the object has no value or a write pending.
+    /// A task's copy of `key`'s value (of `size` bytes) starts: `replicas` (reserved already)
+    /// are its ranges. Refused (nothing changed) when a write is pending. An object without a
+    /// value (a snapshot's import drops a value whose segments all went away before the sweep
+    /// got to it, where the log still holds it) holds the copy alone, as an import holds an
+    /// unfinished write alone; the sweep's record then drops both, as it does on the primary.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_copy_start(
         &self,
@@ -314,16 +317,35 @@ impl Master {
         write_id: u64,
         started_ms: u64,
         copy: CopyOf,
+        size: u64,
         replicas: Vec<Replica>,
         pending_count: &Arc<AtomicU64>,
     ) -> Result<(), Vec<Replica>> {
-        let Some(obj) = map.get_mut(key).filter(|o| o.is_complete() && o.pending.is_none()) else {
+        if map.get(key).is_some_and(|o| o.pending.is_some()) {
             return Err(replicas);
-        };
+        }
         let slot = PendingSlot::take(pending_count);
-        let size = obj.size;
         let pins = Pins::default();
-        obj.pending = Some(PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: Some(copy) });
+        let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: Some(copy) };
+        match map.get_mut(key) {
+            Some(obj) => obj.pending = Some(pending),
+            None => {
+                map.insert(
+                    key.into(),
+                    ObjectMeta {
+                        size,
+                        replicas: Vec::new(),
+                        pending: Some(pending),
+                        lease_until: Default::default(),
+                        soft_pin_until: 0,
+                        hard_pin: false,
+                        writer,
+                        version: copy.version,
+                        replaced: Vec::new(),
+                    },
+                );
+            }
+        }
         Ok(())
     }
 
@@ -493,10 +515,11 @@ impl Master {
                 let count = self.register_client(*writer).pending.clone();
                 let copy = CopyOf { task: *task, version: *version, source: *source };
                 let started = self.local_time(*started_ms);
-                self.apply_copy_start(&mut map, key, *writer, *write_id, started, copy, reserved, &count).map_err(
+                let size = replicas.first().map_or(0, |r| r.len);
+                self.apply_copy_start(&mut map, key, *writer, *write_id, started, copy, size, reserved, &count).map_err(
                     |reserved| {
                         reserved.into_iter().for_each(Replica::release);
-                        ReplayError::NoSuchWrite("CopyStart of an object without a value, or with a write pending")
+                        ReplayError::NoSuchWrite("CopyStart over a pending write")
                     },
                 )
             }

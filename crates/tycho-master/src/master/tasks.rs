@@ -21,7 +21,7 @@ use super::{Group, Master, Routed};
 use crate::object::{CopyOf, ShardMap};
 use crate::record::Record;
 use crate::segment::{MountedSegment, Replica};
-use crate::task::{Task, TaskId, TaskRecord};
+use crate::task::{Task, TaskId, TaskRecord, Tasks};
 
 /// Most tasks one fetch hands out (Mooncake's clients ask for 16 at a time).
 pub const FETCH_BATCH: usize = 16;
@@ -90,11 +90,38 @@ impl Master {
         }
     }
 
-    /// Ends task `id` of `group` (the first end wins), as `client`'s copy step decided.
-    fn end_task(&self, group: &Group, client: ClientId, id: TaskId, status: TaskStatus, message: String) {
-        let mut tasks = group.tasks.lock();
-        if let Ok(Some(rec)) = tasks.complete(client, id, status, message, self.clock.unix_now_ms()) {
-            self.take_task_records(group, &mut tasks, vec![rec]);
+    /// Ends task `id` (the first end wins), as `client`'s copy step decided, under the group's
+    /// tasks lock the caller holds.
+    fn end_task(
+        &self,
+        group: &Group,
+        tasks: &mut Tasks,
+        client: ClientId,
+        id: TaskId,
+        status: TaskStatus,
+        why: String,
+    ) {
+        if let Ok(Some(rec)) = tasks.complete(client, id, status, why, self.clock.unix_now_ms()) {
+            self.take_task_records(group, tasks, vec![rec]);
+        }
+    }
+
+    /// Drops `key`'s pending copy if it is task `id`'s, whatever its copy id: its ranges stay
+    /// held until the release timeout, as its client may still be writing into them.
+    fn drop_copy_of(&self, map: &mut ShardMap, key: &[u8], id: TaskId) {
+        let pending = map.get(key).and_then(|o| o.pending.as_ref());
+        let Some(p) = pending.filter(|p| p.copy.is_some_and(|c| c.task == id)) else { return };
+        let release = p.started_ms + self.cfg.put_start_release_timeout_ms;
+        let (writer, write_id, release_at_ms) = (p.writer, p.write_id, self.unix_time(release));
+        self.log(|| Record::WriteDrop { key: key.to_vec(), writer, write_id, release_at_ms });
+        self.apply_write_cancel(map, key, Some(release), self.now());
+    }
+
+    /// Drops the pending copies of tasks that have ended (each task with its key), once the
+    /// tasks lock is no longer held (a shard's lock comes first).
+    fn drop_copies(&self, group: &Group, ended: Vec<(TaskId, Vec<u8>)>) {
+        for (id, key) in ended {
+            self.drop_copy_of(&mut group.shard_of(&key).write(), &key, id);
         }
     }
 
@@ -145,6 +172,9 @@ impl Master {
             };
             let holds = |t: &String| live().any(|x| x.seg.desc.name == *t);
             let needed: Vec<String> = req.targets.iter().filter(|t| !holds(t)).cloned().collect();
+            if live().count() + needed.len() > crate::config::MAX_REPLICA_NUM as usize {
+                return Err(ErrorCode::INVALID_PARAMS);
+            }
             (from.seg.desc.name.clone(), from.seg.client, needed)
         };
         let now = self.clock.unix_now_ms();
@@ -176,7 +206,8 @@ impl Master {
         let created = tasks.submit(&self.cfg.task_limits, task)?;
         if moving {
             let obj = map.get(&r.key).filter(|o| o.pending.is_none());
-            let target_holds = obj.is_some_and(|o| o.replicas.iter().any(|x| x.seg.desc.name == req.targets[0]));
+            let target_holds =
+                obj.is_some_and(|o| o.replicas.iter().any(|x| x.seg.desc.name == req.targets[0] && x.seg.is_alive()));
             let (Some(segment), true) = (source, target_holds) else { return Err(ErrorCode::REPLICA_IS_NOT_READY) };
             self.log(|| Record::DropReplicas { key: r.key.to_vec(), segment });
             self.apply_drop_replicas(&mut map, &r.key, segment, self.now());
@@ -244,7 +275,9 @@ impl Master {
 
     /// CopyStart: reserves a range on each of the task's targets and grants its client the
     /// source replica to read and the ranges to write. A copy that cannot run fails its task
-    /// (and answers why); a repeated start of the same copy gets the same ranges back.
+    /// (and answers why); a repeated start of the same copy gets the same ranges back. The copy
+    /// is installed only while its task runs, under the key's shard lock and the tasks lock
+    /// together, so that a task that ended (a timeout, its client's expiry) never gets one.
     pub fn copy_start(&self, step: &CopyStep) -> WireResult<CopyGrant> {
         let r = self.route(&step.tenant, &step.key)?;
         self.admit_write(&r)?;
@@ -254,44 +287,58 @@ impl Master {
         let group = self.routed(&r);
         let task = self.running_task(group, &r, step)?;
         let shard = group.shards.shard(r.shard);
-        let describe = |map: &ShardMap| -> Option<CopyGrant> {
-            let obj = map.get(&r.key)?;
-            let p = obj.pending.as_ref().filter(|p| p.writer == step.client && p.write_id == step.write_id)?;
-            let copy = p.copy.filter(|c| c.task == task.id)?;
-            let source = obj.replicas.iter().find(|x| x.seg.desc.name == task.source && x.seg.is_alive())?;
-            let read = self.grant(RIGHT_READ, self.cfg.put_start_discard_timeout_ms, &r.key);
-            let write = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
-            Some(CopyGrant {
-                version: copy.version,
-                source: source.desc(obj.size, &read),
-                targets: p.replicas.iter().map(|x| x.desc(obj.size, &write)).collect(),
+        let read = || self.grant(RIGHT_READ, self.cfg.put_start_discard_timeout_ms, &r.key);
+        let write = || self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
+        let is_source = |x: &Replica| x.seg.desc.name == task.source && x.seg.is_alive();
+        // Fails the task (if it still runs) and drops any copy of it; answers `code`.
+        let fail = |code: ErrorCode, why: &str| -> WireResult<CopyGrant> {
+            {
+                let mut map = shard.write();
+                let mut tasks = group.tasks.lock();
+                self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, format!("{why} ({code:?})"));
+                self.drop_copy_of(&mut map, &r.key, task.id);
+            }
+            Err(code)
+        };
+        // A repeated start of this very copy: its ranges again, while its source is there.
+        let repeated = {
+            let map = shard.read();
+            map.get(&r.key).and_then(|obj| {
+                let p = obj.pending.as_ref()?;
+                let copy =
+                    p.copy.filter(|c| c.task == task.id && p.writer == step.client && p.write_id == step.write_id)?;
+                Some(obj.replicas.iter().find(|x| is_source(x)).map(|source| CopyGrant {
+                    version: copy.version,
+                    source: source.desc(obj.size, &read()),
+                    targets: p.replicas.iter().map(|x| x.desc(obj.size, &write())).collect(),
+                }))
             })
         };
-        if let Some(grant) = describe(&shard.read()) {
-            self.await_logged(&r.key);
-            return Ok(grant);
+        match repeated {
+            Some(Some(grant)) => {
+                self.await_logged(&r.key);
+                return Ok(grant);
+            }
+            Some(None) => return fail(ErrorCode::REPLICA_NOT_FOUND, "no replica on the source segment"),
+            None => {}
         }
         if task.status != TaskStatus::Processing {
             return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
         }
-        let fail = |code: ErrorCode, why: &str| {
-            self.end_task(group, step.client, task.id, TaskStatus::Failed, format!("{why} ({code:?})"));
-            Err(code)
-        };
         // What to copy, as things stand: checked again under the write lock.
         let (size, version) = {
             let map = shard.read();
             let Some(obj) = map.get(&r.key) else { return fail(ErrorCode::OBJECT_NOT_FOUND, "the object is gone") };
             if let Some(p) = &obj.pending {
                 return match p.copy {
-                    Some(_) => fail(ErrorCode::OBJECT_HAS_REPLICATION_TASK, "another task copies the object"),
+                    Some(_) => fail(ErrorCode::OBJECT_HAS_REPLICATION_TASK, "another copy of the object is running"),
                     None => fail(ErrorCode::REPLICA_IS_NOT_READY, "a write of the object is in progress"),
                 };
             }
             if !obj.is_complete() {
                 return fail(ErrorCode::REPLICA_IS_NOT_READY, "the object has no value");
             }
-            if !obj.replicas.iter().any(|x| x.seg.desc.name == task.source && x.seg.is_alive()) {
+            if !obj.replicas.iter().any(is_source) {
                 return fail(ErrorCode::REPLICA_NOT_FOUND, "no replica on the source segment");
             }
             if obj.replicas.iter().any(|x| x.seg.is_alive() && task.targets.contains(&x.seg.desc.name)) {
@@ -299,53 +346,47 @@ impl Master {
             }
             (obj.size, obj.version)
         };
+        let tenant = crate::master::tenant_of(&r.key);
         let mut reserved: Vec<Replica> = Vec::with_capacity(task.targets.len());
         for name in &task.targets {
-            let got = Self::segment_named(group, name).ok_or(ErrorCode::SEGMENT_NOT_FOUND).and_then(|seg| {
-                match seg.allocate(size, crate::master::tenant_of(&r.key)) {
-                    Some(a) => Ok(Replica::new(seg, a, crate::master::tenant_of(&r.key))),
-                    None => Err(ErrorCode::NO_AVAILABLE_HANDLE),
-                }
-            });
+            let got = Self::segment_named(group, name)
+                .and_then(|seg| seg.allocate(size, tenant).map(|a| Replica::new(seg, a, tenant)));
             match got {
-                Ok(x) => reserved.push(x),
-                Err(code) => {
+                Some(x) => reserved.push(x),
+                None => {
                     reserved.into_iter().for_each(Replica::release);
-                    return fail(code, &format!("no room on target {name}"));
+                    return fail(ErrorCode::NO_AVAILABLE_HANDLE, &format!("no room on target {name}"));
                 }
             }
         }
-        let source = (task.kind == TaskKind::Move)
-            .then(|| Self::segment_named(group, &task.source).map(|s| s.desc.id))
-            .flatten();
-        let copy = CopyOf { task: task.id, version, source };
-        let read = self.grant(RIGHT_READ, self.cfg.put_start_discard_timeout_ms, &r.key);
-        let write = self.grant(RIGHT_WRITE, self.cfg.put_start_discard_timeout_ms, &r.key);
-        let targets: Vec<ReplicaDesc> = reserved.iter().map(|x| x.desc(size, &write)).collect();
+        let release = |reserved: Vec<Replica>| reserved.into_iter().for_each(Replica::release);
         let count = match self.writer(step.client) {
             Ok((_, count)) => count,
             Err(code) => {
-                reserved.into_iter().for_each(Replica::release);
+                release(reserved);
                 return Err(code);
             }
         };
+        let source = (task.kind == TaskKind::Move)
+            .then(|| Self::segment_named(group, &task.source).map(|s| s.desc.id))
+            .flatten();
         let mut map = shard.write();
-        let still = map.get(&r.key).filter(|o| o.version == version && o.pending.is_none() && o.is_complete());
-        let Some(source_desc) = still
-            .and_then(|o| o.replicas.iter().find(|x| x.seg.desc.name == task.source && x.seg.is_alive()))
-            .map(|x| x.desc(size, &read))
-        else {
-            drop(map);
-            reserved.into_iter().for_each(Replica::release);
-            return fail(ErrorCode::REPLICA_IS_NOT_READY, "the object changed while the copy started");
-        };
-        // (The task is checked running again under the shard lock: a report of its end cannot
-        // slip in between, since every end of a running task takes this lock first.)
-        if group.tasks.lock().query(task.id).is_none_or(|t| t.status != TaskStatus::Processing) {
-            drop(map);
-            reserved.into_iter().for_each(Replica::release);
+        let mut tasks = group.tasks.lock();
+        if tasks.query(task.id).is_none_or(|t| t.status != TaskStatus::Processing) {
+            release(reserved);
             return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
         }
+        // A segment may have died since allocation (the sweep marks segments dead, then takes
+        // this lock): nothing dead goes into the copy.
+        let still = map.get(&r.key).filter(|o| o.version == version && o.pending.is_none() && o.is_complete());
+        let source_desc = still.and_then(|o| o.replicas.iter().find(|x| is_source(x))).map(|x| x.desc(size, &read()));
+        let (Some(source_desc), true) = (source_desc, reserved.iter().all(|x| x.seg.is_alive())) else {
+            release(reserved);
+            let why = "the object or a segment changed while the copy started".to_string();
+            self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
+            return Err(ErrorCode::REPLICA_IS_NOT_READY);
+        };
+        let targets: Vec<ReplicaDesc> = reserved.iter().map(|x| x.desc(size, &write())).collect();
         let now = self.now();
         self.log(|| Record::CopyStart {
             key: r.key.to_vec(),
@@ -357,43 +398,39 @@ impl Master {
             source,
             replicas: reserved.iter().map(super::apply::range_rec).collect(),
         });
+        let copy = CopyOf { task: task.id, version, source };
         if let Err(reserved) =
-            self.apply_copy_start(&mut map, &r.key, step.client, step.write_id, now, copy, reserved, &count)
+            self.apply_copy_start(&mut map, &r.key, step.client, step.write_id, now, copy, size, reserved, &count)
         {
             // Checked above under this lock: cannot happen.
-            reserved.into_iter().for_each(Replica::release);
+            release(reserved);
             return Err(ErrorCode::INTERNAL_ERROR);
         }
+        drop(tasks);
         Ok(CopyGrant { version, source: source_desc, targets })
     }
 
     /// CopyEnd (`end`) or CopyRevoke: commits the copy `step` names (its ranges become
     /// replicas, a move's source replica goes) and the task succeeds, or drops it and the task
-    /// fails. A step with no such copy pending answers OBJECT_NO_REPLICATION_TASK and fails the
-    /// task if it still runs (its copy was dropped: pre-empted, its object removed by force,
-    /// its targets gone); a repeated step whose task ended as it asked is answered Ok.
+    /// fails; both in one decision under the key's shard lock and the tasks lock. A step with no
+    /// such copy pending for a running task answers OBJECT_NO_REPLICATION_TASK, drops whatever
+    /// copy the task has, and fails the task if it still runs (its copy was dropped:
+    /// pre-empted, its object removed by force, its targets gone); a repeated step whose task
+    /// ended as it asked is answered Ok. A copy whose value has no live replica left is not
+    /// committed (REPLICA_IS_GONE): the value is about to be swept.
     pub fn copy_finish(&self, step: &CopyStep, end: bool) -> WireResult<()> {
         let r = self.route(&step.tenant, &step.key)?;
         let group = self.routed(&r);
         let task = self.running_task(group, &r, step)?;
         let mut map = group.shards.shard(r.shard).write();
-        let ours = map.get(&r.key).and_then(|o| o.pending.as_ref()).is_some_and(|p| {
-            p.writer == step.client && p.write_id == step.write_id && p.copy.is_some_and(|c| c.task == task.id)
-        });
-        let running = group.tasks.lock().query(task.id).is_some_and(|t| t.status == TaskStatus::Processing);
-        if !ours || !running {
-            if ours {
-                // The task ended (it timed out) while its copy was pending: the copy goes, and
-                // its client may still be writing.
-                let p = map.get(&r.key).and_then(|o| o.pending.as_ref()).expect("ours implies pending");
-                let release = p.started_ms + self.cfg.put_start_release_timeout_ms;
-                let release_at_ms = self.unix_time(release);
-                let (writer, write_id) = (p.writer, p.write_id);
-                self.log(|| Record::WriteDrop { key: r.key.to_vec(), writer, write_id, release_at_ms });
-                self.apply_write_cancel(&mut map, &r.key, Some(release), self.now());
-            }
-            let done = group.tasks.lock().query(task.id).map(|t| t.status);
-            return match done {
+        let mut tasks = group.tasks.lock();
+        let status = tasks.query(task.id).map(|t| t.status);
+        let pending = map.get(&r.key).and_then(|o| o.pending.as_ref());
+        let copy = pending.filter(|p| p.copy.is_some_and(|c| c.task == task.id)).map(|p| (p.writer, p.write_id));
+        let ours = copy == Some((step.client, step.write_id));
+        if !ours || status != Some(TaskStatus::Processing) {
+            self.drop_copy_of(&mut map, &r.key, task.id);
+            return match status {
                 Some(TaskStatus::Success) if end => {
                     self.await_logged(&r.key);
                     Ok(())
@@ -403,9 +440,8 @@ impl Master {
                     Ok(())
                 }
                 _ => {
-                    drop(map);
                     let why = "its copy was dropped".to_string();
-                    self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+                    self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
                     Err(ErrorCode::OBJECT_NO_REPLICATION_TASK)
                 }
             };
@@ -414,8 +450,14 @@ impl Master {
             self.log(|| Record::WriteRevoke { key: r.key.to_vec(), writer: step.client, write_id: step.write_id });
             self.apply_write_cancel(&mut map, &r.key, None, self.now());
             let why = if step.message.is_empty() { "revoked by its client".to_string() } else { step.message.clone() };
-            self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+            self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
             return Ok(());
+        }
+        if !map.get(&r.key).is_some_and(|o| o.replicas.iter().any(|x| x.seg.is_alive())) {
+            self.drop_copy_of(&mut map, &r.key, task.id);
+            let why = "the value's replicas went away".to_string();
+            self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
+            return Err(ErrorCode::REPLICA_IS_GONE);
         }
         let dropped = Self::dead_segments_of_pending(&map, &r.key);
         self.log(|| Record::CopyEnd {
@@ -427,12 +469,12 @@ impl Master {
         match self.apply_copy_end(&mut map, &r.key, &dropped) {
             Ok(gone) => {
                 gone.into_iter().for_each(Replica::release);
-                self.end_task(group, step.client, task.id, TaskStatus::Success, "done".into());
+                self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Success, "done".into());
                 Ok(())
             }
             Err(code) => {
                 let why = format!("every target went away ({code:?})");
-                self.end_task(group, step.client, task.id, TaskStatus::Failed, why);
+                self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
                 Err(code)
             }
         }
@@ -443,31 +485,34 @@ impl Master {
     /// (it may still be writing, if only paused).
     pub(super) fn fail_tasks_of(&self, client: ClientId) {
         for group in self.serving() {
-            let copying: Vec<(TaskId, Vec<u8>)> = {
-                let tasks = group.tasks.lock();
-                let mine =
-                    tasks.list().into_iter().filter(|t| t.assigned == client && t.status == TaskStatus::Processing);
-                mine.map(|t| (t.id, t.key.clone())).collect()
+            let ended = {
+                let mut tasks = group.tasks.lock();
+                let recs = tasks.client_gone(client, self.clock.unix_now_ms());
+                self.end_tasks(group, &mut tasks, recs)
             };
-            for (id, key) in copying {
-                let mut map = group.shard_of(&key).write();
-                let Some(p) = map.get(key.as_slice()).and_then(|o| o.pending.as_ref()) else { continue };
-                if p.writer != client || p.copy.is_none_or(|c| c.task != id) {
-                    continue;
-                }
-                let release = p.started_ms + self.cfg.put_start_release_timeout_ms;
-                let (writer, write_id, release_at_ms) = (p.writer, p.write_id, self.unix_time(release));
-                self.log(|| Record::WriteDrop { key: key.clone(), writer, write_id, release_at_ms });
-                self.apply_write_cancel(&mut map, &key, Some(release), self.now());
-            }
-            let mut tasks = group.tasks.lock();
-            let recs = tasks.client_gone(client, self.clock.unix_now_ms());
-            self.take_task_records(group, &mut tasks, recs);
+            self.drop_copies(group, ended);
         }
     }
 
-    /// Fails the tasks past their timeouts and forgets the oldest finished ones past the
-    /// limit, in every group served.
+    /// Applies `recs` (ends of tasks, and forgetting) and returns the tasks among them that were
+    /// running, with their keys: their copies are to be dropped.
+    fn end_tasks(&self, group: &Group, tasks: &mut Tasks, recs: Vec<TaskRecord>) -> Vec<(TaskId, Vec<u8>)> {
+        let running = |id: &TaskId| {
+            tasks.query(*id).filter(|t| t.status == TaskStatus::Processing).map(|t| (t.id, t.key.clone()))
+        };
+        let ended: Vec<(TaskId, Vec<u8>)> = recs
+            .iter()
+            .filter_map(|r| match r {
+                TaskRecord::Finished { id, .. } => running(id),
+                _ => None,
+            })
+            .collect();
+        self.take_task_records(group, tasks, recs);
+        ended
+    }
+
+    /// Fails the tasks past their timeouts (dropping the copies of those that ran) and forgets
+    /// the oldest finished ones past the limit, in every group served.
     pub(super) fn task_housekeeping(&self) {
         // Timeouts are minutes long: a look once a second is plenty.
         let now = self.now();
@@ -476,12 +521,15 @@ impl Master {
         }
         self.last_task_scan.store(now, Ordering::Relaxed);
         for group in self.serving() {
-            let mut tasks = group.tasks.lock();
-            if tasks.is_empty() {
-                continue;
-            }
-            let recs = tasks.housekeeping(&self.cfg.task_limits, self.clock.unix_now_ms());
-            self.take_task_records(group, &mut tasks, recs);
+            let ended = {
+                let mut tasks = group.tasks.lock();
+                if tasks.is_empty() {
+                    continue;
+                }
+                let recs = tasks.housekeeping(&self.cfg.task_limits, self.clock.unix_now_ms());
+                self.end_tasks(group, &mut tasks, recs)
+            };
+            self.drop_copies(group, ended);
         }
     }
 
