@@ -2222,6 +2222,7 @@ fn a_pending_copy_survives_a_snapshot_and_task_limits_hold() {
     let imported = Env::with(cfg);
     imported.advance(primary.clock.now_ms() - imported.clock.now_ms());
     exported.iter().for_each(|e| imported.m.import(0, e).unwrap());
+    assert_eq!(imported.m.export_group(0).unwrap(), exported, "the running copy comes back as it was");
     for r in log.0.lock()[at..].iter() {
         imported.m.replay(0, r).unwrap_or_else(|e| panic!("{r:?} does not replay on the import: {e}"));
     }

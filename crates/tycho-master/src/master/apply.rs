@@ -226,25 +226,7 @@ impl Master {
     ) {
         let slot = PendingSlot::take(pending_count);
         let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: None };
-        match map.get_mut(&key) {
-            Some(obj) => obj.pending = Some(pending),
-            None => {
-                map.insert(
-                    key,
-                    ObjectMeta {
-                        size,
-                        replicas: Vec::new(),
-                        pending: Some(pending),
-                        lease_until: Default::default(),
-                        soft_pin_until: 0,
-                        hard_pin: false,
-                        writer,
-                        version: 0,
-                        replaced: Vec::new(),
-                    },
-                );
-            }
-        }
+        put_pending(map, key, pending, 0);
     }
 
     /// The segments of `key`'s pending write that a commit now leaves out, as dead (the
@@ -327,25 +309,7 @@ impl Master {
         let slot = PendingSlot::take(pending_count);
         let pins = Pins::default();
         let pending = PendingWrite { writer, write_id, started_ms, size, replicas, pins, slot, copy: Some(copy) };
-        match map.get_mut(key) {
-            Some(obj) => obj.pending = Some(pending),
-            None => {
-                map.insert(
-                    key.into(),
-                    ObjectMeta {
-                        size,
-                        replicas: Vec::new(),
-                        pending: Some(pending),
-                        lease_until: Default::default(),
-                        soft_pin_until: 0,
-                        hard_pin: false,
-                        writer,
-                        version: copy.version,
-                        replaced: Vec::new(),
-                    },
-                );
-            }
-        }
+        put_pending(map, key, pending, copy.version);
         Ok(())
     }
 
@@ -641,6 +605,28 @@ impl Master {
             }
         }
     }
+}
+
+/// Puts `pending` on `key`'s object; with no object there, on a new one without a value (of
+/// `version`, the version a copy copies; 0 for a first write).
+fn put_pending<K: AsRef<[u8]> + Into<ObjectKey>>(map: &mut ShardMap, key: K, pending: PendingWrite, version: u64) {
+    if let Some(obj) = map.get_mut(key.as_ref()) {
+        obj.pending = Some(pending);
+        return;
+    }
+    let (size, writer) = (pending.size, pending.writer);
+    let obj = ObjectMeta {
+        size,
+        replicas: Vec::new(),
+        pending: Some(pending),
+        lease_until: Default::default(),
+        soft_pin_until: 0,
+        hard_pin: false,
+        writer,
+        version,
+        replaced: Vec::new(),
+    };
+    map.insert(key.into(), obj);
 }
 
 /// Checks that the write `(writer, write_id)` is the one pending on `key`.
