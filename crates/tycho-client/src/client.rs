@@ -390,6 +390,12 @@ impl Client {
         self.inner.segments.lock().iter().map(|s| s.desc.clone()).collect()
     }
 
+    /// How many reads of this client's segments its transfer server has served (reads by peers
+    /// that map the segment on the same host are not counted).
+    pub fn reads_served(&self) -> u64 {
+        self.inner.registry.reads_served()
+    }
+
     /// Whether `close()` was called.
     pub fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::Acquire)

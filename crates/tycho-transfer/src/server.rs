@@ -367,6 +367,9 @@ fn serve_connection(
                 stream.write_all(&encode_answer(Ok(req.len)))?;
                 cutoff.send(&mut stream, bytes, deadline)?;
                 let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
+                if verdict.is_ok() {
+                    registry.note_served();
+                }
                 stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
             }
             XferOp::Retire => {

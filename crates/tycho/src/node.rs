@@ -65,6 +65,7 @@ pub fn run(args: NodeArgs) -> i32 {
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
     rt.block_on(signals.wait());
+    println!("tycho node: served {} reads over TCP", client.reads_served());
     match client.close() {
         Ok(()) => {
             println!("tycho node: segment unmounted");

@@ -992,10 +992,16 @@ impl Alone {
     }
 
     fn client(&self) -> Client {
+        self.client_with(|_| {})
+    }
+
+    /// [`Alone::client`] with its settings changed by `f`.
+    fn client_with(&self, f: impl FnOnce(&mut ClientConfig)) -> Client {
         let mut cfg = ClientConfig::new(&self.master.rpc);
         cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(&self.secret).unwrap()));
         cfg.segment_size = 0;
         cfg.protocol = Protocol::Tcp;
+        f(&mut cfg);
         Client::connect(cfg).unwrap()
     }
 
@@ -1179,4 +1185,61 @@ fn a_task_whose_node_is_killed_mid_copy_fails_and_is_cleaned_up_failpoint() {
     }
     assert_eq!(c.get("t/held"), Err(tycho_proto::ErrorCode::OBJECT_NOT_FOUND));
     assert_eq!(task_ended(&c, id).status, tycho_proto::TaskStatus::Failed);
+}
+
+/// Stops `node` (SIGTERM) and returns how many reads its transfer server served, as it prints.
+fn reads_served(node: &mut NodeProc) -> u64 {
+    node.proc.signal(libc::SIGTERM);
+    let line = node.proc.wait_line("tycho node: served ", ROLE_WAIT).expect("the node says what it served");
+    line.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Hot-replica fan-out in enforce mode (issue 16) with real processes: a key read by 64 clients
+/// turns hot, the master has the node that holds it copy it to the node of another host, and
+/// the readers then spread over the two replicas (rendezvous hashing): each holder serves at
+/// least a quarter of all the reads, 1/(2N) for N = 2, as the holders count them.
+#[test]
+fn a_hot_key_gains_a_replica_on_another_host_and_its_readers_spread() {
+    let _one = serial();
+    let s = Alone::new(&["--dynamic-replication-mode", "enforce"]);
+    let secret = s.secret.to_str().unwrap().to_string();
+    let node = |host: &str| {
+        let flags = ["--secret-file", secret.as_str(), "--host-id", host];
+        NodeProc::start_env(TYCHO, &s.master.rpc, "64MB", &flags, &[])
+    };
+    let (mut n1, mut n2) = (node("host-1"), node("host-2"));
+    let c = s.client();
+    const LEN: usize = 64 << 10;
+    put_on(&c, "hot/prefix", LEN, &n1.hostname);
+    // Readers that ask the master on every read, so that they see the new replica at once.
+    let readers: Vec<Client> = (0..64).map(|_| s.client_with(|cfg| cfg.reuse_leases = false)).collect();
+    let expected = value_of("hot/prefix", LEN);
+    for r in &readers {
+        assert_eq!(r.get("hot/prefix").unwrap(), expected);
+    }
+    let deadline = Instant::now() + ROLE_WAIT;
+    let mut both = vec![n1.hostname.clone(), n2.hostname.clone()];
+    both.sort();
+    while replica_segments(&c, "hot/prefix") != both {
+        assert!(Instant::now() < deadline, "the hot key never gained a replica on the other host");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    const ROUNDS: u64 = 20;
+    std::thread::scope(|sc| {
+        for r in &readers {
+            let expected = &expected;
+            sc.spawn(move || {
+                for _ in 0..ROUNDS {
+                    assert_eq!(&r.get("hot/prefix").unwrap(), expected);
+                }
+            });
+        }
+    });
+    let metrics = http_get(&s.master.http, "/metrics");
+    assert!(metrics.contains("tycho_master_fanout_admissions_total 1"), "one admission");
+    let (one, two) = (reads_served(&mut n1), reads_served(&mut n2));
+    let total = one + two;
+    println!("reads served: {one} by the first replica, {two} by the copy ({total} in all)");
+    assert!(total >= 64 * (ROUNDS + 1), "{total} reads counted");
+    assert!(one * 4 >= total && two * 4 >= total, "a replica served less than a quarter: {one} and {two}");
 }
