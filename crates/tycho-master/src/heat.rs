@@ -75,8 +75,8 @@ pub struct Heat {
 }
 
 impl Heat {
-    /// Empty windows, in `shards` shards (a key's shard is the caller's choice: the metadata
-    /// shard it lives in, so that readers of different shards do not meet here either).
+    /// Empty windows, in `shards` shards (a key's shard comes from a hash of its bytes, so that
+    /// the keys of one KVPT group, whose partitions are a contiguous range, use them all).
     pub fn new(cfg: HeatConfig, shards: usize) -> Heat {
         let shards = shards.max(1);
         Heat {
@@ -91,9 +91,11 @@ impl Heat {
         &self.cfg
     }
 
-    /// Counts one read of `key` (in shard `shard`) at `now_ms`.
-    pub fn saw(&self, shard: usize, key: &[u8], now_ms: u64) -> Seen {
-        let mut s = self.shards[shard % self.shards.len()].lock();
+    /// Counts one read of `key` at `now_ms`.
+    pub fn saw(&self, key: &[u8], now_ms: u64) -> Seen {
+        // FNV-1a over the key's bytes: spreads keys over the shards whatever their partitions.
+        let hash = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
+        let mut s = self.shards[(hash % self.shards.len() as u64) as usize].lock();
         let need = self.cfg.hits_to_be_hot();
         if let Some(k) = s.keys.get_mut(key) {
             if now_ms >= k.opened_ms.saturating_add(self.cfg.window_ms) {
@@ -145,7 +147,7 @@ impl Heat {
         self.len() == 0
     }
 
-    /// Forgets every key (a group's state was reset, or the master stopped serving).
+    /// Forgets every key.
     pub fn clear(&self) {
         for s in self.shards.iter() {
             *s.lock() = Shard::default();
@@ -166,20 +168,20 @@ mod tests {
         let h = heat(100, 8);
         assert_eq!(h.config().hits_to_be_hot(), 8, "0.8 reads/s over 10 s");
         for i in 0..7 {
-            assert_eq!(h.saw(0, b"k", 1000 + i), Seen::Counted);
+            assert_eq!(h.saw(b"k", 1000 + i), Seen::Counted);
         }
-        assert_eq!(h.saw(0, b"k", 2000), Seen::TurnedHot);
+        assert_eq!(h.saw(b"k", 2000), Seen::TurnedHot);
         for i in 0..20 {
-            assert_eq!(h.saw(0, b"k", 3000 + i), Seen::Counted, "once per window");
+            assert_eq!(h.saw(b"k", 3000 + i), Seen::Counted, "once per window");
         }
         // A new window starts from nothing: seven reads are not enough again.
         for i in 0..7 {
-            assert_eq!(h.saw(0, b"k", 11_000 + i), Seen::Counted);
+            assert_eq!(h.saw(b"k", 11_000 + i), Seen::Counted);
         }
-        assert_eq!(h.saw(0, b"k", 12_000), Seen::TurnedHot);
+        assert_eq!(h.saw(b"k", 12_000), Seen::TurnedHot);
         // Reads spread thinner than the threshold never make a key hot.
         for i in 0..100 {
-            assert_eq!(h.saw(0, b"slow", i * 1500), Seen::Counted, "read {i}");
+            assert_eq!(h.saw(b"slow", i * 1500), Seen::Counted, "read {i}");
         }
     }
 
@@ -187,23 +189,23 @@ mod tests {
     fn a_full_window_drops_new_keys_and_cleans_up_within_its_budget() {
         let h = heat(10, 4);
         for i in 0..10u8 {
-            assert_eq!(h.saw(0, &[i], 100), Seen::Counted);
+            assert_eq!(h.saw(&[i], 100), Seen::Counted);
         }
         assert_eq!(h.len(), 10);
         // Every window still open: a new key is dropped, and the old ones are kept (the
         // clean-up looked at keys 0..4 and moved them to the back of the line).
-        assert_eq!(h.saw(0, b"new", 5000), Seen::Dropped);
+        assert_eq!(h.saw(b"new", 5000), Seen::Dropped);
         assert_eq!(h.len(), 10);
         // At 10,100 every first window has ended; keys 4..8, read again then, open new ones.
         for i in 4..8u8 {
-            assert_eq!(h.saw(0, &[i], 10_100), Seen::Counted);
+            assert_eq!(h.saw(&[i], 10_100), Seen::Counted);
         }
         // Keys 4..8 are at the front of the line and open: one clean-up of four finds nothing
         // to drop, and moves them to the back.
-        assert_eq!(h.saw(0, b"new", 10_100), Seen::Dropped);
+        assert_eq!(h.saw(b"new", 10_100), Seen::Dropped);
         assert_eq!(h.len(), 10);
         // The next looks at 8, 9, 0 and 1, whose windows ended: room at last.
-        assert_eq!(h.saw(0, b"new", 10_200), Seen::Counted);
+        assert_eq!(h.saw(b"new", 10_200), Seen::Counted);
         assert_eq!(h.len(), 7, "four forgotten, no more than the budget, and the new key counted");
         h.clear();
         assert!(h.is_empty());
@@ -213,8 +215,8 @@ mod tests {
     fn a_threshold_of_one_read_makes_the_first_read_hot() {
         let h = Heat::new(HeatConfig { window_ms: 1000, threshold_qps: 0.5, ..HeatConfig::default() }, 4);
         assert_eq!(h.config().hits_to_be_hot(), 1);
-        assert_eq!(h.saw(3, b"k", 0), Seen::TurnedHot);
-        assert_eq!(h.saw(3, b"k", 1), Seen::Counted);
-        assert_eq!(h.saw(3, b"k", 1000), Seen::TurnedHot);
+        assert_eq!(h.saw(b"k", 0), Seen::TurnedHot);
+        assert_eq!(h.saw(b"k", 1), Seen::Counted);
+        assert_eq!(h.saw(b"k", 1000), Seen::TurnedHot);
     }
 }

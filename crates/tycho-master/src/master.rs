@@ -1028,7 +1028,7 @@ impl Master {
             return Err(ErrorCode::OBJECT_NOT_FOUND);
         }
         obj.extend_lease(now + ttl);
-        self.note_read(key);
+        self.note_read(key, now);
         Ok(ReplicaList { size: obj.size, replicas, lease_ttl_ms: ttl })
     }
 

@@ -1236,7 +1236,7 @@ fn a_hot_key_gains_a_replica_on_another_host_and_its_readers_spread() {
         }
     });
     let metrics = http_get(&s.master.http, "/metrics");
-    assert!(metrics.contains("tycho_master_fanout_admissions_total 1"), "one admission");
+    assert!(metrics.contains("\ntycho_master_fanout_admissions_total 1\n"), "one admission");
     let (one, two) = (reads_served(&mut n1), reads_served(&mut n2));
     let total = one + two;
     println!("reads served: {one} by the first replica, {two} by the copy ({total} in all)");

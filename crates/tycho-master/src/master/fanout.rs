@@ -85,9 +85,10 @@ pub(crate) fn pick_source(replicas: &[Replica]) -> Option<&Replica> {
         .min_by(|a, b| (a.seg.desc.name.as_str(), a.seg.desc.id).cmp(&(b.seg.desc.name.as_str(), b.seg.desc.id)))
 }
 
-/// Where a copy of `size` bytes goes, among `segments`: not one that holds a replica; a host
-/// that holds none first; then one that stays at or below 85% full after the copy; then the
-/// lowest id.
+/// Where a copy of `size` bytes goes, among `segments`: not one that holds a replica, nor one
+/// without that many bytes left; a host that holds none first; then one that stays at or below
+/// 85% full after the copy; then the lowest id. (Free bytes may be fragmented: the copy's start
+/// can still find no room, and its task then fails.)
 pub(crate) fn pick_target(
     segments: &[Arc<MountedSegment>],
     replicas: &[Replica],
@@ -98,7 +99,7 @@ pub(crate) fn pick_target(
     let too_full = |s: &MountedSegment| (s.used() + size) as f64 > 0.85 * s.slice_len() as f64;
     segments
         .iter()
-        .filter(|s| s.is_alive() && !holds(s) && s.slice_len() >= size)
+        .filter(|s| s.is_alive() && !holds(s) && s.used().saturating_add(size) <= s.slice_len())
         .min_by_key(|s| (host_holds(s), too_full(s), s.desc.id))
         .cloned()
 }
@@ -107,11 +108,11 @@ impl Master {
     /// Counts a read of `key` that found its replicas (GetReplicaList and its batch form); a key
     /// that turns hot is queued for admission (enforce and observe modes). Takes only the heat
     /// window's shard lock, and the queue's when the key turns hot.
-    pub(super) fn note_read(&self, key: &[u8]) {
+    pub(super) fn note_read(&self, key: &[u8], now: u64) {
         if self.cfg.fanout.mode == FanoutMode::Off {
             return;
         }
-        match self.heat.saw(partition_of_encoded(key) as usize, key, self.now()) {
+        match self.heat.saw(key, now) {
             Seen::Counted => {}
             Seen::Dropped => {
                 self.fanout.dropped.fetch_add(1, Ordering::Relaxed);
