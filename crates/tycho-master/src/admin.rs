@@ -722,6 +722,7 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
             &f.admitted,
         ),
         ("tycho_master_fanout_reads_dropped_total", "Reads not counted in the heat window: it was full.", &f.dropped),
+        ("tycho_master_fanout_shrunk_total", "Dynamic replicas eviction dropped (before any object).", &f.shrunk),
     ] {
         simple(&mut out, name, "counter", help, v.load(Ordering::Relaxed) as f64);
     }
@@ -735,6 +736,20 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         "gauge",
         "Keys in the heat window.",
         s.master.heat_keys() as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_fanout_dynamic_replicas",
+        "gauge",
+        "Replicas fan-out added that exist (in the groups this master holds, standby ones included).",
+        f.dynamic_live.load(Ordering::Relaxed) as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_fanout_leases",
+        "gauge",
+        "Dynamic copies holding a lease (their tasks have not ended).",
+        s.master.dynamic_leases() as f64,
     );
     simple(
         &mut out,

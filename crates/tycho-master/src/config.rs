@@ -105,6 +105,10 @@ pub struct FanoutConfig {
     pub max_memory_replicas: u32,
     /// Most hot keys waiting for the admission worker; more are suppressed.
     pub queue: usize,
+    /// How long a dynamic copy's lease lasts, ms: its task fails if the copy has not ended by then.
+    pub lease_ms: u64,
+    /// How long after eviction dropped a dynamic replica of an object fan-out leaves it be, ms.
+    pub cooldown_ms: u64,
 }
 
 impl Default for FanoutConfig {
@@ -114,6 +118,8 @@ impl Default for FanoutConfig {
             heat: crate::heat::HeatConfig::default(),
             max_memory_replicas: 2,
             queue: 1024,
+            lease_ms: 30_000,
+            cooldown_ms: 60_000,
         }
     }
 }

@@ -1076,10 +1076,12 @@ impl Master {
     // ---- removal -------------------------------------------------------------------------
 
     /// Frees `replicas` now, or when `until` passes (for ranges a writer may still use).
-    fn defer(&self, replicas: Vec<Replica>, until: u64, now: u64) {
+    fn defer(&self, mut replicas: Vec<Replica>, until: u64, now: u64) {
         if replicas.is_empty() {
             return;
         }
+        // A range held back is no replica, dynamic or not.
+        replicas.iter_mut().for_each(|r| r.dynamic = None);
         if until <= now {
             replicas.into_iter().for_each(Replica::release);
         } else {
@@ -1770,15 +1772,19 @@ impl Master {
 
     /// One eviction round: removes evictable objects (complete, not leased, not being
     /// rewritten, not hard-pinned), oldest lease first; soft-pinned objects only in a second
-    /// pass when the first found too few. A watermark round takes `eviction_ratio` of them; a
-    /// round asked for bytes takes objects until they add up to the bytes (at least 1 % of the
-    /// capacity, so that a stream of misses does not run a round per write). Returns (objects,
-    /// bytes) evicted.
+    /// pass when the first found too few. Before any object, it drops the dynamic replicas
+    /// fan-out added (of objects not leased nor being rewritten, which keep a replica that is
+    /// not dynamic), each object's at once, and fan-out then leaves the object be for its
+    /// cooldown. A watermark round takes `eviction_ratio` of them; a round asked for bytes
+    /// takes objects until they add up to the bytes (at least 1 % of the capacity, so that a
+    /// stream of misses does not run a round per write). Returns (objects, bytes) evicted;
+    /// the objects do not count those that only lost dynamic replicas.
     pub fn evict_round(&self, req: RoundRequest) -> (u64, u64) {
         if !self.is_serving() {
             return (0, 0);
         }
         let now = self.now();
+        let mut dynamic: Vec<Candidate> = Vec::new();
         let mut plain: Vec<Candidate> = Vec::new();
         let mut pinned: Vec<Candidate> = Vec::new();
         for (si, shard) in self.indexed_shards() {
@@ -1787,14 +1793,22 @@ impl Master {
             }
             let map = shard.read();
             for (k, o) in map.iter() {
-                if !o.is_complete() || o.pending.is_some() || o.hard_pin || o.is_leased(now) {
+                if !o.is_complete() || o.pending.is_some() || o.is_leased(now) {
+                    continue;
+                }
+                if shrinks(o) {
+                    let n = o.replicas.iter().filter(|r| r.is_dynamic()).count() as u64;
+                    dynamic.push((o.lease(), si, k.clone(), o.size * n, true));
+                    continue;
+                }
+                if o.hard_pin {
                     continue;
                 }
                 let list = if o.is_soft_pinned(now) { &mut pinned } else { &mut plain };
-                list.push((o.lease(), si, k.clone(), o.size * o.replicas.len() as u64));
+                list.push((o.lease(), si, k.clone(), o.size * o.replicas.len() as u64, false));
             }
         }
-        let evictable = plain.len() + pinned.len();
+        let evictable = dynamic.len() + plain.len() + pinned.len();
         if evictable == 0 {
             return (0, 0);
         }
@@ -1808,11 +1822,12 @@ impl Master {
         if !self.cfg.allow_evict_soft_pinned_objects {
             pinned.clear();
         }
+        dynamic.sort_unstable_by_key(|c| c.0);
         plain.sort_unstable_by_key(|c| c.0);
         pinned.sort_unstable_by_key(|c| c.0);
         let mut victims = Vec::new();
         let mut goal_bytes = 0u64;
-        for c in plain.into_iter().chain(pinned) {
+        for c in dynamic.into_iter().chain(plain).chain(pinned) {
             if victims.len() >= by_ratio && goal_bytes >= bytes_goal {
                 break;
             }
@@ -1825,7 +1840,11 @@ impl Master {
             for chunk in run.chunks(SWEEP_BATCH) {
                 let Some(shard) = self.indexed_shard(chunk[0].1) else { continue };
                 let mut map = shard.write();
-                for (_, _, k, _) in chunk {
+                for (_, _, k, _, shrink) in chunk {
+                    if *shrink {
+                        bytes += self.shrink(&mut map, k, now);
+                        continue;
+                    }
                     // Re-check: a reader or writer may have arrived since the scan.
                     let ok = map
                         .get(k)
@@ -1841,9 +1860,35 @@ impl Master {
             }
         }
         self.counters.eviction_rounds.fetch_add(1, Ordering::Relaxed);
+        // (Dynamic replicas dropped are counted by `shrink`.)
         self.counters.evicted_objects.fetch_add(objects, Ordering::Relaxed);
         self.counters.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
         (objects, bytes)
+    }
+}
+
+impl Master {
+    /// Drops the dynamic replicas of `key` (checked again: a reader or writer may have arrived
+    /// since the scan) and starts its cooldown. Returns the bytes freed.
+    fn shrink(&self, map: &mut ShardMap, key: &[u8], now: u64) -> u64 {
+        let Some(o) = map.get(key).filter(|o| o.pending.is_none() && !o.is_leased(now) && shrinks(o)) else {
+            return 0;
+        };
+        let size = o.size;
+        let mut segments: Vec<SegmentId> =
+            o.replicas.iter().filter(|r| r.is_dynamic()).map(|r| r.seg.desc.id).collect();
+        segments.sort_unstable();
+        segments.dedup();
+        let mut dropped = 0u64;
+        for segment in segments {
+            self.log(|| Record::DropReplicas { key: key.to_vec(), segment });
+            dropped += self.apply_drop_replicas(map, key, segment, now) as u64;
+        }
+        let until = now + self.cfg.fanout.cooldown_ms;
+        self.log(|| Record::Cooldown { key: key.to_vec(), until_ms: self.unix_time(until) });
+        self.apply_cooldown(map, key, until);
+        self.fanout.shrunk.fetch_add(dropped, Ordering::Relaxed);
+        size * dropped
     }
 }
 
@@ -1930,7 +1975,16 @@ fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
 }
 
 /// An eviction candidate: lease deadline, shard, key, bytes.
-type Candidate = (u64, usize, ObjectKey, u64);
+/// An eviction candidate: its lease deadline, shard index, key, bytes it frees, and whether
+/// only its dynamic replicas go.
+type Candidate = (u64, usize, ObjectKey, u64, bool);
+
+/// Whether eviction would drop only `o`'s dynamic replicas: it has some, and a replica that is
+/// not dynamic stays.
+fn shrinks(o: &ObjectMeta) -> bool {
+    let live = |r: &&Replica| r.seg.is_alive();
+    o.replicas.iter().filter(live).any(Replica::is_dynamic) && o.replicas.iter().filter(live).any(|r| !r.is_dynamic())
+}
 
 /// The ranges of `client`'s pending write `write_id` of `key`, if that write is in progress (its
 /// start is being retried).

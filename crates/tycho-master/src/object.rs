@@ -157,6 +157,8 @@ pub struct ObjectMeta {
     pub version: u64,
     /// What that commit answered its writer to retire, answered again to a repeated end.
     pub replaced: Vec<tycho_proto::ReplicaDesc>,
+    /// Fan-out adds no replica before this time (ms; 0 for none): eviction reclaimed one.
+    pub cooldown_until: u64,
 }
 
 impl ObjectMeta {

@@ -24,7 +24,7 @@ use tycho_proto::{ClientId, ErrorCode, SegmentDesc, SegmentId};
 use crate::object::Pins;
 
 /// Layout version of [`RecordBatch`] this build writes and the only one it reads.
-pub const RECORD_VERSION: u16 = 3;
+pub const RECORD_VERSION: u16 = 4;
 
 /// A replica's range as the log names it: enough to reserve exactly the same bytes under the
 /// same generation on replay.
@@ -198,14 +198,38 @@ pub enum Record {
         /// Segments whose ranges the commit left out, as dead (see [`Record::WriteEnd`]).
         dropped: Vec<SegmentId>,
     },
+    /// The object's replicas on these segments are dynamic (layout version 4 on): fan-out
+    /// made them, and eviction drops them before the object.
+    DynamicReplicas {
+        /// Storage key.
+        key: Vec<u8>,
+        /// The segments.
+        segments: Vec<SegmentId>,
+    },
+    /// Fan-out may not add a replica of the object before `until_ms` (layout version 4 on):
+    /// eviction just reclaimed one.
+    Cooldown {
+        /// Storage key.
+        key: Vec<u8>,
+        /// Until when (Unix ms).
+        until_ms: u64,
+    },
 }
 
 impl Record {
-    /// Whether the record is of a kind layout version 3 brought (tasks and their copies): a
-    /// batch or snapshot chunk holding one is written at version 3, any other at the older
-    /// version, so that a master of the build before follows it.
-    pub fn needs_v3(&self) -> bool {
-        matches!(self, Record::Task(_) | Record::CopyStart { .. } | Record::CopyEnd { .. })
+    /// The oldest layout version that holds the record: 2, 3 for tasks and their copies, 4 for
+    /// fan-out's leases, dynamic replicas and cooldowns. A batch or snapshot chunk is written
+    /// at the newest version among its records, so that a master of an older build follows
+    /// what it can and refuses the rest.
+    pub fn layout(&self) -> u16 {
+        use crate::task::TaskRecord;
+        match self {
+            Record::Task(TaskRecord::Leased(_) | TaskRecord::LeaseDropped { .. })
+            | Record::DynamicReplicas { .. }
+            | Record::Cooldown { .. } => 4,
+            Record::Task(_) | Record::CopyStart { .. } | Record::CopyEnd { .. } => 3,
+            _ => 2,
+        }
     }
 
     /// The storage key the record changes; `None` for a record of a segment.
@@ -218,7 +242,9 @@ impl Record {
             | Record::Remove { key, .. }
             | Record::DropReplicas { key, .. }
             | Record::CopyStart { key, .. }
-            | Record::CopyEnd { key, .. } => Some(key),
+            | Record::CopyEnd { key, .. }
+            | Record::DynamicReplicas { key, .. }
+            | Record::Cooldown { key, .. } => Some(key),
             Record::Mount { .. } | Record::Unmount { .. } | Record::Task(_) => None,
         }
     }
@@ -292,19 +318,19 @@ impl RecordBatch {
         self.first_seq + self.records.len() as u64 - 1
     }
 
-    /// The batch sealed for storage, at the oldest version that holds it (a batch without
-    /// task or copy records is version 2), so that a master of an older build follows what it can.
+    /// The batch sealed for storage, at the oldest version that holds it ([`Record::layout`]),
+    /// so that a master of an older build follows what it can.
     pub fn encode(&self) -> Vec<u8> {
         let payload = postcard::to_stdvec(self).expect("records always serialize");
-        let tasks = self.records.iter().any(Record::needs_v3);
-        envelope::seal(RecordKind::OpLogBatch, if tasks { RECORD_VERSION } else { 2 }, &payload)
+        let version = self.records.iter().map(Record::layout).max().unwrap_or(2);
+        envelope::seal(RecordKind::OpLogBatch, version, &payload)
     }
 
     /// Opens a stored batch; refuses newer layouts, damage, and invalid numbering.
     pub fn decode(bytes: &[u8]) -> Result<RecordBatch, RecordError> {
         let (version, payload) = envelope::open(RecordKind::OpLogBatch, RECORD_VERSION, bytes)?;
         // Version 1 (a WriteEnd without its dropped segments) was never released: refused.
-        // Version 2 is version 3 without task records: read alike.
+        // Versions 2 and 3 are version 4 without its newer records: read alike.
         if version < 2 {
             return Err(RecordError::Envelope(EnvelopeError::UnknownVersion {
                 found: version,
@@ -394,7 +420,19 @@ mod tests {
         let with_task = RecordBatch { records: vec![Record::Task(task)], ..b };
         let sealed = with_task.encode();
         assert_eq!(u16::from_le_bytes([sealed[5], sealed[6]]), 3);
-        assert_eq!(RecordBatch::decode(&sealed), Ok(with_task));
+        assert_eq!(RecordBatch::decode(&sealed), Ok(with_task.clone()));
+        // Fan-out's records need version 4.
+        let cooldown = Record::Cooldown { key: b"k".to_vec(), until_ms: 5 };
+        let dynamic = Record::DynamicReplicas { key: b"k".to_vec(), segments: vec![SegmentId(7)] };
+        for rec in [cooldown, dynamic] {
+            let b = RecordBatch {
+                records: vec![Record::Task(crate::task::TaskRecord::Forgotten { ids: vec![] }), rec],
+                ..with_task.clone()
+            };
+            let sealed = b.encode();
+            assert_eq!(u16::from_le_bytes([sealed[5], sealed[6]]), 4);
+            assert_eq!(RecordBatch::decode(&sealed), Ok(b));
+        }
     }
 
     #[test]

@@ -357,6 +357,31 @@ pub struct Replica {
     pub tenant: u64,
     /// Latest expiry (Unix ms) of a capability minted for the range.
     pub granted_until: AtomicU64,
+    /// Set on a replica that fan-out added (eviction drops it before its object).
+    pub dynamic: Option<DynamicMark>,
+}
+
+/// The mark of a dynamic replica: it counts itself in a gauge while it exists.
+pub struct DynamicMark(Arc<AtomicU64>);
+
+impl DynamicMark {
+    /// A mark counted in `gauge`.
+    pub fn new(gauge: &Arc<AtomicU64>) -> DynamicMark {
+        gauge.fetch_add(1, Ordering::Relaxed);
+        DynamicMark(gauge.clone())
+    }
+}
+
+impl Clone for DynamicMark {
+    fn clone(&self) -> Self {
+        DynamicMark::new(&self.0)
+    }
+}
+
+impl Drop for DynamicMark {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The read capability last minted for a replica: readers of a hot object share it while it
@@ -378,6 +403,7 @@ impl Clone for Replica {
             read_cap: self.read_cap.clone(),
             tenant: self.tenant,
             granted_until: AtomicU64::new(self.granted_until.load(Ordering::Relaxed)),
+            dynamic: self.dynamic.clone(),
         }
     }
 }
@@ -385,7 +411,12 @@ impl Clone for Replica {
 impl Replica {
     /// A replica of `seg` at `alloc`, for an object of `tenant` (its tag).
     pub fn new(seg: Arc<MountedSegment>, alloc: SegAlloc, tenant: u64) -> Replica {
-        Replica { seg, alloc, read_cap: CapCache::default(), tenant, granted_until: AtomicU64::new(0) }
+        Replica { seg, alloc, read_cap: CapCache::default(), tenant, granted_until: AtomicU64::new(0), dynamic: None }
+    }
+
+    /// Whether fan-out added it.
+    pub fn is_dynamic(&self) -> bool {
+        self.dynamic.is_some()
     }
 
     /// The descriptor of this replica holding `len` bytes with a capability for `grant`; the

@@ -24,9 +24,10 @@ use tycho_proto::SegmentId;
 
 use crate::record::Record;
 
-/// Newest layout version of chunks and manifests. Version 2 may hold task records (record
-/// version 3); what holds none is written, and read, as version 1.
-pub const SNAPSHOT_VERSION: u16 = 2;
+/// Newest layout version of chunks and manifests. A chunk's version is its records' newest
+/// layout less one: version 1 holds records of layout 2, version 2 task records too (layout
+/// 3), version 3 fan-out's (layout 4). A chunk is written at the oldest version that holds it.
+pub const SNAPSHOT_VERSION: u16 = 3;
 
 /// Default most encoded record bytes per chunk.
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
@@ -208,7 +209,7 @@ fn chunk_file(index: u32) -> String {
 }
 
 /// Seals a chunk or manifest at `version`: the oldest that holds it, so that a master of an
-/// older build reads what it can (a chunk without task records is version 1).
+/// older build reads what it can.
 fn seal<T: Serialize>(value: &T, version: u16) -> Vec<u8> {
     envelope::seal(RecordKind::SnapshotChunk, version, &postcard::to_stdvec(value).expect("snapshots serialize"))
 }
@@ -232,8 +233,13 @@ pub fn write(
     let (mut pending, mut bytes) = (Vec::new(), 0usize);
     let flush = |pending: &mut Vec<Entry>, index: &mut u32| -> Result<(), SnapshotError> {
         let chunk = Chunk { id, index: *index, records: std::mem::take(pending) };
-        let tasks = chunk.records.iter().any(|e| matches!(e, Entry::Record(r) if r.needs_v3()));
-        store.put(&id, &chunk_file(*index), &seal(&chunk, if tasks { SNAPSHOT_VERSION } else { 1 }))?;
+        // Chunk version 1 holds records of layout 2, version 2 those of layout 3, and so on.
+        let layout = chunk.records.iter().filter_map(|e| match e {
+            Entry::Record(r) => Some(r.layout()),
+            _ => None,
+        });
+        let version = layout.max().unwrap_or(2) - 1;
+        store.put(&id, &chunk_file(*index), &seal(&chunk, version))?;
         *index += 1;
         Ok(())
     };

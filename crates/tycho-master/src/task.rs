@@ -127,6 +127,57 @@ pub enum TaskRecord {
         /// The tasks.
         ids: Vec<TaskId>,
     },
+    /// A dynamic copy's lease (hot-replica fan-out, record layout 4 on), installed before its
+    /// task is created; it ends when its task does.
+    Leased(DynamicLease),
+    /// A lease whose task was never created (its creation was refused): rolled back.
+    LeaseDropped {
+        /// The task it was for.
+        task: TaskId,
+    },
+}
+
+/// The fence of a copy that fan-out started (spec 05): the copy may start and end only while
+/// the lease lasts, on the version of the value it was granted for, by the client that holds
+/// the source replica. Named by its task, which it goes with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DynamicLease {
+    /// The copy task it fences.
+    pub task: TaskId,
+    /// The object's storage key.
+    pub key: Vec<u8>,
+    /// The version of the value to copy.
+    pub version: u64,
+    /// The client that holds the source replica and alone may run the copy.
+    pub source: ClientId,
+    /// When it runs out (Unix ms): its task fails then, and its copy is dropped.
+    pub expires_ms: u64,
+}
+
+/// Why a dynamic copy's step is refused by its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseRefusal {
+    /// The lease ran out.
+    Expired,
+    /// The value changed since the lease was granted.
+    Version,
+    /// The caller is not the source's client.
+    NotSource,
+}
+
+impl DynamicLease {
+    /// Whether `client` may take a step of the copy of `version` at `now_ms`.
+    pub fn check(&self, client: ClientId, version: u64, now_ms: u64) -> Result<(), LeaseRefusal> {
+        if client != self.source {
+            Err(LeaseRefusal::NotSource)
+        } else if now_ms >= self.expires_ms {
+            Err(LeaseRefusal::Expired)
+        } else if version != self.version {
+            Err(LeaseRefusal::Version)
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// A group's tasks.
@@ -144,6 +195,8 @@ pub struct Tasks {
     processing_count: usize,
     /// Per object key, how many of its tasks have not ended.
     unfinished: HashMap<Vec<u8>, u32>,
+    /// Leases of dynamic copies, by task.
+    leases: HashMap<TaskId, DynamicLease>,
 }
 
 impl Tasks {
@@ -157,9 +210,35 @@ impl Tasks {
         self.unfinished.get(key).copied().unwrap_or(0)
     }
 
-    /// Whether the group has no task at all.
+    /// The lease of task `id`, if it is a dynamic copy that has not ended.
+    pub fn lease_of(&self, id: TaskId) -> Option<&DynamicLease> {
+        self.leases.get(&id)
+    }
+
+    /// How many dynamic copies hold a lease.
+    pub fn leases(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Whether the group has no task at all (nor a lease).
     pub fn is_empty(&self) -> bool {
-        self.all.is_empty()
+        self.all.is_empty() && self.leases.is_empty()
+    }
+
+    /// The records that create a dynamic copy's task under its lease: the lease first, so
+    /// that the task is never without it. Refused as [`Tasks::submit`] refuses, with nothing to
+    /// roll back.
+    pub fn submit_leased(
+        &self,
+        limits: &TaskLimits,
+        task: Task,
+        lease: DynamicLease,
+    ) -> Result<[TaskRecord; 2], ErrorCode> {
+        if lease.task != task.id || lease.key != task.key || lease.source != task.assigned {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let created = self.submit(limits, task)?;
+        Ok([TaskRecord::Leased(lease), created])
     }
 
     /// How many tasks wait, run, and are kept finished.
@@ -226,6 +305,12 @@ impl Tasks {
         };
         let mut timed_out: Vec<(TaskId, &str)> =
             self.all.values().filter_map(|t| late(t).map(|why| (t.id, why))).collect();
+        for l in self.leases.values().filter(|l| now_ms >= l.expires_ms) {
+            let unfinished = self.all.get(&l.task).is_some_and(|t| !t.status.is_finished());
+            if unfinished && !timed_out.iter().any(|(id, _)| *id == l.task) {
+                timed_out.push((l.task, "its dynamic copy lease expired"));
+            }
+        }
         timed_out.sort_unstable();
         let over = (self.finished.len() + timed_out.len()).saturating_sub(limits.max_finished);
         // Finished order: those kept, then these failures as they are logged.
@@ -240,6 +325,11 @@ impl Tasks {
         if !ids.is_empty() {
             out.push(TaskRecord::Forgotten { ids });
         }
+        // A lease without a task (its creation record lost to a failover between the two).
+        let mut orphans: Vec<TaskId> =
+            self.leases.keys().filter(|id| self.all.get(id).is_none_or(|t| t.status.is_finished())).copied().collect();
+        orphans.sort_unstable();
+        out.extend(orphans.into_iter().map(|task| TaskRecord::LeaseDropped { task }));
         out
     }
 
@@ -311,6 +401,7 @@ impl Tasks {
                 task.message = message.clone();
                 task.updated_ms = *at_ms;
                 self.finished.push_back(*id);
+                self.leases.remove(id);
                 if let Some(n) = self.unfinished.get_mut(&task.key) {
                     *n -= 1;
                     if *n == 0 {
@@ -325,6 +416,16 @@ impl Tasks {
                     gone.iter().for_each(|id| drop(self.all.remove(id)));
                     self.finished.retain(|f| !gone.contains(f));
                 }
+            }
+            TaskRecord::Leased(lease) => {
+                // A lease comes before its task; a task that exists already (a replayed log
+                // over a snapshot) or ended gets none.
+                if !self.all.contains_key(&lease.task) {
+                    self.leases.insert(lease.task, lease.clone());
+                }
+            }
+            TaskRecord::LeaseDropped { task } => {
+                self.leases.remove(task);
             }
         }
     }
@@ -346,7 +447,11 @@ impl Tasks {
     /// each finished one created and at once ended (in the order they ended), then the waiting
     /// ones are created in their queues' order: every step is at a queue's front or back.
     pub fn to_records(&self) -> Vec<TaskRecord> {
-        let mut out = Vec::with_capacity(self.all.len() * 2);
+        let mut out = Vec::with_capacity(self.all.len() * 2 + self.leases.len());
+        // Leases first: each comes before its task.
+        let mut leases: Vec<&DynamicLease> = self.leases.values().collect();
+        leases.sort_unstable_by_key(|l| l.task);
+        out.extend(leases.into_iter().map(|l| TaskRecord::Leased(l.clone())));
         let created = |t: &Task| TaskRecord::Created(Task { status: TaskStatus::Pending, ..t.clone() });
         for (client, ids) in &self.processing {
             for t in ids.iter().filter_map(|id| self.all.get(id)) {
@@ -585,5 +690,56 @@ mod tests {
         p.tasks.apply(&TaskRecord::Created(Task { targets: vec![], ..task(1, B, 9) }));
         assert_eq!(p.tasks.list().into_iter().cloned().collect::<Vec<_>>(), before);
         assert_eq!(p.tasks.counts(), (1, 0, 0));
+    }
+
+    fn lease(n: u128, client: ClientId, expires_ms: u64) -> DynamicLease {
+        DynamicLease {
+            task: TaskId::new(3, n),
+            key: format!("k{n}").into_bytes(),
+            version: 7,
+            source: client,
+            expires_ms,
+        }
+    }
+
+    #[test]
+    fn a_lease_fences_its_copy_expires_with_the_reaper_and_ends_with_its_task() {
+        let limits = TaskLimits::default();
+        let mut p = Primary::new(limits);
+        // A lease must match its task.
+        assert_eq!(p.tasks.submit_leased(&limits, task(1, A, 0), lease(1, B, 100)), Err(ErrorCode::INVALID_PARAMS));
+        let recs = p.tasks.submit_leased(&limits, task(1, A, 0), lease(1, A, 100)).unwrap();
+        assert!(matches!(recs[0], TaskRecord::Leased(_)), "the lease is installed before the task");
+        p.take(recs);
+        let recs = p.tasks.submit_leased(&limits, task(2, A, 0), lease(2, A, 10_000)).unwrap();
+        p.take(recs);
+        let l = p.tasks.lease_of(TaskId::new(3, 1)).unwrap().clone();
+        assert_eq!(l.check(A, 7, 99), Ok(()));
+        assert_eq!(l.check(B, 7, 99), Err(LeaseRefusal::NotSource));
+        assert_eq!(l.check(A, 8, 99), Err(LeaseRefusal::Version));
+        assert_eq!(l.check(A, 7, 100), Err(LeaseRefusal::Expired));
+        // A snapshot carries the leases, each before its task.
+        let mut restored = Tasks::default();
+        p.tasks.to_records().iter().for_each(|r| restored.apply(r));
+        assert_eq!(restored.to_records(), p.tasks.to_records());
+        assert_eq!(restored.lease_of(TaskId::new(3, 1)), Some(&l));
+        // Past its lease the reaper fails the task, and the lease goes with it; the other stays.
+        let recs = p.tasks.housekeeping(&limits, 100);
+        assert_eq!(recs.len(), 1, "{recs:?}");
+        assert!(matches!(&recs[0], TaskRecord::Finished { id, .. } if *id == TaskId::new(3, 1)));
+        p.take(recs);
+        assert_eq!((p.tasks.lease_of(TaskId::new(3, 1)), p.tasks.leases()), (None, 1));
+        // A task that ends otherwise ends its lease too.
+        p.fetch(A, 16, 200);
+        p.complete(A, TaskId::new(3, 2), TaskStatus::Success, 300).unwrap();
+        assert_eq!(p.tasks.leases(), 0);
+        same(&p.tasks, &p.replayed());
+        // A lease whose task record never came (a failover between the two) is dropped.
+        p.take([TaskRecord::Leased(lease(9, A, 1_000_000))]);
+        assert_eq!(p.tasks.housekeeping(&limits, 400), vec![TaskRecord::LeaseDropped { task: TaskId::new(3, 9) }]);
+        for r in &p.log {
+            let bytes = postcard::to_stdvec(r).unwrap();
+            assert_eq!(&postcard::from_bytes::<TaskRecord>(&bytes).unwrap(), r);
+        }
     }
 }

@@ -1825,6 +1825,9 @@ fn a_standby_replaying_the_records_holds_the_same_metadata_and_can_take_over() {
                 Task(_) => "task",
                 CopyStart { .. } => "copy-start",
                 CopyEnd { .. } => "copy-end",
+                // (The fan-out tests replay these.)
+                DynamicReplicas { .. } => "dynamic",
+                Cooldown { .. } => "cooldown",
             }
         })
         .collect();
@@ -2353,4 +2356,282 @@ fn observe_mode_counts_what_it_would_do_and_creates_nothing() {
     }
     off.tick_alive(&[A]);
     assert_eq!((off.m.fanout.hot.load(Ordering::Relaxed), off.m.heat_keys()), (0, 0));
+}
+
+/// Puts `key` on seg-1 (A's, on host a).
+fn put_a(m: &Master, key: &str, size: u64) {
+    put_cfg(m, A, key, size, ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() });
+}
+
+/// Reads `key` eight times (10 s at 0.8/s: hot) and runs housekeeping, which admits it.
+fn make_hot(e: &Env, key: &str, alive: &[ClientId]) {
+    for _ in 0..8 {
+        get(&e.m, key).unwrap();
+    }
+    e.tick_alive(alive);
+}
+
+/// The copy task fan-out created for `client`, fetched (it runs from now on).
+fn dynamic_task(m: &Master, client: ClientId) -> TaskInfo {
+    let mut tasks = m.fetch_tasks(client);
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    tasks.pop().unwrap()
+}
+
+/// Fan-out on hosts a (seg-1, the value's) and b (seg-5, the target), in enforce mode, its
+/// records kept.
+fn dynamic_env() -> (Env, Arc<Recorder>) {
+    let e = fanout_env(tycho_master::FanoutMode::Enforce);
+    let log = Arc::new(Recorder::default());
+    assert!(e.m.set_record_sink(0, Some(log.clone())));
+    mount_on(&e.m, A, 1, "host-a");
+    mount_on(&e.m, B, 5, "host-b");
+    (e, log)
+}
+
+#[test]
+fn a_dynamic_copy_runs_under_its_lease_and_its_replica_is_marked_dynamic() {
+    let (e, log) = dynamic_env();
+    let m = &e.m;
+    put_a(m, "hot", 4096);
+    make_hot(&e, "hot", &[A, B]);
+    assert_eq!(m.dynamic_leases(), 1, "the lease comes with the task");
+    let t = dynamic_task(m, A);
+    // Only the source's client may run it; another's step changes nothing.
+    assert_eq!(m.copy_start(&step(B, "hot", t.id, 9)).err(), Some(ErrorCode::ILLEGAL_CLIENT));
+    m.copy_start(&step(A, "hot", t.id, 9)).unwrap();
+    assert_eq!(m.copy_finish(&step(B, "hot", t.id, 9), true), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(m.copy_finish(&step(B, "hot", t.id, 9), false), Err(ErrorCode::ILLEGAL_CLIENT));
+    assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Processing);
+    m.copy_finish(&step(A, "hot", t.id, 9), true).unwrap();
+    // The copy's replica is complete, readable and dynamic; the lease ended with the task.
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1, 5]));
+    assert_eq!(get(m, "hot").unwrap().replicas.len(), 2);
+    assert_eq!((m.dynamic_replicas(), m.dynamic_leases()), (1, 0));
+    assert_eq!(task_status(m, t.id).unwrap(), (TaskStatus::Success, "done".into()));
+    // A standby replaying the log, and a master importing a snapshot, know it is dynamic.
+    let standby = fanout_env(tycho_master::FanoutMode::Enforce);
+    standby.advance(e.clock.now_ms() - standby.clock.now_ms());
+    for r in log.0.lock().iter() {
+        standby.m.replay(0, r).unwrap_or_else(|err| panic!("{r:?} does not replay: {err}"));
+    }
+    assert_eq!(state(&standby.m), state(m));
+    assert_eq!(standby.m.dynamic_replicas(), 1);
+    let exported = m.export_group(0).unwrap();
+    let imported = fanout_env(tycho_master::FanoutMode::Enforce);
+    imported.advance(e.clock.now_ms() - imported.clock.now_ms());
+    exported.iter().for_each(|x| imported.m.import(0, x).unwrap());
+    assert_eq!(imported.m.export_group(0).unwrap(), exported);
+    assert_eq!(imported.m.dynamic_replicas(), 1);
+    // The replica goes with its value: an upsert's new value has none.
+    m.write_start(WriteMode::Upsert, &ws(B, "hot", 4096, ReplicateConfig::default())).unwrap();
+    m.write_finish(&wf(B, "hot"), true).unwrap();
+    assert_eq!(m.dynamic_replicas(), 0);
+}
+
+#[test]
+fn a_dynamic_copy_whose_lease_expired_or_whose_value_changed_is_refused_and_cleaned_up() {
+    let (e, _log) = dynamic_env();
+    let m = &e.m;
+    let lease_ms = tycho_master::FanoutConfig::default().lease_ms;
+    for k in ["late-start", "late-end", "late-revoke", "changed"] {
+        put_a(m, k, 4096);
+    }
+    // Expired before its CopyStart: refused, the task fails, nothing is pending.
+    make_hot(&e, "late-start", &[A, B]);
+    let t = dynamic_task(m, A);
+    e.advance(lease_ms);
+    assert_eq!(m.copy_start(&step(A, "late-start", t.id, 1)).err(), Some(ErrorCode::LEASE_EXPIRED));
+    assert_eq!(
+        task_status(m, t.id).unwrap(),
+        (TaskStatus::Failed, "its dynamic copy lease expired (LEASE_EXPIRED)".into())
+    );
+    assert_eq!(m.dynamic_leases(), 0);
+    // Expired between CopyStart and CopyEnd, or CopyRevoke: refused, the copy is dropped.
+    e.advance(10_000);
+    for (key, end) in [("late-end", true), ("late-revoke", false)] {
+        make_hot(&e, key, &[A, B]);
+        let t = dynamic_task(m, A);
+        m.copy_start(&step(A, key, t.id, 2)).unwrap();
+        e.advance(lease_ms);
+        assert_eq!(m.copy_finish(&step(A, key, t.id, 2), end), Err(ErrorCode::LEASE_EXPIRED), "{key}");
+        assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+        assert_eq!(segments_of(m, key), BTreeSet::from([1]));
+        // Nothing pending: an ordinary copy of the key runs.
+        let plain = create(m, key, TaskKind::Copy, "", &["seg-5"]).unwrap();
+        assert_eq!(m.fetch_tasks(A).len(), 1);
+        m.copy_start(&step(A, key, plain, 3)).unwrap();
+        m.copy_finish(&step(A, key, plain, 3), true).unwrap();
+        assert_eq!(segments_of(m, key), BTreeSet::from([1, 5]));
+    }
+    assert_eq!(m.dynamic_replicas(), 0, "ordinary copies are not dynamic");
+    // The value changed after the lease was granted (an upsert while the task waited).
+    e.advance(10_000);
+    make_hot(&e, "changed", &[A, B]);
+    let on_seg1 = ReplicateConfig { preferred_segments: vec!["seg-1".into()], ..Default::default() };
+    m.write_start(WriteMode::Upsert, &ws(B, "changed", 4096, on_seg1)).unwrap();
+    m.write_finish(&wf(B, "changed"), true).unwrap();
+    let t = dynamic_task(m, A);
+    assert_eq!(m.copy_start(&step(A, "changed", t.id, 4)).err(), Some(ErrorCode::INVALID_VERSION));
+    assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+    assert_eq!(m.dynamic_leases(), 0);
+}
+
+#[test]
+fn the_reaper_ends_expired_dynamic_copies_without_touching_newer_ones_or_ordinary_copies() {
+    let (e, _log) = dynamic_env();
+    let m = &e.m;
+    let lease_ms = tycho_master::FanoutConfig::default().lease_ms;
+    put_a(m, "hot", 4096);
+    make_hot(&e, "hot", &[A, B]);
+    let stale = dynamic_task(m, A);
+    m.copy_start(&step(A, "hot", stale.id, 1)).unwrap();
+    assert_eq!(remove(m, "hot", false), Err(ErrorCode::OBJECT_HAS_REPLICATION_TASK));
+    // Its lease runs out: the reaper fails the task and drops its copy.
+    e.advance(lease_ms + 1000);
+    e.tick_alive(&[A, B]);
+    assert_eq!(task_status(m, stale.id).unwrap(), (TaskStatus::Failed, "its dynamic copy lease expired".into()));
+    assert_eq!(m.dynamic_leases(), 0);
+    // An ordinary copy of the key is not blocked by it.
+    mount_on(m, C, 7, "host-c");
+    let plain = create(m, "hot", TaskKind::Copy, "", &["seg-7"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    m.copy_start(&step(A, "hot", plain, 2)).unwrap();
+    // The stale task's late steps change nothing of the running copy.
+    assert_eq!(m.copy_start(&step(A, "hot", stale.id, 1)).err(), Some(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+    assert_eq!(m.copy_finish(&step(A, "hot", stale.id, 1), true), Err(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+    assert_eq!(m.copy_finish(&step(A, "hot", stale.id, 1), false), Ok(()), "a repeated revoke of a failed task");
+    m.copy_finish(&step(A, "hot", plain, 2), true).unwrap();
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1, 7]));
+    // Hot again with a newer lease: the stale task's steps do not disturb its copy either.
+    remove(m, "hot", true).unwrap();
+    put_a(m, "hot", 4096);
+    e.advance(10_000);
+    make_hot(&e, "hot", &[A, B, C]);
+    let newer = dynamic_task(m, A);
+    m.copy_start(&step(A, "hot", newer.id, 3)).unwrap();
+    assert_eq!(m.copy_finish(&step(A, "hot", stale.id, 1), true), Err(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+    m.copy_finish(&step(A, "hot", newer.id, 3), true).unwrap();
+    assert_eq!(m.dynamic_replicas(), 1);
+}
+
+#[test]
+fn a_failed_dynamic_copy_leaves_nothing_pending() {
+    let (e, _log) = dynamic_env();
+    let m = &e.m;
+    // No room on the target at CopyStart (it filled after admission): the start fails and
+    // clears its lease and pending state.
+    put_a(m, "big", 600 * KIB);
+    make_hot(&e, "big", &[A, B]);
+    let t = dynamic_task(m, A);
+    put(m, B, "filler", 600 * KIB);
+    assert_eq!(m.copy_start(&step(A, "big", t.id, 1)).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
+    assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+    assert_eq!(m.dynamic_leases(), 0);
+    e.advance(LEASE + 1);
+    assert_eq!(remove(m, "big", false), Ok(()), "nothing holds the object");
+    // The target went away during the copy: its CopyEnd fails and no incomplete replica stays.
+    put_a(m, "hot", 4096);
+    e.advance(10_000);
+    make_hot(&e, "hot", &[A, B]);
+    let t = dynamic_task(m, A);
+    m.copy_start(&step(A, "hot", t.id, 2)).unwrap();
+    let filler_gone = remove(m, "filler", true);
+    assert_eq!(filler_gone, Ok(()));
+    // (The unmount's sweep drops the copy's range on it, and with it the copy.)
+    m.unmount_segment(B, SegmentId(5)).unwrap();
+    assert_eq!(m.copy_finish(&step(A, "hot", t.id, 2), true), Err(ErrorCode::OBJECT_NO_REPLICATION_TASK));
+    assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1]));
+    assert_eq!((m.dynamic_replicas(), m.dynamic_leases()), (0, 0));
+    e.advance(LEASE + 1);
+    assert_eq!(remove(m, "hot", false), Ok(()), "nothing holds the object");
+    // A copy whose source replica went before its start fails at once (and the failure,
+    // which takes the key's lock, does not wait on the check's own lock).
+    mount_on(m, C, 7, "host-c");
+    put_a(m, "moved", 4096);
+    let plain = create(m, "moved", TaskKind::Copy, "seg-1", &["seg-7"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    let elsewhere = ReplicateConfig { preferred_segments: vec!["seg-7".into()], ..Default::default() };
+    m.write_start(WriteMode::Upsert, &ws(C, "moved", 4096, elsewhere)).unwrap();
+    m.write_finish(&wf(C, "moved"), true).unwrap();
+    assert_eq!(m.copy_start(&step(A, "moved", plain, 3)).err(), Some(ErrorCode::REPLICA_NOT_FOUND));
+    assert_eq!(task_status(m, plain).unwrap().0, TaskStatus::Failed);
+}
+
+#[test]
+fn eviction_drops_dynamic_replicas_first_and_fanout_waits_out_the_cooldown() {
+    use tycho_master::Suppressed;
+    let (e, log) = dynamic_env();
+    let m = &e.m;
+    put_a(m, "hot", 4096);
+    put_a(m, "cold", 4096);
+    make_hot(&e, "hot", &[A, B]);
+    let t = dynamic_task(m, A);
+    m.copy_start(&step(A, "hot", t.id, 1)).unwrap();
+    m.copy_finish(&step(A, "hot", t.id, 1), true).unwrap();
+    assert_eq!(m.dynamic_replicas(), 1);
+    // A round that takes one victim takes the dynamic replica, not an object.
+    e.advance(LEASE + 1);
+    assert_eq!(m.evict(), (0, 4096), "one victim (5% of two candidates, rounded up)");
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1]));
+    assert!(exists(m, "cold").unwrap());
+    assert_eq!((m.dynamic_replicas(), m.fanout.shrunk.load(Ordering::Relaxed)), (0, 1));
+    // Hot again at once: the cooldown holds fan-out back, and a standby knows it.
+    e.advance(10_000);
+    make_hot(&e, "hot", &[A, B]);
+    assert_eq!(suppressed(m, Suppressed::Cooldown), 1);
+    assert!(m.fetch_tasks(A).is_empty());
+    let standby = fanout_env(tycho_master::FanoutMode::Enforce);
+    standby.advance(e.clock.now_ms() - standby.clock.now_ms());
+    for r in log.0.lock().iter() {
+        standby.m.replay(0, r).unwrap_or_else(|err| panic!("{r:?} does not replay: {err}"));
+    }
+    assert_eq!(standby.m.export_group(0).unwrap(), m.export_group(0).unwrap());
+    // Past the cooldown it gets its copy again.
+    e.advance(tycho_master::FanoutConfig::default().cooldown_ms);
+    make_hot(&e, "hot", &[A, B]);
+    assert_eq!(dynamic_task(m, A).targets, vec!["seg-5".to_string()]);
+}
+
+#[test]
+fn suppression_reasons_index_their_counters() {
+    for (i, why) in tycho_master::Suppressed::ALL.iter().enumerate() {
+        assert_eq!(why.index(), i, "{why:?}");
+    }
+}
+
+#[test]
+fn the_source_is_the_lowest_named_replica_and_the_target_prefers_another_host_then_room() {
+    let fanout = tycho_master::FanoutConfig {
+        mode: tycho_master::FanoutMode::Enforce,
+        max_memory_replicas: 3,
+        ..Default::default()
+    };
+    let e = Env::with(MasterConfig { fanout, ..MasterConfig::default() });
+    let m = &e.m;
+    mount_on(m, A, 3, "host-a");
+    mount_on(m, A, 2, "host-a");
+    let both = ReplicateConfig {
+        replica_num: 2,
+        preferred_segments: vec!["seg-3".into(), "seg-2".into()],
+        ..Default::default()
+    };
+    put_cfg(m, A, "hot", 4096, both);
+    // A segment of the value's host (lowest id), a nearly full one of another host, and an
+    // empty one of that host.
+    mount_on(m, A, 4, "host-a");
+    mount_on(m, B, 6, "host-b");
+    mount_on(m, B, 9, "host-b");
+    put_cfg(
+        m,
+        B,
+        "filler",
+        900 * KIB,
+        ReplicateConfig { preferred_segments: vec!["seg-6".into()], ..Default::default() },
+    );
+    make_hot(&e, "hot", &[A, B]);
+    let t = dynamic_task(m, A);
+    assert_eq!(t.source, "seg-2", "the lowest name, whatever the replicas' order");
+    assert_eq!(t.targets, vec!["seg-9".to_string()], "another host, then one that stays below 85% full");
 }

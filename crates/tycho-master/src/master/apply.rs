@@ -16,7 +16,7 @@ use tycho_proto::{ClientId, ErrorCode, SegmentId};
 use super::{Group, Master};
 use crate::object::{CopyOf, ObjectKey, ObjectMeta, PendingSlot, PendingWrite, Pins, ShardMap};
 use crate::record::{RangeRec, Record, RecordSink};
-use crate::segment::{MountedSegment, Replica, SegAlloc};
+use crate::segment::{DynamicMark, MountedSegment, Replica, SegAlloc};
 
 /// Why a record could not be replayed: the replaying state has diverged from the primary's.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -344,6 +344,25 @@ impl Master {
         Ok(gone)
     }
 
+    /// The replicas of `key`'s value on `segments` are dynamic (fan-out made them). Returns how
+    /// many it marked.
+    pub(super) fn apply_dynamic_replicas(&self, map: &mut ShardMap, key: &[u8], segments: &[SegmentId]) -> usize {
+        let Some(obj) = map.get_mut(key) else { return 0 };
+        let mut marked = 0;
+        for r in obj.replicas.iter_mut().filter(|r| segments.contains(&r.seg.desc.id) && r.dynamic.is_none()) {
+            r.dynamic = Some(DynamicMark::new(&self.fanout.dynamic_live));
+            marked += 1;
+        }
+        marked
+    }
+
+    /// Fan-out adds no replica of `key` before `until` (this master's clock).
+    pub(super) fn apply_cooldown(&self, map: &mut ShardMap, key: &[u8], until: u64) {
+        if let Some(obj) = map.get_mut(key) {
+            obj.cooldown_until = obj.cooldown_until.max(until);
+        }
+    }
+
     /// `key` is removed (by a client or by eviction): its value's ranges are free at once
     /// (readers check generations); an unfinished write's stay reserved until its release
     /// timeout. Returns the object, already disposed of, for the caller's accounting.
@@ -498,6 +517,14 @@ impl Master {
                 }
                 Ok(())
             }
+            Record::DynamicReplicas { key, segments } => {
+                self.apply_dynamic_replicas(&mut shard_of(key)?.write(), key, segments);
+                Ok(())
+            }
+            Record::Cooldown { key, until_ms } => {
+                self.apply_cooldown(&mut shard_of(key)?.write(), key, self.local_time(*until_ms));
+                Ok(())
+            }
         }
     }
 
@@ -625,6 +652,7 @@ fn put_pending<K: AsRef<[u8]> + Into<ObjectKey>>(map: &mut ShardMap, key: K, pen
         writer,
         version,
         replaced: Vec::new(),
+        cooldown_until: 0,
     };
     map.insert(key.into(), obj);
 }

@@ -8,10 +8,12 @@
 //! a grant may still reach them — and where its generations had got to), the unfinished writes
 //! of segments that went away, and every object (its committed value as a `WriteStart` and a
 //! `WriteEnd` at exactly its ranges and generations, then its unfinished write, if any, as a
-//! `WriteStart`, or a `CopyStart` for a task's copy), and its copy and move tasks as the task records that rebuild them. Soft state
-//! is left out, as the log leaves it out: read leases and client
-//! liveness (a promotion grants both afresh) and the grants a primary minted (a master that
-//! only replays holds every range it frees for as long as such a grant may last).
+//! `WriteStart`, or a `CopyStart` for a task's copy, and which of its replicas are dynamic and
+//! its fan-out cooldown), and its copy and move tasks (with their dynamic copies' leases) as the
+//! task records that rebuild them. Soft state is left out, as the log leaves it out: read
+//! leases and client liveness (a promotion grants both afresh), the grants a primary minted (a
+//! master that only replays holds every range it frees for as long as such a grant may last),
+//! and the heat window (a new primary counts reads afresh).
 //!
 //! Held ranges come back reserved for everyone until their time, rather than for their tenant
 //! alone: stricter, and counted as used until then.
@@ -69,7 +71,7 @@ impl Master {
             });
         }
         out.extend(orphans.into_iter().map(|(segment, ranges)| Entry::Orphans { segment, ranges }));
-        let now = self.unix_time(now);
+        let (mono_now, now) = (now, self.unix_time(now));
         for shard in group.shards.iter() {
             let map = shard.read();
             // In key order, so that one state always makes the same snapshot.
@@ -99,6 +101,15 @@ impl Master {
                         at_ms,
                         dropped: Vec::new(),
                     }));
+                    let segments: Vec<SegmentId> =
+                        obj.replicas.iter().filter(|r| r.is_dynamic()).map(|r| r.seg.desc.id).collect();
+                    if !segments.is_empty() {
+                        out.push(Entry::Record(Record::DynamicReplicas { key: key.to_vec(), segments }));
+                    }
+                }
+                if obj.cooldown_until > mono_now {
+                    let until_ms = self.unix_time(obj.cooldown_until);
+                    out.push(Entry::Record(Record::Cooldown { key: key.to_vec(), until_ms }));
                 }
                 if let Some((p, copy)) = obj.pending.as_ref().and_then(|p| p.copy.map(|c| (p, c))) {
                     out.push(Entry::Record(Record::CopyStart {

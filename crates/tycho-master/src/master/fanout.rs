@@ -37,17 +37,20 @@ pub enum Suppressed {
     NoTarget,
     /// The task could not be created (the pending-task limit, a group that moved).
     TaskRefused,
+    /// Eviction dropped a dynamic replica of the key a short while ago.
+    Cooldown,
 }
 
 impl Suppressed {
     /// Every reason, in counter order.
-    pub const ALL: [Suppressed; 6] = [
+    pub const ALL: [Suppressed; 7] = [
         Suppressed::QueueFull,
         Suppressed::NoObject,
         Suppressed::InFlight,
         Suppressed::ReplicaLimit,
         Suppressed::NoTarget,
         Suppressed::TaskRefused,
+        Suppressed::Cooldown,
     ];
 
     /// Its metric label.
@@ -59,7 +62,13 @@ impl Suppressed {
             Suppressed::ReplicaLimit => "replica_limit",
             Suppressed::NoTarget => "no_target",
             Suppressed::TaskRefused => "task_refused",
+            Suppressed::Cooldown => "cooldown",
         }
+    }
+
+    /// Its place in [`Suppressed::ALL`] (and so in the counters).
+    pub fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -73,7 +82,11 @@ pub struct FanoutCounters {
     /// Admissions that created a copy task (in observe mode: that would have).
     pub admitted: AtomicU64,
     /// Admissions that did not, by reason ([`Suppressed::ALL`]'s order).
-    pub suppressed: [AtomicU64; 6],
+    pub suppressed: [AtomicU64; 7],
+    /// Dynamic replicas that exist (each counts itself while it does).
+    pub dynamic_live: Arc<AtomicU64>,
+    /// Dynamic replicas eviction dropped.
+    pub shrunk: AtomicU64,
 }
 
 /// The source a copy is taken from: a live replica, the same one whichever master decides
@@ -135,9 +148,18 @@ impl Master {
         self.heat.len()
     }
 
+    /// How many dynamic copies hold a lease, over the groups served.
+    pub fn dynamic_leases(&self) -> usize {
+        self.serving().map(|g| g.tasks.lock().leases()).sum()
+    }
+
+    /// How many replicas fan-out added exist, over the groups this master holds.
+    pub fn dynamic_replicas(&self) -> u64 {
+        self.fanout.dynamic_live.load(Ordering::Relaxed)
+    }
+
     fn suppress(&self, why: Suppressed) {
-        let i = Suppressed::ALL.iter().position(|s| *s == why).expect("every reason is listed");
-        self.fanout.suppressed[i].fetch_add(1, Ordering::Relaxed);
+        self.fanout.suppressed[why.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Runs the admissions queued since the last call (housekeeping calls it each tick).
@@ -162,6 +184,9 @@ impl Master {
             if obj.pending.is_some() || group.tasks.lock().unfinished_of(key) > 0 {
                 return Err(Suppressed::InFlight);
             }
+            if obj.cooldown_until > self.now() {
+                return Err(Suppressed::Cooldown);
+            }
             let live = obj.replicas.iter().filter(|r| r.seg.is_alive()).count();
             if live >= self.cfg.fanout.max_memory_replicas as usize {
                 return Err(Suppressed::ReplicaLimit);
@@ -183,7 +208,7 @@ impl Master {
             source,
             targets: vec![target],
         };
-        match self.create_task(&req) {
+        match self.create_task_with(&req, Some(self.cfg.fanout.lease_ms)) {
             Ok(id) => {
                 tracing::debug!(tenant, key = user_key, task = format_args!("{id:032x}"), "hot key: copy task created");
                 Ok(())

@@ -21,7 +21,7 @@ use super::{Group, Master, Routed};
 use crate::object::{CopyOf, ShardMap};
 use crate::record::Record;
 use crate::segment::{MountedSegment, Replica};
-use crate::task::{Task, TaskId, TaskRecord, Tasks};
+use crate::task::{DynamicLease, LeaseRefusal, Task, TaskId, TaskRecord, Tasks};
 
 /// Most tasks one fetch hands out (Mooncake's clients ask for 16 at a time).
 pub const FETCH_BATCH: usize = 16;
@@ -139,6 +139,14 @@ impl Master {
     /// already needs nothing: a copy to such targets alone succeeds at once, and a move to one
     /// drops the source replica at once.
     pub fn create_task(&self, req: &CreateTask) -> WireResult<u128> {
+        self.create_task_with(req, None)
+    }
+
+    /// [`Master::create_task`], for a dynamic copy when `lease_ms` is set: the task gets a lease
+    /// of that many ms on the current version of the value, for the source's client, installed
+    /// (logged) before the task. A dynamic copy needs something to copy: a target that holds
+    /// the value already refuses it (REPLICA_ALREADY_EXISTS).
+    pub(super) fn create_task_with(&self, req: &CreateTask, lease_ms: Option<u64>) -> WireResult<u128> {
         let r = self.route(&req.tenant, &req.key)?;
         self.admit_write(&r)?;
         let mut targets = req.targets.clone();
@@ -158,7 +166,7 @@ impl Master {
         if !req.targets.iter().all(|t| mounted(t)) || !(req.source.is_empty() || mounted(&req.source)) {
             return Err(ErrorCode::INVALID_PARAMS);
         }
-        let (source, assigned, needed) = {
+        let (source, assigned, needed, version) = {
             let map = group.shards.shard(r.shard).read();
             let obj = map.get(&r.key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
             if !obj.is_complete() {
@@ -175,7 +183,7 @@ impl Master {
             if live().count() + needed.len() > crate::config::MAX_REPLICA_NUM as usize {
                 return Err(ErrorCode::INVALID_PARAMS);
             }
-            (from.seg.desc.name.clone(), from.seg.client, needed)
+            (from.seg.desc.name.clone(), from.seg.client, needed, obj.version)
         };
         let now = self.clock.unix_now_ms();
         let mut task = Task {
@@ -191,6 +199,17 @@ impl Master {
             message: String::new(),
         };
         let id = task.id;
+        if let Some(ttl) = lease_ms {
+            if needed.len() != req.targets.len() {
+                return Err(ErrorCode::REPLICA_ALREADY_EXISTS);
+            }
+            let lease =
+                DynamicLease { task: id, key: task.key.clone(), version, source: assigned, expires_ms: now + ttl };
+            let mut tasks = group.tasks.lock();
+            let recs = tasks.submit_leased(&self.cfg.task_limits, task, lease)?;
+            self.take_task_records(group, &mut tasks, recs.into());
+            return Ok(id.0);
+        }
         if !needed.is_empty() {
             task.targets = needed;
             let mut tasks = group.tasks.lock();
@@ -325,27 +344,49 @@ impl Master {
         if task.status != TaskStatus::Processing {
             return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
         }
-        // What to copy, as things stand: checked again under the write lock.
-        let (size, version) = {
+        // What to copy, as things stand: checked again under the write lock. (The read lock
+        // is let go before `fail`, which takes the write lock.)
+        let checked = {
             let map = shard.read();
-            let Some(obj) = map.get(&r.key) else { return fail(ErrorCode::OBJECT_NOT_FOUND, "the object is gone") };
-            if let Some(p) = &obj.pending {
-                return match p.copy {
-                    Some(_) => fail(ErrorCode::OBJECT_HAS_REPLICATION_TASK, "another copy of the object is running"),
-                    None => fail(ErrorCode::REPLICA_IS_NOT_READY, "a write of the object is in progress"),
+            match map.get(&r.key) {
+                None => Err((ErrorCode::OBJECT_NOT_FOUND, "the object is gone")),
+                Some(obj) => match &obj.pending {
+                    Some(p) if p.copy.is_some() => {
+                        Err((ErrorCode::OBJECT_HAS_REPLICATION_TASK, "another copy of the object is running"))
+                    }
+                    Some(_) => Err((ErrorCode::REPLICA_IS_NOT_READY, "a write of the object is in progress")),
+                    None if !obj.is_complete() => Err((ErrorCode::REPLICA_IS_NOT_READY, "the object has no value")),
+                    None if !obj.replicas.iter().any(is_source) => {
+                        Err((ErrorCode::REPLICA_NOT_FOUND, "no replica on the source segment"))
+                    }
+                    None if obj
+                        .replicas
+                        .iter()
+                        .any(|x| x.seg.is_alive() && task.targets.contains(&x.seg.desc.name)) =>
+                    {
+                        Err((ErrorCode::REPLICA_ALREADY_EXISTS, "a target holds a replica already"))
+                    }
+                    None => Ok((obj.size, obj.version)),
+                },
+            }
+        };
+        let (size, version) = match checked {
+            Ok(v) => v,
+            Err((code, why)) => return fail(code, why),
+        };
+        // A dynamic copy starts only under its lease.
+        let lease = group.tasks.lock().lease_of(task.id).cloned();
+        if let Some(lease) = &lease {
+            if let Err(why) = lease.check(step.client, version, self.clock.unix_now_ms()) {
+                return match why {
+                    LeaseRefusal::NotSource => Err(ErrorCode::ILLEGAL_CLIENT),
+                    LeaseRefusal::Expired => fail(ErrorCode::LEASE_EXPIRED, "its dynamic copy lease expired"),
+                    LeaseRefusal::Version => {
+                        fail(ErrorCode::INVALID_VERSION, "the value changed since its dynamic copy lease was granted")
+                    }
                 };
             }
-            if !obj.is_complete() {
-                return fail(ErrorCode::REPLICA_IS_NOT_READY, "the object has no value");
-            }
-            if !obj.replicas.iter().any(is_source) {
-                return fail(ErrorCode::REPLICA_NOT_FOUND, "no replica on the source segment");
-            }
-            if obj.replicas.iter().any(|x| x.seg.is_alive() && task.targets.contains(&x.seg.desc.name)) {
-                return fail(ErrorCode::REPLICA_ALREADY_EXISTS, "a target holds a replica already");
-            }
-            (obj.size, obj.version)
-        };
+        }
         let tenant = crate::master::tenant_of(&r.key);
         let mut reserved: Vec<Replica> = Vec::with_capacity(task.targets.len());
         for name in &task.targets {
@@ -375,6 +416,13 @@ impl Master {
         if tasks.query(task.id).is_none_or(|t| t.status != TaskStatus::Processing) {
             release(reserved);
             return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
+        }
+        // The lease may have run out meanwhile (the reaper has not got to it yet).
+        if tasks.lease_of(task.id).is_some_and(|l| l.check(step.client, version, self.clock.unix_now_ms()).is_err()) {
+            release(reserved);
+            let why = "its dynamic copy lease expired".to_string();
+            self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why);
+            return Err(ErrorCode::LEASE_EXPIRED);
         }
         // A segment may have died since allocation (the sweep marks segments dead, then takes
         // this lock): nothing dead goes into the copy.
@@ -446,6 +494,20 @@ impl Master {
                 }
             };
         }
+        // A dynamic copy ends only under its lease: past it, or on another version of the
+        // value, the copy is dropped and its task fails, whichever step was asked for.
+        let lease = tasks.lease_of(task.id).cloned();
+        let copied = map.get(&r.key).and_then(|o| o.pending.as_ref()).and_then(|p| p.copy).map_or(0, |c| c.version);
+        if let Some(Err(why)) = lease.as_ref().map(|l| l.check(step.client, copied, self.clock.unix_now_ms())) {
+            let (code, why) = match why {
+                LeaseRefusal::NotSource => return Err(ErrorCode::ILLEGAL_CLIENT),
+                LeaseRefusal::Expired => (ErrorCode::LEASE_EXPIRED, "its dynamic copy lease expired"),
+                LeaseRefusal::Version => (ErrorCode::INVALID_VERSION, "the copy is not of its lease's version"),
+            };
+            self.drop_copy_of(&mut map, &r.key, task.id);
+            self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Failed, why.into());
+            return Err(code);
+        }
         if !end {
             self.log(|| Record::WriteRevoke { key: r.key.to_vec(), writer: step.client, write_id: step.write_id });
             self.apply_write_cancel(&mut map, &r.key, None, self.now());
@@ -460,6 +522,11 @@ impl Master {
             return Err(ErrorCode::REPLICA_IS_GONE);
         }
         let dropped = Self::dead_segments_of_pending(&map, &r.key);
+        let added: Vec<SegmentId> = map
+            .get(&r.key)
+            .and_then(|o| o.pending.as_ref())
+            .map(|p| p.replicas.iter().map(|x| x.seg.desc.id).filter(|id| !dropped.contains(id)).collect())
+            .unwrap_or_default();
         self.log(|| Record::CopyEnd {
             key: r.key.to_vec(),
             writer: step.client,
@@ -469,6 +536,10 @@ impl Master {
         match self.apply_copy_end(&mut map, &r.key, &dropped) {
             Ok(gone) => {
                 gone.into_iter().for_each(Replica::release);
+                if lease.is_some() {
+                    self.log(|| Record::DynamicReplicas { key: r.key.to_vec(), segments: added.clone() });
+                    self.apply_dynamic_replicas(&mut map, &r.key, &added);
+                }
                 self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Success, "done".into());
                 Ok(())
             }
