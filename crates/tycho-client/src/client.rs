@@ -242,7 +242,7 @@ impl Client {
     /// Connects to the master, creates and mounts this client's segment (if any), starts
     /// serving it and heartbeating.
     pub fn connect(cfg: ClientConfig) -> Result<Client, ErrorCode> {
-        let registry = Arc::new(SegmentRegistry::default());
+        let registry = Arc::new(SegmentRegistry::with_serve_rate(cfg.serve_rate));
         let (listener, hostname) = bind_transfer(&cfg.local_hostname)?;
         let addrs = cfg.master_addrs()?;
         if addrs.is_empty() {

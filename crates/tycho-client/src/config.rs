@@ -70,6 +70,9 @@ pub struct ClientConfig {
     /// How often a client that holds a segment asks for copy and move tasks to run (Mooncake:
     /// 1 s); zero runs none (they wait, then fail at their timeout).
     pub task_poll_interval: Duration,
+    /// Most bytes per second this client's transfer server sends for reads (`None`: no cap).
+    /// For benchmarks that need a node to be the bottleneck (`tycho node --max-serve-rate`).
+    pub serve_rate: Option<u64>,
 }
 
 impl ClientConfig {
@@ -106,6 +109,7 @@ impl ClientConfig {
             rpc_spin: spin_from_env(),
             auth: ClientAuth::Discover,
             task_poll_interval: Duration::from_secs(1),
+            serve_rate: None,
         }
     }
 }

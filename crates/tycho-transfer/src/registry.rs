@@ -16,9 +16,51 @@ pub struct SegmentRegistry {
     /// Reads the transfer server has answered with bytes that passed their check (peers that
     /// map a segment on the same host read without asking, and are not counted).
     served: std::sync::atomic::AtomicU64,
+    /// The cap on the bytes per second the transfer server sends for reads, if any.
+    pace: Option<Pacer>,
+}
+
+/// Spaces reads out so that the bytes sent stay at or below a rate: each read takes the next
+/// free slot of its length, and its sender waits for the slot's end. (A benchmark's stand-in
+/// for a node whose network is the bottleneck: `tycho node --max-serve-rate`.)
+struct Pacer {
+    bytes_per_sec: u64,
+    next_free: parking_lot::Mutex<Option<std::time::Instant>>,
+}
+
+impl Pacer {
+    /// How long a read of `len` bytes waits before it is sent.
+    fn reserve(&self, len: u64) -> std::time::Duration {
+        let now = std::time::Instant::now();
+        let slot = std::time::Duration::from_secs_f64(len as f64 / self.bytes_per_sec as f64);
+        let mut next = self.next_free.lock();
+        // Idle time is not saved up: a slot starts no earlier than now.
+        let start = next.filter(|t| *t > now).unwrap_or(now);
+        *next = Some(start + slot);
+        (start + slot).saturating_duration_since(now)
+    }
 }
 
 impl SegmentRegistry {
+    /// A registry whose transfer server sends read bytes at no more than `bytes_per_sec`
+    /// (none: no cap).
+    pub fn with_serve_rate(bytes_per_sec: Option<u64>) -> SegmentRegistry {
+        let pace = bytes_per_sec
+            .filter(|r| *r > 0)
+            .map(|bytes_per_sec| Pacer { bytes_per_sec, next_free: parking_lot::Mutex::new(None) });
+        SegmentRegistry { pace, ..SegmentRegistry::default() }
+    }
+
+    /// Waits for the slot of a read of `len` bytes under the serving cap (at once without one).
+    pub(crate) fn pace_read(&self, len: u64) {
+        if let Some(p) = &self.pace {
+            let wait = p.reserve(len);
+            if !wait.is_zero() {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+
     /// Starts serving `mapping` as `id`.
     pub fn register(&self, id: SegmentId, mapping: Arc<Mapping>) {
         self.segments.write().insert(id, mapping);
@@ -42,5 +84,26 @@ impl SegmentRegistry {
     /// The mapping of `id`, if served.
     pub fn get(&self, id: SegmentId) -> Option<Arc<Mapping>> {
         self.segments.read().get(&id).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_pacer_spaces_reads_out_at_its_rate_and_saves_up_no_idle_time() {
+        let p = Pacer { bytes_per_sec: 1000, next_free: parking_lot::Mutex::new(None) };
+        let first = p.reserve(500);
+        let second = p.reserve(500);
+        // Half a second, then the next half-second slot (less the microseconds in between).
+        assert!(first <= Duration::from_millis(500) && first > Duration::from_millis(450), "{first:?}");
+        assert!(second <= Duration::from_millis(1000) && second > Duration::from_millis(950), "{second:?}");
+        // A slot in the past does not count: after idling, a read waits for its own length.
+        *p.next_free.lock() = Some(std::time::Instant::now() - Duration::from_secs(5));
+        let after = p.reserve(100);
+        assert!(after <= Duration::from_millis(100) && after > Duration::from_millis(50), "{after:?}");
+        assert!(SegmentRegistry::with_serve_rate(Some(0)).pace.is_none(), "a rate of 0 is no cap");
     }
 }

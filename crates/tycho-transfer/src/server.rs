@@ -361,6 +361,7 @@ fn serve_connection(
                     stream.write_all(&encode_answer(Err(e.code())))?;
                     continue;
                 }
+                registry.pace_read(req.len);
                 // SAFETY: the range was checked above. A writer may reuse it while the bytes
                 // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };

@@ -3,6 +3,7 @@
 mod admin;
 mod bench_e2e;
 mod bench_fill;
+mod bench_hot;
 mod bench_master;
 mod bench_reshard;
 mod bench_scale;
@@ -85,6 +86,9 @@ enum BenchCmd {
     /// What moving a KVPT group costs its clients: the write freeze, the reshard's total time,
     /// and read latency during it next to without one (two masters on an etcd it starts).
     Reshard(bench_reshard::BenchReshardArgs),
+    /// What hot-replica fan-out buys the readers of one hot object: their aggregate throughput
+    /// with fan-out off and enforce, each node's serving rate capped.
+    Hot(bench_hot::BenchHotArgs),
 }
 
 fn main() {
@@ -117,6 +121,7 @@ fn main() {
         Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Reshard(a)), .. }) => bench_reshard::run(a),
+        Command::Bench(BenchTop { sub: Some(BenchCmd::Hot(a)), .. }) => bench_hot::run(a),
         Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),

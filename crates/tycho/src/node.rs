@@ -21,6 +21,10 @@ pub struct NodeArgs {
     /// auto (shared memory on the same host, else TCP) or tcp.
     #[arg(long, default_value = "auto")]
     pub protocol: Protocol,
+    /// Most bytes per second the node sends for reads over TCP, e.g. 200MB (default: no cap).
+    /// For benchmarks that need one node to be the bottleneck (`tycho bench hot`).
+    #[arg(long = "max-serve-rate", value_parser = parse_size)]
+    pub max_serve_rate: Option<u64>,
     /// Cluster secret and authentication.
     #[command(flatten)]
     pub security: crate::master_cmd::SecurityArgs,
@@ -38,6 +42,7 @@ impl NodeArgs {
         }
         cfg.protocol = self.protocol;
         cfg.staging_buffer_size = 0;
+        cfg.serve_rate = self.max_serve_rate;
         Ok(cfg)
     }
 }
