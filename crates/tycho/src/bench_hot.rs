@@ -307,6 +307,9 @@ fn orchestrate(args: &BenchHotArgs) -> Result<(), String> {
     }
     let (lo, hi) = ratios.iter().fold((f64::MAX, f64::MIN), |(a, b), r| (a.min(*r), b.max(*r)));
     let m = median(&mut ratios);
-    println!("aggregate read throughput, enforce / off: median {m:.2} over {} round(s) (spread {lo:.2}..{hi:.2})", ratios.len());
+    println!(
+        "aggregate read throughput, enforce / off: median {m:.2} over {} round(s) (spread {lo:.2}..{hi:.2})",
+        ratios.len()
+    );
     Ok(())
 }

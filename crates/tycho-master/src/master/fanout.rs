@@ -1,14 +1,12 @@
-//! Hot-replica fan-out (issue 16, spec 05), its first part: the master counts each key's reads
-//! in its heat window ([`crate::heat`]), and a key that turns hot is, in enforce mode, queued
-//! for a background admission that checks it (a value, no write or copy in flight, fewer
-//! replicas than the limit, a target to put one on) and creates an ordinary copy task from a
-//! replica of the key to a segment on another host, which the source's client runs as any
-//! copy. In observe mode the admission decides the same and only counts and logs it. The read
-//! path only counts and, at most once per key and window, queues the key.
-//!
-//! Not yet here: marking the copies as dynamic (so that eviction drops them before the object,
-//! with a cooldown before the next), and the lease of spec 05 on a dynamic copy (a task, its
-//! timeouts and its copy fence stand in for it).
+//! Hot-replica fan-out (issue 16, spec 05): the master counts each key's reads in its heat
+//! window ([`crate::heat`]), and a key that turns hot is, in enforce mode, queued for a
+//! background admission that checks it (a value, no write or copy in flight, no cooldown,
+//! fewer replicas than the limit, a target to put one on) and creates a copy task from a
+//! replica of the key to a segment on another host under a lease ([`crate::task::DynamicLease`])
+//! that fences its copy by time, version and client; the source's client runs it as any copy,
+//! and its replicas are marked dynamic when it commits, for eviction to drop first (see
+//! `Master::evict_round`). In observe mode the admission decides the same and only counts and
+//! logs it. The read path only counts and, at most once per key and window, queues the key.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
