@@ -2475,6 +2475,30 @@ fn a_dynamic_copy_whose_lease_expired_or_whose_value_changed_is_refused_and_clea
     assert_eq!(m.copy_start(&step(A, "changed", t.id, 4)).err(), Some(ErrorCode::INVALID_VERSION));
     assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
     assert_eq!(m.dynamic_leases(), 0);
+    // A copy pending under a lease of another version (no start makes one: forged here by
+    // applying a record by hand) is refused at its end and its revoke alike, and dropped.
+    for end in [true, false] {
+        e.advance(10_000);
+        make_hot(&e, "changed", &[A, B]);
+        let t = dynamic_task(m, A);
+        let forged = tycho_master::record::Record::CopyStart {
+            key: tycho_routing::encode_object_key(T, "changed"),
+            writer: A,
+            write_id: 5,
+            started_ms: e.clock.unix_now_ms(),
+            task: tycho_master::task::TaskId(t.id),
+            version: 12345,
+            source: None,
+            replicas: Vec::new(),
+        };
+        m.replay(0, &forged).unwrap();
+        assert_eq!(m.copy_finish(&step(A, "changed", t.id, 5), end), Err(ErrorCode::INVALID_VERSION));
+        assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+        e.advance(LEASE + DEFAULT_PUT_START_RELEASE_MS);
+        e.tick_alive(&[A, B]);
+        assert_eq!(remove(m, "changed", false), Ok(()), "nothing pending is left");
+        put_a(m, "changed", 4096);
+    }
 }
 
 #[test]
