@@ -1775,9 +1775,10 @@ impl Master {
     /// pass when the first found too few. Before any object, it drops the dynamic replicas
     /// fan-out added (of objects not leased nor being rewritten, which keep a replica that is
     /// not dynamic), each object's at once, and fan-out then leaves the object be for its
-    /// cooldown. A watermark round takes `eviction_ratio` of them; a round asked for bytes
-    /// takes objects until they add up to the bytes (at least 1 % of the capacity, so that a
-    /// stream of misses does not run a round per write). Returns (objects, bytes) evicted;
+    /// cooldown. Pins do not hold dynamic replicas: they keep the object, which stays. A
+    /// watermark round takes `eviction_ratio` of them; a round asked for bytes takes objects
+    /// until they add up to the bytes (at least 1 % of the capacity, so that a stream of misses
+    /// does not run a round per write). Returns (objects, bytes) evicted;
     /// the objects do not count those that only lost dynamic replicas.
     pub fn evict_round(&self, req: RoundRequest) -> (u64, u64) {
         if !self.is_serving() {
@@ -1797,7 +1798,8 @@ impl Master {
                     continue;
                 }
                 if shrinks(o) {
-                    let n = o.replicas.iter().filter(|r| r.is_dynamic()).count() as u64;
+                    // (A replica on a dead segment frees nothing.)
+                    let n = o.replicas.iter().filter(|r| r.is_dynamic() && r.seg.is_alive()).count() as u64;
                     dynamic.push((o.lease(), si, k.clone(), o.size * n, true));
                     continue;
                 }
@@ -1874,7 +1876,7 @@ impl Master {
         let Some(o) = map.get(key).filter(|o| o.pending.is_none() && !o.is_leased(now) && shrinks(o)) else {
             return 0;
         };
-        let size = o.size;
+        let freed = o.size * o.replicas.iter().filter(|r| r.is_dynamic() && r.seg.is_alive()).count() as u64;
         let mut segments: Vec<SegmentId> =
             o.replicas.iter().filter(|r| r.is_dynamic()).map(|r| r.seg.desc.id).collect();
         segments.sort_unstable();
@@ -1888,7 +1890,7 @@ impl Master {
         self.log(|| Record::Cooldown { key: key.to_vec(), until_ms: self.unix_time(until) });
         self.apply_cooldown(map, key, until);
         self.fanout.shrunk.fetch_add(dropped, Ordering::Relaxed);
-        size * dropped
+        freed
     }
 }
 

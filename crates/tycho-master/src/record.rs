@@ -199,7 +199,9 @@ pub enum Record {
         dropped: Vec<SegmentId>,
     },
     /// The object's replicas on these segments are dynamic (layout version 4 on): fan-out
-    /// made them, and eviction drops them before the object.
+    /// made them, and eviction drops them before the object. Snapshots and exports carry the
+    /// marks so; the log needs no such record (the `CopyEnd` of a task that holds a lease
+    /// marks its replicas).
     DynamicReplicas {
         /// Storage key.
         key: Vec<u8>,

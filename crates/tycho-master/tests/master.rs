@@ -2659,3 +2659,33 @@ fn the_source_is_the_lowest_named_replica_and_the_target_prefers_another_host_th
     assert_eq!(t.source, "seg-2", "the lowest name, whatever the replicas' order");
     assert_eq!(t.targets, vec!["seg-9".to_string()], "another host, then one that stays below 85% full");
 }
+
+#[test]
+fn an_expired_dynamic_copy_gives_way_at_once_and_is_not_started_again() {
+    let (e, _log) = dynamic_env();
+    let m = &e.m;
+    let lease_ms = tycho_master::FanoutConfig::default().lease_ms;
+    put_a(m, "hot", 4096);
+    put_a(m, "again", 4096);
+    make_hot(&e, "hot", &[A, B]);
+    let dynamic = dynamic_task(m, A);
+    m.copy_start(&step(A, "hot", dynamic.id, 1)).unwrap();
+    mount_on(m, C, 7, "host-c");
+    let plain = create(m, "hot", TaskKind::Copy, "", &["seg-7"]).unwrap();
+    assert_eq!(m.fetch_tasks(A).len(), 1);
+    // The lease runs out and no housekeeping runs: the ordinary copy's start ends the expired
+    // copy itself instead of failing on it.
+    e.advance(lease_ms);
+    m.copy_start(&step(A, "hot", plain, 2)).unwrap();
+    assert_eq!(task_status(m, dynamic.id).unwrap(), (TaskStatus::Failed, "its dynamic copy lease expired".into()));
+    m.copy_finish(&step(A, "hot", plain, 2), true).unwrap();
+    assert_eq!(segments_of(m, "hot"), BTreeSet::from([1, 7]));
+    // A repeated start of a copy whose lease ran out is refused, not granted its ranges again.
+    make_hot(&e, "again", &[A, B, C]);
+    let t = dynamic_task(m, A);
+    m.copy_start(&step(A, "again", t.id, 3)).unwrap();
+    e.advance(lease_ms);
+    assert_eq!(m.copy_start(&step(A, "again", t.id, 3)).err(), Some(ErrorCode::LEASE_EXPIRED));
+    assert_eq!(task_status(m, t.id).unwrap().0, TaskStatus::Failed);
+    assert_eq!(m.dynamic_leases(), 0);
+}

@@ -12,10 +12,12 @@
 //! Each round runs both modes, in alternating order; the summary gives the median of the
 //! per-round ratios (enforce over off) with their spread. With one node capped, the ratio is
 //! about the number of replicas, as long as the readers could read faster than one node
-//! serves.
+//! serves and each replica has a reader (readers pick replicas by rendezvous hashing of their
+//! random ids: with R readers, all pick the same one of two replicas once in 2^(R-1) runs).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{ChildStdout, Command, Stdio};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -42,6 +44,9 @@ pub struct BenchHotArgs {
     /// Most read bytes per second each node sends.
     #[arg(long = "serve-rate", default_value = "100MB", value_parser = parse_size)]
     serve_rate: u64,
+    /// Exit with 1 when the median ratio of enforce over off is below this (0: never).
+    #[arg(long = "min-ratio", default_value_t = 0.0)]
+    min_ratio: f64,
     /// (Internal) run as a reader: master address, key, size, seconds.
     #[arg(long, num_args = 4, hide = true)]
     reader: Option<Vec<String>>,
@@ -102,10 +107,45 @@ fn reader(a: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// The lines a child prints, read on a thread of their own so that every wait for one is
+/// bounded (a child that stalls without exiting cannot hang the benchmark).
+fn lines_of(stdout: ChildStdout) -> Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits up to `wait` for a line of `lines` that `pick` takes; the lines passed over are kept
+/// for the error.
+fn wait_line<T>(
+    lines: &Receiver<String>,
+    wait: Duration,
+    mut pick: impl FnMut(&str) -> Option<T>,
+) -> Result<T, String> {
+    let deadline = Instant::now() + wait;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => match pick(&line) {
+                Some(v) => return Ok(v),
+                None => seen.push(line),
+            },
+            Err(e) => return Err(format!("{e} after: {seen:?}")),
+        }
+    }
+}
+
 /// A node process, its stdout kept to read what it served when it stops.
 struct Node {
     child: ChildGuard,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
+    lines: Receiver<String>,
     name: String,
 }
 
@@ -122,24 +162,25 @@ impl Node {
                 .spawn()
                 .map_err(|e| format!("cannot start a node: {e}"))?,
         );
-        let stdout = child.0.stdout.take().expect("piped");
-        let mut lines = BufReader::new(stdout).lines();
+        let lines = lines_of(child.0.stdout.take().expect("piped"));
         // "tycho node serving N bytes at HOST:PORT (master ...)": its segment's name.
-        let first = lines.next().and_then(Result::ok).ok_or("the node did not start")?;
-        let name = first.split(" at ").nth(1).and_then(|r| r.split_whitespace().next()).ok_or("no node address")?;
-        Ok(Node { name: name.to_string(), child, lines })
+        let name = wait_line(&lines, WAIT, |l| {
+            l.starts_with("tycho node serving ")
+                .then(|| l.split(" at ").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string))
+                .flatten()
+        })
+        .map_err(|e| format!("the node did not start: {e}"))?;
+        Ok(Node { name, child, lines })
     }
 
     /// Stops the node (SIGTERM) and returns the reads it says it served.
-    fn stop(mut self) -> Result<u64, String> {
+    fn stop(self) -> Result<u64, String> {
         // SAFETY: signals a child this process started and has not reaped.
         unsafe { libc::kill(self.child.0.id() as i32, libc::SIGTERM) };
-        for line in self.lines.by_ref().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix("tycho node: served ") {
-                return rest.split_whitespace().next().and_then(|n| n.parse().ok()).ok_or("bad served line".into());
-            }
-        }
-        Err("the node stopped without saying what it served".into())
+        wait_line(&self.lines, WAIT, |l| {
+            l.strip_prefix("tycho node: served ").and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok())
+        })
+        .map_err(|e| format!("the node did not say what it served: {e}"))
     }
 }
 
@@ -236,20 +277,19 @@ fn run_once(args: &BenchHotArgs, mode: &str) -> Result<Run, String> {
     }
     let mut outputs = Vec::new();
     for r in &mut readers {
-        let mut lines = BufReader::new(r.0.stdout.take().expect("piped")).lines();
-        match lines.next() {
-            Some(Ok(l)) if l == READY => outputs.push(lines),
-            other => return Err(format!("a reader failed before starting: {other:?}")),
-        }
+        let lines = lines_of(r.0.stdout.take().expect("piped"));
+        wait_line(&lines, WAIT, |l| (l == READY).then_some(())).map_err(|e| format!("a reader did not start: {e}"))?;
+        outputs.push(lines);
     }
     for r in &mut readers {
         r.0.stdin.take().expect("piped").write_all(b"go\n").map_err(|e| format!("cannot start a reader: {e}"))?;
     }
     let (mut bytes, mut reads, mut secs) = (0u64, 0u64, 0f64);
+    let window = Duration::from_secs_f64(args.duration) + WAIT;
     for (r, lines) in readers.iter_mut().zip(outputs) {
-        let text: Vec<String> = lines.map_while(Result::ok).collect();
+        let line = wait_line(&lines, window, |l| l.starts_with("reads ").then(|| l.to_string()))
+            .map_err(|e| format!("a reader failed: {e}"))?;
         let _ = r.0.wait();
-        let line = text.iter().find(|l| l.starts_with("reads ")).ok_or_else(|| format!("a reader failed: {text:?}"))?;
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).ok_or(format!("bad reader line {line}"));
         reads += num(1)? as u64;
@@ -311,5 +351,8 @@ fn orchestrate(args: &BenchHotArgs) -> Result<(), String> {
         "aggregate read throughput, enforce / off: median {m:.2} over {} round(s) (spread {lo:.2}..{hi:.2})",
         ratios.len()
     );
+    if m < args.min_ratio {
+        return Err(format!("the median ratio {m:.2} is below --min-ratio {}", args.min_ratio));
+    }
     Ok(())
 }

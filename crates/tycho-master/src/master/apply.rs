@@ -314,7 +314,8 @@ impl Master {
     }
 
     /// The pending copy of `key` commits: its ranges (less those on the `dropped` segments)
-    /// become replicas of the value, and a move's source replica leaves it. Returns the source
+    /// become replicas of the value, marked dynamic when the copy's task holds a fan-out lease
+    /// (`leased` says whether it does), and a move's source replica leaves it. Returns the source
     /// replicas, for the caller to release; REPLICA_IS_GONE when no range is left (the value
     /// stays as it was), WRITE_DROPPED when no copy of the current value is pending.
     pub(super) fn apply_copy_end(
@@ -322,6 +323,7 @@ impl Master {
         map: &mut ShardMap,
         key: &[u8],
         dropped: &[SegmentId],
+        leased: impl FnOnce(crate::task::TaskId) -> bool,
     ) -> Result<Vec<Replica>, ErrorCode> {
         let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let copy = match &obj.pending {
@@ -332,6 +334,9 @@ impl Master {
         added.retain(|r| !dropped.contains(&r.seg.desc.id));
         if added.is_empty() {
             return Err(ErrorCode::REPLICA_IS_GONE);
+        }
+        if leased(copy.task) {
+            added.iter_mut().for_each(|r| r.dynamic = Some(DynamicMark::new(&self.fanout.dynamic_live)));
         }
         let mut gone = Vec::new();
         if let Some(source) = copy.source {
@@ -507,9 +512,11 @@ impl Master {
                 )
             }
             Record::CopyEnd { key, writer, write_id, dropped } => {
-                let mut map = shard_of(key)?.write();
+                let g = group(key)?;
+                let mut map = g.shard_of(key).write();
                 check_pending(&map, key, *writer, *write_id, "CopyEnd")?;
-                match self.apply_copy_end(&mut map, key, dropped) {
+                let leased = |task| g.tasks.lock().lease_of(task).is_some();
+                match self.apply_copy_end(&mut map, key, dropped, leased) {
                     Ok(gone) => gone.into_iter().for_each(Replica::release),
                     // Every segment it wrote to had died: the copy is gone, as on the primary.
                     Err(ErrorCode::REPLICA_IS_GONE) => {}

@@ -117,6 +117,24 @@ impl Master {
         self.apply_write_cancel(map, key, Some(release), self.now());
     }
 
+    /// Ends the dynamic copy pending on `key` if its lease ran out (failing its task and
+    /// dropping the copy), so that nothing waits for the reaper to free the object for another
+    /// copy.
+    fn end_expired_dynamic_copy(&self, group: &Group, key: &[u8]) {
+        let mut map = group.shard_of(key).write();
+        let Some((task, writer)) =
+            map.get(key).and_then(|o| o.pending.as_ref()).and_then(|p| p.copy.map(|c| (c.task, p.writer)))
+        else {
+            return;
+        };
+        let mut tasks = group.tasks.lock();
+        if tasks.lease_of(task).is_some_and(|l| self.clock.unix_now_ms() >= l.expires_ms) {
+            let why = "its dynamic copy lease expired".to_string();
+            self.end_task(group, &mut tasks, writer, task, TaskStatus::Failed, why);
+            self.drop_copy_of(&mut map, key, task);
+        }
+    }
+
     /// Drops the pending copies of tasks that have ended (each task with its key), once the
     /// tasks lock is no longer held (a shard's lock comes first).
     fn drop_copies(&self, group: &Group, ended: Vec<(TaskId, Vec<u8>)>) {
@@ -335,6 +353,10 @@ impl Master {
         };
         match repeated {
             Some(Some(grant)) => {
+                let lease = group.tasks.lock().lease_of(task.id).cloned();
+                if lease.is_some_and(|l| l.check(step.client, grant.version, self.clock.unix_now_ms()).is_err()) {
+                    return fail(ErrorCode::LEASE_EXPIRED, "its dynamic copy lease expired");
+                }
                 self.await_logged(&r.key);
                 return Ok(grant);
             }
@@ -344,6 +366,7 @@ impl Master {
         if task.status != TaskStatus::Processing {
             return Err(ErrorCode::OBJECT_NO_REPLICATION_TASK);
         }
+        self.end_expired_dynamic_copy(group, &r.key);
         // What to copy, as things stand: checked again under the write lock. (The read lock
         // is let go before `fail`, which takes the write lock.)
         let checked = {
@@ -522,24 +545,17 @@ impl Master {
             return Err(ErrorCode::REPLICA_IS_GONE);
         }
         let dropped = Self::dead_segments_of_pending(&map, &r.key);
-        let added: Vec<SegmentId> = map
-            .get(&r.key)
-            .and_then(|o| o.pending.as_ref())
-            .map(|p| p.replicas.iter().map(|x| x.seg.desc.id).filter(|id| !dropped.contains(id)).collect())
-            .unwrap_or_default();
         self.log(|| Record::CopyEnd {
             key: r.key.to_vec(),
             writer: step.client,
             write_id: step.write_id,
             dropped: dropped.clone(),
         });
-        match self.apply_copy_end(&mut map, &r.key, &dropped) {
+        // The commit marks a leased copy's replicas dynamic itself (a standby replaying it
+        // holds the lease too), so that no failover can part the mark from its replicas.
+        match self.apply_copy_end(&mut map, &r.key, &dropped, |_| lease.is_some()) {
             Ok(gone) => {
                 gone.into_iter().for_each(Replica::release);
-                if lease.is_some() {
-                    self.log(|| Record::DynamicReplicas { key: r.key.to_vec(), segments: added.clone() });
-                    self.apply_dynamic_replicas(&mut map, &r.key, &added);
-                }
                 self.end_task(group, &mut tasks, step.client, task.id, TaskStatus::Success, "done".into());
                 Ok(())
             }
