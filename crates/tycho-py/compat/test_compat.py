@@ -331,3 +331,39 @@ def test_task_errors_and_unknown_ids(make_store, mc):
     assert a.create_move_task(k, a.get_hostname(), a.get_hostname()) == ((0, 0), INVALID_PARAMS)
     assert a.query_task((1, 2)) == (None, TASK_NOT_FOUND)
     assert a.query_task((0, 0)) == (None, TASK_NOT_FOUND)
+
+
+def test_module_level_enum_values_and_data_types(mc):
+    names = ["UNKNOWN", "KVCACHE", "TENSOR", "WEIGHT", "SAMPLE", "ACTIVATION", "GRADIENT",
+             "OPTIMIZER_STATE", "METADATA", "GENERAL"]
+    assert [int(getattr(mc.ObjectDataType, n)) for n in names] == list(range(10))
+    assert [getattr(mc.ObjectDataType, n).name for n in names] == names
+    # The module exports every member by name; shared names are TaskStatus's (and UNKNOWN the
+    # data type's).
+    assert mc.KVCACHE == mc.ObjectDataType.KVCACHE and mc.UNKNOWN == mc.ObjectDataType.UNKNOWN
+    assert mc.REPLICA_COPY == mc.TaskType.REPLICA_COPY and mc.REPLICA_MOVE == mc.TaskType.REPLICA_MOVE
+    assert mc.PENDING == mc.TaskStatus.PENDING and mc.SUCCESS == mc.TaskStatus.SUCCESS
+    assert mc.PROCESSING == mc.TaskStatus.PROCESSING and mc.FAILED == mc.TaskStatus.FAILED
+    assert mc.COMPLETE == mc.ReplicaStatus.COMPLETE and mc.REMOVED == mc.ReplicaStatus.REMOVED
+    assert mc.UNDEFINED == mc.ReplicaStatus.UNDEFINED and mc.INITIALIZED == mc.ReplicaStatus.INITIALIZED
+
+
+def test_parallelism_descriptions_and_their_defaults(mc):
+    axis = mc.ParallelAxis()
+    assert (axis.kind, axis.rank, axis.size, axis.split_dim, axis.expert_id, axis.stage_id) == ("", 0, 1, None, None, None)
+    axis.kind, axis.rank, axis.size, axis.split_dim = "tp", 1, 4, 0
+    assert (axis.kind, axis.rank, axis.size, axis.split_dim) == ("tp", 1, 4, 0)
+    assert mc.TensorParallelism().axes == []
+    target = mc.ReadTarget()
+    assert (target.mode, target.parallelism) == ("as_stored", None)
+
+
+def test_the_host_memory_allocator_hands_out_usable_blocks(mc):
+    import ctypes
+
+    alloc = mc.MooncakeHostMemAllocator()
+    addr = alloc.alloc(1 << 20)
+    assert addr != 0
+    ctypes.memset(addr, 0x5A, 1 << 20)
+    assert ctypes.string_at(addr + (1 << 20) - 4, 4) == b"ZZZZ"
+    assert alloc.free(addr) == 0

@@ -475,3 +475,27 @@ def test_a_forked_child_leaves_its_parents_store_alone(master):
     )
     r = subprocess.run([sys.executable, "-c", script, master.addr], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_unsupported_mooncake_classes_fail_clearly_and_numa_binding_checks_the_node():
+    import os
+
+    import pytest
+
+    import tycho.store as ts
+
+    for cls in (ts.EngramStore, ts.EngramStoreConfig, ts.MooncakeDistributedNoFRegister):
+        with pytest.raises(NotImplementedError, match="not supported by Tycho"):
+            cls()
+    if os.path.exists("/sys/devices/system/node/node0"):
+        before = os.sched_getaffinity(0)
+        try:
+            ts.bind_to_numa_node(0)
+            assert os.sched_getaffinity(0) <= before
+        finally:
+            os.sched_setaffinity(0, before)
+    with pytest.raises(ValueError, match="does not exist"):
+        ts.bind_to_numa_node(4095)
+    alloc = ts.MooncakeHostMemAllocator()
+    assert alloc.alloc(0) == 0
+    assert alloc.free(12345) == -1, "an address it did not hand out is left alone"

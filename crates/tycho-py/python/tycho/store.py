@@ -26,6 +26,22 @@ from ._tycho import (  # noqa: F401  (re-exported)
     parse_size as _parse_size,
 )
 
+from ._extras import (  # noqa: F401  (re-exported)
+    EngramStore,
+    EngramStoreConfig,
+    MooncakeDistributedNoFRegister,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    ParallelAxis,
+    ReadTarget,
+    TensorParallelism,
+    bind_to_numa_node,
+    module_values as _module_values,
+)
+
+# The enums' members by name, as Mooncake's module has them (PENDING, REPLICA_COPY, KVCACHE...).
+globals().update(_module_values())
+
 __all__ = [
     "MooncakeDistributedStore",
     "DistributedStore",
@@ -39,7 +55,16 @@ __all__ = [
     "TaskStatus",
     "ReplicaStatus",
     "QueryTaskResponse",
-]
+    "ObjectDataType",
+    "ParallelAxis",
+    "TensorParallelism",
+    "ReadTarget",
+    "MooncakeHostMemAllocator",
+    "bind_to_numa_node",
+    "EngramStore",
+    "EngramStoreConfig",
+    "MooncakeDistributedNoFRegister",
+] + sorted(_module_values())
 
 # Mooncake's setup() defaults.
 _DEFAULT_GLOBAL_SEGMENT_SIZE = 16 * 1024 * 1024
