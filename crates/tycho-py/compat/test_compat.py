@@ -338,6 +338,7 @@ def test_module_level_enum_values_and_data_types(mc):
              "OPTIMIZER_STATE", "METADATA", "GENERAL"]
     assert [int(getattr(mc.ObjectDataType, n)) for n in names] == list(range(10))
     assert [getattr(mc.ObjectDataType, n).name for n in names] == names
+    assert str(mc.ObjectDataType.KVCACHE) == "ObjectDataType.KVCACHE"
     # The module exports every member by name; shared names are TaskStatus's (and UNKNOWN the
     # data type's).
     assert mc.KVCACHE == mc.ObjectDataType.KVCACHE and mc.UNKNOWN == mc.ObjectDataType.UNKNOWN

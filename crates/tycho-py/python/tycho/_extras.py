@@ -24,6 +24,10 @@ class ObjectDataType(enum.IntEnum):
     METADATA = 8
     GENERAL = 9
 
+    def __str__(self):
+        # As Mooncake's enums print: "ObjectDataType.KVCACHE".
+        return f"{type(self).__name__}.{self.name}"
+
 
 def module_values():
     """The enum members Mooncake's module exports by name. Where two enums share a name, the
