@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 
-# The methods LMCache's and SGLang's Mooncake backends call, those the real-client issue adds, and
-# the copy and move task methods.
+# The methods LMCache's and SGLang's Mooncake backends call, those the real-client issue adds, the
+# copy and move task methods, and the sessions.
 METHODS = [
     "setup", "close", "get_hostname", "health_check",
     "put", "put_parts", "put_batch", "upsert", "upsert_parts", "upsert_batch",
@@ -35,6 +35,8 @@ METHODS = [
     "batch_put_from_multi_buffer_ranges", "batch_get_into_multi_buffer_ranges",
     "put_from_with_metadata", "get_replica_desc", "batch_get_replica_desc",
     "create_copy_task", "create_move_task", "query_task",
+    "batch_put_session_start", "batch_put_session_end", "batch_put_session_revoke",
+    "batch_get_session_start", "batch_get_session_end",
 ]
 CONFIG_FIELDS = [
     "replica_num", "soft_pin_action", "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment",

@@ -16,6 +16,7 @@ use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferSer
 use crate::config::{ClientAuth, ClientConfig, Protocol};
 use crate::retry::{call_noting, call_with_retry};
 
+mod sessions;
 mod tasks;
 
 /// Put (put-if-absent) or upsert (replace).
@@ -134,6 +135,8 @@ struct Inner {
     /// Replica lists with the leases granted with them, reused while the lease has more than
     /// half its time left (see [`LEASE_REUSE_FRACTION`]).
     leases: Mutex<HashMap<String, Arc<(ReplicaList, Instant)>>>,
+    /// Open put sessions (see `sessions.rs`).
+    put_sessions: Mutex<sessions::PutSessions>,
     closed: AtomicBool,
     /// The master instance last seen in a heartbeat; a new one means a restarted master.
     master_instance: AtomicU64,
@@ -343,6 +346,7 @@ impl Client {
             server: Mutex::new(Some(server)),
             registered: Mutex::new(Vec::new()),
             leases: Mutex::new(HashMap::new()),
+            put_sessions: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             master_instance: AtomicU64::new(0),
             routes: parking_lot::RwLock::new(RouteCache::new()),

@@ -198,6 +198,41 @@ def test_ranged_put_without_a_session_is_refused(store):
     assert store.is_exist(k) == 0
 
 
+def test_a_put_session_reserves_then_takes_ranged_writes_then_commits(store):
+    keep, a = registered(store, 64, 7)
+    k1, k2, k3 = key(), key(), key()
+    assert store.put(k3, b"x" * 10) == 0
+    OBJECT_ALREADY_EXISTS = -705
+    assert store.batch_put_session_start([k1, k2, k3], [32, 16, 10]) == [0, 0, OBJECT_ALREADY_EXISTS]
+    # Reserved, not readable.
+    assert store.is_exist(k1) == 0 and store.get(k1) == b""
+    assert store.batch_put_from_multi_buffer_ranges([k1, k2], [[a, a + 16], [a]], [[16, 16], [8]], [[0, 16], [4]]) == [32, 8]
+    assert store.batch_put_from_multi_buffer_ranges([k1], [[a]], [[16]], [[20]]) == [INVALID_PARAMS], "past the end"
+    assert store.batch_put_session_end([k1, key()]) == [0, INVALID_PARAMS]
+    assert store.get(k1) == b"\x07" * 32
+    assert store.batch_put_session_end([k1]) == [INVALID_PARAMS], "ended already"
+    assert store.batch_put_session_revoke([k2, key()]) == [0, INVALID_PARAMS]
+    assert store.is_exist(k2) == 0
+    assert store.batch_put_session_start([key()], [0]) == [INVALID_PARAMS]
+    assert store.batch_put_session_start([key(), key()], [8]) == [INVALID_PARAMS] * 2
+    # What no ranged write covered reads as zeros.
+    k4 = key()
+    assert store.batch_put_session_start([k4], [32]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges([k4], [[a]], [[16]], [[0]]) == [16]
+    assert store.batch_put_session_end([k4]) == [0]
+    assert store.get(k4) == b"\x07" * 16 + b"\x00" * 16
+
+
+def test_a_get_session_checks_its_keys_and_reads_go_on(store):
+    k = key()
+    assert store.put(k, b"g" * 100) == 0
+    assert store.batch_get_session_start([k, key()]) == [0, OBJECT_NOT_FOUND]
+    assert store.get(k) == b"g" * 100
+    assert store.batch_get_session_end([k]) == 0
+    assert store.batch_get_session_end([key()]) == 0 and store.batch_get_session_end([]) == 0
+    assert store.get(k) == b"g" * 100
+
+
 def test_put_from_with_metadata(store):
     keep4, data = registered(store, 16, 1)
     meta_buf = (ctypes.c_ubyte * 4)(*b"META")

@@ -948,18 +948,118 @@ impl Store {
         })
     }
 
-    /// Ranged writes into objects reserved by a put session (`batch_put_session_start`), which
-    /// Tycho does not have yet: every key answers INVALID_PARAMS, Mooncake's answer for a key
-    /// without a session.
+    /// Ranged writes into objects a put session reserved (`batch_put_session_start`): per key,
+    /// buffer `j` (registered) goes to object offset `all_dst_offsets[i][j]`; per key the bytes
+    /// written, or INVALID_PARAMS for a key without a session, lists of different lengths, an
+    /// unregistered buffer or a range past the object's end.
     fn batch_put_from_multi_buffer_ranges(
         &self,
+        py: Python<'_>,
         keys: Vec<String>,
         all_buffer_ptrs: Vec<Vec<u64>>,
         all_sizes: Vec<Vec<u64>>,
         all_dst_offsets: Vec<Vec<u64>>,
     ) -> Vec<i64> {
-        let _ = (all_buffer_ptrs, all_sizes, all_dst_offsets);
-        vec![code(ErrorCode::INVALID_PARAMS); keys.len()]
+        let n = keys.len();
+        let bad = code(ErrorCode::INVALID_PARAMS);
+        if all_buffer_ptrs.len() != n || all_sizes.len() != n || all_dst_offsets.len() != n {
+            return vec![bad; n];
+        }
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); n],
+        };
+        py.allow_threads(|| {
+            (0..n)
+                .map(|i| {
+                    let (ptrs, sizes, offs) = (&all_buffer_ptrs[i], &all_sizes[i], &all_dst_offsets[i]);
+                    if ptrs.len() != sizes.len() || offs.len() != sizes.len() {
+                        return bad;
+                    }
+                    if ptrs.iter().zip(sizes).any(|(&a, &l)| !c.is_registered(a, l)) {
+                        return bad;
+                    }
+                    // SAFETY: registered caller memory, kept alive by the caller for the call.
+                    let ranges: Vec<(u64, &[u8])> = ptrs
+                        .iter()
+                        .zip(sizes)
+                        .zip(offs)
+                        .map(|((&a, &l), &at)| (at, unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) }))
+                        .collect();
+                    c.put_session_write(&keys[i], &ranges).map_or_else(code, |n| n as i64)
+                })
+                .collect()
+        })
+    }
+
+    /// Starts a put session: reserves `keys` with their `sizes` and moves no bytes (write them
+    /// with `batch_put_from_multi_buffer_ranges`, then end or revoke the session). Per key 0,
+    /// OBJECT_ALREADY_EXISTS, or INVALID_PARAMS (a size of 0, a key twice or in a session
+    /// already, lists of different lengths).
+    #[pyo3(signature = (keys, sizes, config = None))]
+    fn batch_put_session_start(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        sizes: Vec<u64>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        let cfg = wire_config(config);
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.put_session_start(&ks, &sizes, &cfg).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
+        })
+    }
+
+    /// Ends put sessions: bytes no ranged write covered are zeros, the objects become
+    /// readable. Per key 0 or a negative code (INVALID_PARAMS for a key without a session).
+    fn batch_put_session_end(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.put_session_end(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
+        })
+    }
+
+    /// Revokes put sessions: nothing is committed. Per key 0 or INVALID_PARAMS (no session).
+    fn batch_put_session_revoke(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.put_session_revoke(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
+        })
+    }
+
+    /// Starts a get session: asks for the replicas of `keys` once; this store's reads reuse
+    /// them while their lease allows. Per key 0 or a negative code (OBJECT_NOT_FOUND).
+    fn batch_get_session_start(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.get_session_start(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
+        })
+    }
+
+    /// Ends a get session: the next reads of `keys` ask the master. 0.
+    fn batch_get_session_end(&self, keys: Vec<String>) -> i64 {
+        if let Ok(c) = self.client() {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            c.get_session_end(&ks);
+        }
+        0
     }
 
     /// Per key, reads `all_sizes[i][j]` bytes at object offset `all_src_offsets[i][j]` into the
