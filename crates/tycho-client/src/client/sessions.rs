@@ -33,6 +33,10 @@ pub(super) struct PutSession {
 /// The put sessions of a client, by key.
 pub(super) type PutSessions = HashMap<String, PutSession>;
 
+/// Per key, whether it had a session (an error if not), and the sessions taken with their
+/// keys' places.
+type Taken = (Vec<Result<(), ErrorCode>>, Vec<(usize, PutSession)>);
+
 /// The gaps of `[0, size)` that `written` leaves.
 fn gaps(size: u64, written: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut w = written.to_vec();
@@ -226,7 +230,7 @@ impl Client {
     }
 
     /// Takes the sessions of `keys` out of the open ones; INVALID_PARAMS for a key without one.
-    fn take_sessions(&self, keys: &[&str]) -> (Vec<Result<(), ErrorCode>>, Vec<(usize, PutSession)>) {
+    fn take_sessions(&self, keys: &[&str]) -> Taken {
         let mut out = vec![Ok(()); keys.len()];
         if let Err(e) = self.check_open() {
             return (vec![Err(e); keys.len()], Vec::new());
