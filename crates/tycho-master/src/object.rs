@@ -75,19 +75,29 @@ impl Shards {
     }
 }
 
-/// One of a client's unfinished writes, counted while it exists: dropping the pending write,
-/// on whatever path (commit, revoke, pre-emption, sweep, reclaim, removal), gives it back.
-pub struct PendingSlot(Arc<AtomicU64>);
+/// A thing counted in a shared gauge while it exists: taking one adds 1, dropping it (on
+/// whatever path) gives the 1 back, and a clone counts again.
+pub struct Counted(Arc<AtomicU64>);
 
-impl PendingSlot {
-    /// Takes a slot from `count`.
-    pub fn take(count: &Arc<AtomicU64>) -> PendingSlot {
+impl Counted {
+    /// One more in `count`.
+    pub fn take(count: &Arc<AtomicU64>) -> Counted {
         count.fetch_add(1, Ordering::Relaxed);
-        PendingSlot(count.clone())
+        Counted(count.clone())
     }
 }
 
-impl Drop for PendingSlot {
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        Counted::take(&self.0)
+    }
+}
+
+/// One of a client's unfinished writes, counted while it exists: dropping the pending write,
+/// on whatever path (commit, revoke, pre-emption, sweep, reclaim, removal), gives it back.
+pub type PendingSlot = Counted;
+
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }

@@ -362,27 +362,7 @@ pub struct Replica {
 }
 
 /// The mark of a dynamic replica: it counts itself in a gauge while it exists.
-pub struct DynamicMark(Arc<AtomicU64>);
-
-impl DynamicMark {
-    /// A mark counted in `gauge`.
-    pub fn new(gauge: &Arc<AtomicU64>) -> DynamicMark {
-        gauge.fetch_add(1, Ordering::Relaxed);
-        DynamicMark(gauge.clone())
-    }
-}
-
-impl Clone for DynamicMark {
-    fn clone(&self) -> Self {
-        DynamicMark::new(&self.0)
-    }
-}
-
-impl Drop for DynamicMark {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
+pub type DynamicMark = crate::object::Counted;
 
 /// The read capability last minted for a replica: readers of a hot object share it while it
 /// stays valid for long enough, instead of paying a MAC each.

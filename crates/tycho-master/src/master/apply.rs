@@ -336,7 +336,7 @@ impl Master {
             return Err(ErrorCode::REPLICA_IS_GONE);
         }
         if leased(copy.task) {
-            added.iter_mut().for_each(|r| r.dynamic = Some(DynamicMark::new(&self.fanout.dynamic_live)));
+            added.iter_mut().for_each(|r| r.dynamic = Some(DynamicMark::take(&self.fanout.dynamic_live)));
         }
         let mut gone = Vec::new();
         if let Some(source) = copy.source {
@@ -355,7 +355,7 @@ impl Master {
         let Some(obj) = map.get_mut(key) else { return 0 };
         let mut marked = 0;
         for r in obj.replicas.iter_mut().filter(|r| segments.contains(&r.seg.desc.id) && r.dynamic.is_none()) {
-            r.dynamic = Some(DynamicMark::new(&self.fanout.dynamic_live));
+            r.dynamic = Some(DynamicMark::take(&self.fanout.dynamic_live));
             marked += 1;
         }
         marked
