@@ -200,6 +200,8 @@ fn shut_down(
             let _ = t.join();
         }
     }
+    // Open put sessions would block their keys until the discard timeout: revoked first.
+    sessions::revoke_all(inner, quick);
     let segments: Vec<Segment> = std::mem::take(&mut *inner.segments.lock());
     let mut result = Ok(());
     for s in &segments {
@@ -431,9 +433,7 @@ impl Client {
     }
 
     fn key(&self, key: &str) -> KeyRef {
-        let mut route = tycho_routing::route_for(&self.inner.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH);
-        route.epoch = self.inner.routes.read().epoch_of(route.partition_id);
-        KeyRef { key: key.to_string(), route }
+        self.inner.key_ref(key)
     }
 
     fn tenant(&self) -> String {
@@ -1247,6 +1247,13 @@ fn elsewhere(code: ErrorCode) -> bool {
 }
 
 impl Inner {
+    /// `key` with the route this client knows for it.
+    fn key_ref(&self, key: &str) -> KeyRef {
+        let mut route = tycho_routing::route_for(&self.cfg.tenant, key, tycho_routing::INITIAL_GROUP_EPOCH);
+        route.epoch = self.routes.read().epoch_of(route.partition_id);
+        KeyRef { key: key.to_string(), route }
+    }
+
     /// The master connection in use.
     fn master(&self) -> &BlockingClient {
         &self.masters[self.current.load(Ordering::Acquire) % self.masters.len()]

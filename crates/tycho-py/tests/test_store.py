@@ -499,3 +499,15 @@ def test_unsupported_mooncake_classes_fail_clearly_and_numa_binding_checks_the_n
     alloc = ts.MooncakeHostMemAllocator()
     assert alloc.alloc(0) == 0
     assert alloc.free(12345) == -1, "an address it did not hand out is left alone"
+
+
+def test_a_store_that_closes_revokes_its_open_put_sessions(make_store):
+    a, b = make_store(), make_store()
+    k = key()
+    assert a.batch_put_session_start([k], [64]) == [0]
+    # Being written: another store's put of the key is refused (put-if-absent says done).
+    assert b.batch_put_session_start([k], [64]) == [-705]
+    assert a.close() == 0
+    # The close revoked it: the key is free at once, not after the discard timeout.
+    assert b.put(k, b"v" * 64) == 0
+    assert b.get(k) == b"v" * 64

@@ -5,33 +5,94 @@
 //! those ranges (as many as the caller likes, in any order); its end commits the writes (one
 //! batch PutEnd), its revoke drops them. Bytes of a session's object that no ranged write
 //! covered are written as zeros before the end, so that a value never shows what the range
-//! held before (another object's bytes). While a session is open the master holds its writes
-//! as any pending write: past the discard timeout another writer may take the key over, and
-//! the end then fails as a late PutEnd does.
+//! held before (another object's bytes). Each session has its own lock: a ranged write holds it
+//! while its bytes move, and an end or revoke takes it (waiting for a write in flight) and
+//! closes the session, so that no write lands after the end's zero-fill or after a revoke freed
+//! the ranges. A session lasts at most [`MAX_SESSION_AGE`] (the master's default discard
+//! timeout, past which another writer may take the key over and write grants expire): older,
+//! its writes are refused and its end revokes it, both with WRITE_DROPPED. A client that
+//! closes revokes the sessions it has open.
 //!
 //! A get session asks the master for its keys' replicas once and keeps the lists for this
-//! client's reads, which reuse them while their lease allows (as they reuse any list they got,
-//! see `ClientConfig::reuse_leases`) and ask the master again after; its end forgets them.
+//! client's reads, which reuse them as they reuse any list they got (for up to half the read
+//! lease, at most 1 s; see `ClientConfig::reuse_leases`) and ask the master again after; its
+//! end forgets them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tycho_proto::*;
 use tycho_transfer::Part;
 
-use super::{new_write_id, Client, LEASE_CACHE_ENTRIES, MAX_BATCH_KEYS};
+use super::{new_write_id, Client, Inner, LEASE_CACHE_ENTRIES, MAX_BATCH_KEYS, QUICK_CLOSE_TIMEOUT};
+
+/// Longest a put session stays usable (the master's default discard timeout).
+pub const MAX_SESSION_AGE: Duration = Duration::from_secs(30);
+
+/// Zeros written at once when an end fills what no ranged write covered.
+const ZERO_CHUNK: usize = 4 << 20;
 
 /// One object of an open put session.
 pub(super) struct PutSession {
     write_id: u64,
     size: u64,
+    started: Instant,
     replicas: Vec<ReplicaDesc>,
-    /// Ranges written so far, as (start, end) byte offsets, unsorted.
+    /// Ranges written so far, as (start, end) byte offsets, sorted and merged.
     written: Vec<(u64, u64)>,
+    /// Set by the end or revoke that took the session: later writes are refused.
+    closed: bool,
 }
 
-/// The put sessions of a client, by key.
-pub(super) type PutSessions = HashMap<String, PutSession>;
+/// The put sessions of a client, by key; each behind its own lock.
+pub(super) type PutSessions = HashMap<String, Arc<Mutex<PutSession>>>;
+
+/// Adds `[start, end)` to sorted, merged `ranges`, keeping them so.
+fn add_range(ranges: &mut Vec<(u64, u64)>, start: u64, end: u64) {
+    ranges.push((start, end));
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for &(s, e) in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    *ranges = merged;
+}
+
+/// Revokes every put session `inner` has open (its client is closing): one attempt, bounded
+/// when `quick`.
+pub(super) fn revoke_all(inner: &Inner, quick: bool) {
+    let open: Vec<(String, Arc<Mutex<PutSession>>)> = inner.put_sessions.lock().drain().collect();
+    if open.is_empty() {
+        return;
+    }
+    let mut keys = Vec::with_capacity(open.len());
+    let mut write_ids = Vec::with_capacity(open.len());
+    for (key, session) in &open {
+        let mut s = session.lock();
+        s.closed = true;
+        keys.push(inner.key_ref(key));
+        write_ids.push(s.write_id);
+    }
+    for (keys, write_ids) in keys.chunks(MAX_BATCH_KEYS).zip(write_ids.chunks(MAX_BATCH_KEYS)) {
+        let finish = BatchWriteFinish {
+            client: inner.id,
+            tenant: inner.cfg.tenant.clone(),
+            keys: keys.to_vec(),
+            write_ids: write_ids.to_vec(),
+        };
+        let req = Request::BatchPutRevoke(finish);
+        let _ = if quick {
+            inner.master().call::<Request, Response>(&req, QUICK_CLOSE_TIMEOUT).map(drop).map_err(|e| e.code())
+        } else {
+            inner.call(&req).map(drop)
+        };
+    }
+}
 
 /// Per key, whether it had a session (an error if not), and the sessions taken with their
 /// keys' places.
@@ -56,9 +117,9 @@ fn gaps(size: u64, written: &[(u64, u64)]) -> Vec<(u64, u64)> {
 
 impl Client {
     /// Starts a put session of `keys` with their `sizes`: reserves each object's replicas and
-    /// moves no bytes. One result per key: OBJECT_ALREADY_EXISTS for a key that exists,
-    /// INVALID_PARAMS for a size of 0, a key given twice, or one in a session already;
-    /// INVALID_PARAMS for every key when the lists differ in length.
+    /// moves no bytes. One result per key: OBJECT_ALREADY_EXISTS for a key that exists or is
+    /// being written, INVALID_PARAMS for a size of 0, a key given twice, or one in a session
+    /// already; INVALID_PARAMS for every key when the lists differ in length.
     pub fn put_session_start(
         &self,
         keys: &[&str],
@@ -66,8 +127,12 @@ impl Client {
         config: &ReplicateConfig,
     ) -> Vec<Result<(), ErrorCode>> {
         let n = keys.len();
-        if sizes.len() != n || n > MAX_BATCH_KEYS {
+        if sizes.len() != n {
             return vec![Err(ErrorCode::INVALID_PARAMS); n];
+        }
+        if n > MAX_BATCH_KEYS {
+            let chunks = keys.chunks(MAX_BATCH_KEYS).zip(sizes.chunks(MAX_BATCH_KEYS));
+            return chunks.flat_map(|(k, s)| self.put_session_start(k, s, config)).collect();
         }
         if let Err(e) = self.check_open() {
             return vec![Err(e); n];
@@ -91,6 +156,7 @@ impl Client {
         }
         live.iter().for_each(|&i| self.forget_lease(keys[i]));
         let write_ids: Vec<u64> = live.iter().map(|_| new_write_id()).collect();
+        let all: Vec<(usize, u64)> = live.iter().copied().zip(write_ids.iter().copied()).collect();
         let start = BatchWriteStart {
             client: self.inner.id,
             tenant: self.tenant(),
@@ -100,23 +166,27 @@ impl Client {
         };
         let started = match self.inner.call(&Request::BatchPutStart(start)) {
             Ok(Response::BatchWriteStarted(r)) if r.len() == live.len() => r,
-            Ok(_) => return vec![Err(ErrorCode::INTERNAL_ERROR); n],
-            Err(e) => {
+            other => {
+                let e = match other {
+                    Err(e) => e,
+                    Ok(_) => ErrorCode::INTERNAL_ERROR,
+                };
                 // The starts may have reached the master: revoke them by id.
-                if matches!(e, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT) {
-                    let all: Vec<(usize, u64)> = live.iter().copied().zip(write_ids.iter().copied()).collect();
-                    self.revoke_session_writes(keys, &all);
-                }
-                return vec![Err(e); n];
+                let _ = self.revoke_session_writes(keys, &all);
+                live.iter().for_each(|&i| out[i] = Err(e));
+                return out;
             }
         };
+        let now = Instant::now();
         let mut open = self.inner.put_sessions.lock();
         let mut raced = Vec::new();
-        for ((&i, &write_id), res) in live.iter().zip(&write_ids).zip(started) {
+        for (&(i, write_id), res) in all.iter().zip(started) {
             match res {
                 Ok(replicas) => {
-                    let session = PutSession { write_id, size: sizes[i], replicas, written: Vec::new() };
-                    open.insert(keys[i].to_string(), session);
+                    let size = sizes[i];
+                    let session =
+                        PutSession { write_id, size, started: now, replicas, written: Vec::new(), closed: false };
+                    open.insert(keys[i].to_string(), Arc::new(Mutex::new(session)));
                 }
                 Err(e) => {
                     // A repeated start that raced its first attempt: that one stands; revoke it.
@@ -128,13 +198,14 @@ impl Client {
             }
         }
         drop(open);
-        self.revoke_session_writes(keys, &raced);
+        let _ = self.revoke_session_writes(keys, &raced);
         out
     }
 
-    fn revoke_session_writes(&self, keys: &[&str], writes: &[(usize, u64)]) {
+    /// Revokes the writes `(index into keys, write id)`; the master's answer for the call.
+    fn revoke_session_writes(&self, keys: &[&str], writes: &[(usize, u64)]) -> Result<(), ErrorCode> {
         if writes.is_empty() {
-            return;
+            return Ok(());
         }
         let finish = BatchWriteFinish {
             client: self.inner.id,
@@ -142,54 +213,65 @@ impl Client {
             keys: writes.iter().map(|&(i, _)| self.key(keys[i])).collect(),
             write_ids: writes.iter().map(|&(_, w)| w).collect(),
         };
-        let _ = self.inner.call(&Request::BatchPutRevoke(finish));
+        self.inner.call(&Request::BatchPutRevoke(finish)).map(drop)
     }
 
     /// Writes `ranges` (object offset, bytes) into `key`'s session object, on every replica;
     /// returns the bytes written. INVALID_PARAMS for a key without a session or a range past
-    /// the object's end (nothing is written then).
+    /// the object's end (nothing is written then); WRITE_DROPPED for a session past
+    /// [`MAX_SESSION_AGE`]. Writes of one key run one at a time.
     pub fn put_session_write(&self, key: &str, ranges: &[(u64, &[u8])]) -> Result<u64, ErrorCode> {
         self.check_open()?;
-        let (size, replicas) = {
-            let open = self.inner.put_sessions.lock();
-            let s = open.get(key).ok_or(ErrorCode::INVALID_PARAMS)?;
-            (s.size, s.replicas.clone())
-        };
+        let session = self.inner.put_sessions.lock().get(key).cloned().ok_or(ErrorCode::INVALID_PARAMS)?;
+        let mut s = session.lock();
+        if s.closed {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        if s.started.elapsed() >= MAX_SESSION_AGE {
+            return Err(ErrorCode::WRITE_DROPPED);
+        }
+        let size = s.size;
         let fits = |&(at, src): &(u64, &[u8])| at.checked_add(src.len() as u64).is_some_and(|end| end <= size);
         if !ranges.iter().all(fits) {
             return Err(ErrorCode::INVALID_PARAMS);
         }
-        let parts: Vec<Part<'_>> = replicas
+        let parts: Vec<Part<'_>> = s
+            .replicas
             .iter()
             .flat_map(|replica| {
                 ranges.iter().filter(|(_, src)| !src.is_empty()).map(move |&(at, src)| Part::Write { replica, at, src })
             })
             .collect();
         self.inner.engine.run(parts).map_err(|e| e.code())?;
-        let total: u64 = ranges.iter().map(|(_, src)| src.len() as u64).sum();
-        if let Some(s) = self.inner.put_sessions.lock().get_mut(key) {
-            s.written.extend(ranges.iter().map(|&(at, src)| (at, at + src.len() as u64)));
+        for &(at, src) in ranges.iter().filter(|(_, src)| !src.is_empty()) {
+            add_range(&mut s.written, at, at + src.len() as u64);
         }
-        Ok(total)
+        Ok(ranges.iter().map(|(_, src)| src.len() as u64).sum())
     }
 
     /// Ends the put sessions of `keys`: fills what no ranged write covered with zeros, then
-    /// commits the objects. One result per key: INVALID_PARAMS for a key without a session.
+    /// commits the objects. One result per key: INVALID_PARAMS for a key without a session,
+    /// WRITE_DROPPED (and the session revoked) for one past [`MAX_SESSION_AGE`].
     pub fn put_session_end(&self, keys: &[&str]) -> Vec<Result<(), ErrorCode>> {
         let (mut out, taken) = self.take_sessions(keys);
         let mut ended: Vec<(usize, u64)> = Vec::with_capacity(taken.len());
         let mut failed: Vec<(usize, u64)> = Vec::new();
+        let zeros = vec![0u8; ZERO_CHUNK.min(taken.iter().map(|(_, s)| s.size as usize).max().unwrap_or(0))];
         for (i, s) in taken {
-            let holes = gaps(s.size, &s.written);
-            let longest = holes.iter().map(|(a, b)| b - a).max().unwrap_or(0) as usize;
-            let zeros = vec![0u8; longest];
-            let parts: Vec<Part<'_>> = s
-                .replicas
-                .iter()
-                .flat_map(|replica| {
-                    holes.iter().map(|&(a, b)| Part::Write { replica, at: a, src: &zeros[..(b - a) as usize] })
-                })
-                .collect();
+            if s.started.elapsed() >= MAX_SESSION_AGE {
+                out[i] = Err(ErrorCode::WRITE_DROPPED);
+                failed.push((i, s.write_id));
+                continue;
+            }
+            let mut parts: Vec<Part<'_>> = Vec::new();
+            for (a, b) in gaps(s.size, &s.written) {
+                let mut at = a;
+                while at < b {
+                    let len = ((b - at) as usize).min(ZERO_CHUNK);
+                    parts.extend(s.replicas.iter().map(|replica| Part::Write { replica, at, src: &zeros[..len] }));
+                    at += len as u64;
+                }
+            }
             match self.inner.engine.run(parts) {
                 Ok(()) => ended.push((i, s.write_id)),
                 Err(e) => {
@@ -198,7 +280,7 @@ impl Client {
                 }
             }
         }
-        self.revoke_session_writes(keys, &failed);
+        let _ = self.revoke_session_writes(keys, &failed);
         if ended.is_empty() {
             return out;
         }
@@ -221,34 +303,56 @@ impl Client {
     }
 
     /// Revokes the put sessions of `keys`: their reservations go, nothing is committed. One
-    /// result per key: INVALID_PARAMS for a key without a session.
+    /// result per key: INVALID_PARAMS for a key without a session, the master's error when the
+    /// revoke did not reach it (the master then drops the writes at its discard timeout).
     pub fn put_session_revoke(&self, keys: &[&str]) -> Vec<Result<(), ErrorCode>> {
-        let (out, taken) = self.take_sessions(keys);
+        let (mut out, taken) = self.take_sessions(keys);
         let writes: Vec<(usize, u64)> = taken.iter().map(|(i, s)| (*i, s.write_id)).collect();
-        self.revoke_session_writes(keys, &writes);
+        if let Err(e) = self.revoke_session_writes(keys, &writes) {
+            writes.iter().for_each(|&(i, _)| out[i] = Err(e));
+        }
         out
     }
 
-    /// Takes the sessions of `keys` out of the open ones; INVALID_PARAMS for a key without one.
+    /// Takes the sessions of `keys` out of the open ones, closed (each after a write of it in
+    /// flight ends); INVALID_PARAMS for a key without one.
     fn take_sessions(&self, keys: &[&str]) -> Taken {
-        let mut out = vec![Ok(()); keys.len()];
         if let Err(e) = self.check_open() {
             return (vec![Err(e); keys.len()], Vec::new());
         }
-        let mut open = self.inner.put_sessions.lock();
-        let mut taken = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            match open.remove(*k) {
-                Some(s) => taken.push((i, s)),
-                None => out[i] = Err(ErrorCode::INVALID_PARAMS),
+        let mut out = vec![Ok(()); keys.len()];
+        let mut found = Vec::new();
+        {
+            let mut open = self.inner.put_sessions.lock();
+            for (i, k) in keys.iter().enumerate() {
+                match open.remove(*k) {
+                    Some(s) => found.push((i, s)),
+                    None => out[i] = Err(ErrorCode::INVALID_PARAMS),
+                }
             }
         }
+        let taken = found
+            .into_iter()
+            .map(|(i, session)| {
+                let mut s = session.lock();
+                s.closed = true;
+                let copy = PutSession {
+                    write_id: s.write_id,
+                    size: s.size,
+                    started: s.started,
+                    replicas: std::mem::take(&mut s.replicas),
+                    written: std::mem::take(&mut s.written),
+                    closed: true,
+                };
+                (i, copy)
+            })
+            .collect();
         (out, taken)
     }
 
     /// Starts a get session: asks the master for the replicas of `keys` once and keeps each
-    /// list for this client's reads while its lease allows. One result per key
-    /// (OBJECT_NOT_FOUND for a missing one).
+    /// list for this client's reads (see the module). One result per key (OBJECT_NOT_FOUND for
+    /// a missing one).
     pub fn get_session_start(&self, keys: &[&str]) -> Vec<Result<(), ErrorCode>> {
         let found = self.lookup_batch(keys);
         let mut leases = self.inner.leases.lock();
@@ -273,7 +377,7 @@ impl Client {
 
 #[cfg(test)]
 mod tests {
-    use super::gaps;
+    use super::{add_range, gaps};
 
     #[test]
     fn gaps_are_what_no_write_covered() {
@@ -281,5 +385,16 @@ mod tests {
         assert_eq!(gaps(10, &[(0, 10)]), vec![]);
         assert_eq!(gaps(32, &[(16, 24), (0, 4), (2, 8)]), vec![(8, 16), (24, 32)]);
         assert_eq!(gaps(8, &[(0, 4), (0, 4)]), vec![(4, 8)]);
+    }
+
+    #[test]
+    fn written_ranges_stay_sorted_and_merged() {
+        let mut r = Vec::new();
+        add_range(&mut r, 16, 24);
+        add_range(&mut r, 0, 4);
+        add_range(&mut r, 2, 8);
+        assert_eq!(r, vec![(0, 8), (16, 24)]);
+        add_range(&mut r, 8, 16);
+        assert_eq!(r, vec![(0, 24)]);
     }
 }

@@ -111,9 +111,10 @@ class MooncakeHostMemAllocator:
         return ptr.value
 
     def free(self, addr):
-        if addr not in self._blocks:
+        try:
+            self._blocks.remove(addr)  # one thread wins; a second free of it gets -1
+        except KeyError:
             return -1
-        self._blocks.discard(addr)
         _libc.free(addr)
         return 0
 
@@ -133,13 +134,17 @@ def _node_cpus(node):
 
 
 def bind_to_numa_node(node):
-    """Binds the calling thread to the CPUs of NUMA node ``node``; its memory then comes from
-    that node by first touch (Tycho sets no memory policy of its own). Raises ValueError for a
-    node this machine does not have."""
+    """Binds the calling thread to the CPUs of NUMA node ``node`` (those this process may use);
+    its memory then comes from that node by first touch (Tycho sets no memory policy of its
+    own). Raises ValueError for a node this machine does not have, or none of whose CPUs the
+    process may use."""
     cpus = _node_cpus(node)
     if not cpus:
         raise ValueError(f"NUMA node {node} does not exist on this machine")
-    os.sched_setaffinity(0, cpus)
+    usable = cpus & os.sched_getaffinity(0)
+    if not usable:
+        raise ValueError(f"none of NUMA node {node}'s CPUs is allowed to this process")
+    os.sched_setaffinity(0, usable)
 
 
 class _Unsupported:
