@@ -367,15 +367,9 @@ impl Client {
             .spawn(move || hb.heartbeat_loop())
             .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
         // A client that holds a segment runs the copy and move tasks of the replicas on it.
-        let every = inner.cfg.task_poll_interval;
-        let worker = if every.is_zero() || inner.segments.lock().is_empty() {
-            None
-        } else {
-            let w = inner.clone();
-            let spawned = std::thread::Builder::new().name("tycho-tasks".into()).spawn(move || w.task_loop(every));
-            Some(spawned.map_err(|_| ErrorCode::INTERNAL_ERROR)?)
-        };
-        *inner.task_thread.lock() = worker;
+        if !inner.segments.lock().is_empty() && !tasks::ensure_worker(&inner) {
+            return Err(ErrorCode::INTERNAL_ERROR);
+        }
         let heartbeat_thread = Arc::new(Mutex::new(Some(thread)));
         let close = Arc::new(CloseOnDrop { inner: inner.clone(), heartbeat_thread: heartbeat_thread.clone() });
         Ok(Client { inner, heartbeat_thread, _close_on_drop: close })
@@ -394,6 +388,85 @@ impl Client {
     /// Descriptors of the segments this client contributes.
     pub fn segments(&self) -> Vec<SegmentDesc> {
         self.inner.segments.lock().iter().map(|s| s.desc.clone()).collect()
+    }
+
+    /// What a process attaching to this client (a `tycho node`) needs to join its store: the
+    /// masters' address, the key it proved to them (none for a cluster without
+    /// authentication), its host identity and tenant.
+    pub fn attach_info(&self) -> crate::attach::AttachInfo {
+        let cfg = &self.inner.cfg;
+        crate::attach::AttachInfo {
+            master_addr: cfg.master_addr.clone(),
+            secret: match &self.inner.rpc.auth {
+                ClientAuth::Secret(s) => Some(s.clone()),
+                _ => None,
+            },
+            host_id: cfg.host_id.clone(),
+            tenant: cfg.tenant.clone(),
+        }
+    }
+
+    /// Mounts `memory` as one more segment of this client: the store may place replicas in it
+    /// from now on, this client's transfer server serves it, and its copy and move tasks run
+    /// here. Fails with the master's error (RESOURCE_LIMIT past the master's caps), leaving
+    /// nothing mounted.
+    pub fn mount_segment(&self, memory: Arc<Mapping>) -> Result<SegmentDesc, ErrorCode> {
+        let inner = &self.inner;
+        if self.is_closed() {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let desc = SegmentDesc {
+            id: SegmentId(rand::random()),
+            name: inner.hostname.clone(),
+            base: memory.base(),
+            size: memory.len() as u64,
+            endpoint: inner.hostname.clone(),
+            host: inner.cfg.host_id.clone(),
+            incarnation: memory.bump_incarnation(),
+        };
+        inner.registry.register(desc.id, memory.clone());
+        // Listed before the master hears of it, so that a remount running meanwhile carries it
+        // too (the mount is idempotent).
+        inner.segments.lock().push(Segment { desc: desc.clone(), memory });
+        if let Err(e) = inner.call(&Request::MountSegment { client: inner.id, segment: desc.clone() }) {
+            inner.segments.lock().retain(|s| s.desc.id != desc.id);
+            inner.registry.unregister(desc.id);
+            return Err(e);
+        }
+        tasks::ensure_worker(inner);
+        Ok(desc)
+    }
+
+    /// Unmounts the segment `id` of this client: its replicas are dropped (objects kept only
+    /// there are gone) and its memory is let go once no transfer uses it. SEGMENT_NOT_FOUND
+    /// for an id that is not one of this client's segments.
+    pub fn unmount_segment(&self, id: SegmentId) -> Result<(), ErrorCode> {
+        self.inner.unmount(id)
+    }
+
+    /// [`Client::unmount_segment`] after `grace`, on a thread of its own; the segment keeps
+    /// serving (and taking new objects) until then. A close before that unmounts it at once.
+    /// SEGMENT_NOT_FOUND (now) for an id that is not one of this client's segments.
+    pub fn unmount_segment_after(&self, id: SegmentId, grace: Duration) -> Result<(), ErrorCode> {
+        if !self.inner.segments.lock().iter().any(|s| s.desc.id == id) {
+            return Err(ErrorCode::SEGMENT_NOT_FOUND);
+        }
+        let inner = self.inner.clone();
+        let spawned = std::thread::Builder::new().name("tycho-unmount".into()).spawn(move || {
+            let deadline = Instant::now() + grace;
+            let mut stop = inner.heartbeat.stop.lock();
+            while !*stop && Instant::now() < deadline {
+                inner.heartbeat.wake.wait_until(&mut stop, deadline);
+            }
+            if *stop {
+                return; // closing: the close unmounts every segment
+            }
+            drop(stop);
+            if let Err(e) = inner.unmount(id) {
+                tracing::warn!(segment = %id, error = %e, "a delayed unmount failed");
+            }
+        });
+        spawned.map(drop).map_err(|_| ErrorCode::INTERNAL_ERROR)
     }
 
     /// How many reads of this client's segments its transfer server has served (reads by peers
@@ -1655,6 +1728,19 @@ impl Inner {
             req = self.retag(&req);
             todo = again;
         }
+    }
+
+    /// See [`Client::unmount_segment`].
+    fn unmount(&self, id: SegmentId) -> Result<(), ErrorCode> {
+        if !self.segments.lock().iter().any(|s| s.desc.id == id) {
+            return Err(ErrorCode::SEGMENT_NOT_FOUND);
+        }
+        let r = self.call(&Request::UnmountSegment { client: self.id, segment: id }).map(|_| ());
+        // Gone from the list whatever the master said: a master that missed the unmount drops
+        // the segment when it next expires or remounts this client, and nothing serves it now.
+        self.segments.lock().retain(|s| s.desc.id != id);
+        self.registry.unregister(id);
+        r
     }
 
     /// Mounts every segment again under a new incarnation (the master forgot this client, or

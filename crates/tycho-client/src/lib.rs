@@ -2,6 +2,7 @@
 //! removes objects. Bytes move directly between this process and the hosts holding replicas;
 //! the master only hands out ranges.
 
+pub mod attach;
 mod client;
 mod config;
 mod discover;
@@ -11,3 +12,4 @@ pub use client::{Client, Lookup, WriteMode};
 pub use config::{default_host_id, parse_size, ClientAuth, ClientConfig, Protocol};
 pub use discover::{EtcdAddress, CLUSTER_ENV, ETCD_SCHEME};
 pub use retry::{call_with_retry, is_idempotent, MAX_ATTEMPTS};
+pub use tycho_transfer::Mapping;

@@ -255,9 +255,9 @@ fn wire_config(c: Option<PyRef<'_, ReplicateConfig>>) -> tycho_proto::ReplicateC
     c.map_or_else(tycho_proto::ReplicateConfig::default, |c| c.to_wire())
 }
 
-/// Where the bytes of one memory replica are.
-#[pyclass(module = "tycho._tycho", get_all, frozen)]
-#[derive(Clone)]
+/// Where the bytes of one memory replica are (Mooncake's `Descriptor`).
+#[pyclass(module = "tycho._tycho", get_all, set_all)]
+#[derive(Clone, Default)]
 struct BufferDescriptor {
     /// Transfer server of the holding segment.
     transport_endpoint: String,
@@ -265,6 +265,21 @@ struct BufferDescriptor {
     buffer_address: u64,
     /// Length in bytes.
     size: u64,
+}
+
+#[pymethods]
+impl BufferDescriptor {
+    #[new]
+    fn new() -> Self {
+        BufferDescriptor::default()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<Descriptor size={} buffer_address={} transport_endpoint={}>",
+            self.size, self.buffer_address, self.transport_endpoint
+        )
+    }
 }
 
 /// A memory replica.
@@ -470,6 +485,29 @@ impl Store {
     fn client(&self) -> Result<Client, ErrorCode> {
         self.client.read().clone().ok_or(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS)
     }
+
+    /// Connects with `cfg`, replacing (and closing) any earlier connection. 0 or a negative code.
+    fn install(&self, py: Python<'_>, cfg: ClientConfig) -> i64 {
+        let previous = self.client.write().take();
+        let result = py.allow_threads(move || {
+            if let Some(p) = previous {
+                let _ = p.close();
+            }
+            Client::connect(cfg)
+        });
+        match result {
+            Ok(c) => {
+                *self.client.write() = Some(c);
+                self.was_set_up.store(true, Ordering::Release);
+                0
+            }
+            Err(e) => {
+                // setup answers a number, as Mooncake's does; say why on stderr, as its log does.
+                eprintln!("tycho: setup failed: {e}: {}", e.hint());
+                code(e)
+            }
+        }
+    }
 }
 
 fn mode(upsert: bool) -> WriteMode {
@@ -514,25 +552,146 @@ impl Store {
         cfg.staging_buffer_size = local_buffer_size;
         cfg.protocol = proto;
         cfg.tenant = tenant;
-        let previous = self.client.write().take();
-        let result = py.allow_threads(move || {
-            if let Some(p) = previous {
-                let _ = p.close();
+        self.install(py, cfg)
+    }
+
+    /// Attaches to the `tycho node` of this user listening on `port` of this host (called by
+    /// `setup_dummy`): a client of the node's store that contributes no memory. Returns 0 or a
+    /// negative code.
+    fn _connect_dummy(&self, py: Python<'_>, port: u16, local_buffer_size: u64) -> i64 {
+        let info = match py.allow_threads(|| tycho_client::attach::attach(port)) {
+            Ok(i) => i,
+            Err(e) => {
+                eprintln!("tycho: setup_dummy failed: no tycho node to attach to on port {port} ({e}): start one with `tycho node --port {port}` as this user on this host");
+                return code(e);
             }
-            Client::connect(cfg)
+        };
+        let mut cfg = ClientConfig::new(&info.master_addr);
+        cfg.auth = info.auth();
+        cfg.host_id = info.host_id.clone();
+        cfg.tenant = info.tenant.clone();
+        cfg.segment_size = 0;
+        cfg.staging_buffer_size = local_buffer_size;
+        if std::env::var("TYCHO_PROTOCOL").as_deref() == Ok("tcp") {
+            cfg.protocol = Protocol::Tcp;
+        }
+        self.install(py, cfg)
+    }
+
+    /// Mounts `size` bytes of the file at `path`, from `offset` (a multiple of 4096) on, as one
+    /// more segment of this store: what the store places there is written into the file. The
+    /// file is opened here, by this process, and never shared: peers on this host reach it over
+    /// the transfer server, not by mapping it (see docs/python.md). Returns
+    /// `{"ret": 0 or a negative code, "segment_ids": [id]}`.
+    #[pyo3(signature = (path, size, offset = 0, protocol = String::from("tcp"), location = String::new()))]
+    fn mount_segment<'py>(
+        &self,
+        py: Python<'py>,
+        path: String,
+        size: u64,
+        offset: u64,
+        protocol: String,
+        location: String,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let _ = (protocol, location);
+        let result = self.client().and_then(|c| {
+            py.allow_threads(move || {
+                let len = usize::try_from(size).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+                let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| {
+                    eprintln!("tycho: mount_segment: cannot open {path}: {e}");
+                    ErrorCode::INTERNAL_ERROR
+                })?;
+                let memory =
+                    tycho_client::Mapping::over_file("tycho-file-segment", &file, offset, len).map_err(|e| {
+                        eprintln!("tycho: mount_segment: {path}: {e}");
+                        ErrorCode::INTERNAL_ERROR
+                    })?;
+                c.mount_segment(std::sync::Arc::new(memory))
+            })
         });
+        let d = PyDict::new(py);
         match result {
-            Ok(c) => {
-                *self.client.write() = Some(c);
-                self.was_set_up.store(true, Ordering::Release);
-                0
+            Ok(desc) => {
+                d.set_item("ret", 0)?;
+                d.set_item("segment_ids", vec![desc.id.to_string()])?;
             }
             Err(e) => {
-                // setup answers a number, as Mooncake's does; say why on stderr, as its log does.
-                eprintln!("tycho: setup failed: {e}: {}", e.hint());
-                code(e)
+                d.set_item("ret", code(e))?;
+                d.set_item("segment_ids", Vec::<String>::new())?;
             }
         }
+        Ok(d)
+    }
+
+    /// Allocates `size` bytes of shared memory and mounts them as one more segment of this
+    /// store. Returns `{"ret", "segment_ids", "allocated_size"}`.
+    #[pyo3(signature = (size, protocol = String::from("tcp"), location = String::new()))]
+    fn allocate_and_mount_segment<'py>(
+        &self,
+        py: Python<'py>,
+        size: u64,
+        protocol: String,
+        location: String,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let _ = (protocol, location);
+        let result = self.client().and_then(|c| {
+            py.allow_threads(move || {
+                let len = usize::try_from(size).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+                let memory = tycho_client::Mapping::create("tycho-segment", len).map_err(|e| {
+                    eprintln!("tycho: allocate_and_mount_segment: {e}");
+                    ErrorCode::INTERNAL_ERROR
+                })?;
+                c.mount_segment(std::sync::Arc::new(memory))
+            })
+        });
+        let d = PyDict::new(py);
+        match result {
+            Ok(desc) => {
+                d.set_item("ret", 0)?;
+                d.set_item("segment_ids", vec![desc.id.to_string()])?;
+                d.set_item("allocated_size", desc.size)?;
+            }
+            Err(e) => {
+                d.set_item("ret", code(e))?;
+                d.set_item("segment_ids", Vec::<String>::new())?;
+                d.set_item("allocated_size", 0)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Unmounts segments `mount_segment` or `allocate_and_mount_segment` mounted (objects kept
+    /// only there are dropped), now or after `grace_period_seconds`. Every id is tried; returns
+    /// 0, or the first error (-1 for an id that is not one of this store's).
+    #[pyo3(signature = (segment_ids, grace_period_seconds = 0))]
+    fn unmount_segment(&self, py: Python<'_>, segment_ids: Vec<String>, grace_period_seconds: u64) -> i64 {
+        let Ok(c) = self.client() else { return -1 };
+        py.allow_threads(move || {
+            let mut first = 0;
+            for id in &segment_ids {
+                let r = match parse_segment_id(id) {
+                    None => Err(ErrorCode::INTERNAL_ERROR),
+                    Some(id) if grace_period_seconds == 0 => c.unmount_segment(id),
+                    Some(id) => c.unmount_segment_after(id, std::time::Duration::from_secs(grace_period_seconds)),
+                };
+                let r = r.map_err(|e| if e == ErrorCode::SEGMENT_NOT_FOUND { ErrorCode::INTERNAL_ERROR } else { e });
+                if first == 0 {
+                    first = status(r);
+                }
+            }
+            first
+        })
+    }
+
+    /// `unmount_segment`: in Tycho the memory of a segment goes with its unmount either way.
+    #[pyo3(signature = (segment_ids, grace_period_seconds = 0))]
+    fn unmount_and_free_segment(&self, py: Python<'_>, segment_ids: Vec<String>, grace_period_seconds: u64) -> i64 {
+        self.unmount_segment(py, segment_ids, grace_period_seconds)
+    }
+
+    /// Whether `setup` (or `setup_dummy`) connected this store and it is not closed.
+    fn _is_set_up(&self) -> bool {
+        self.client.read().is_some()
     }
 
     /// Unmounts this store's segment (objects stored only there disappear) and disconnects.
@@ -1328,6 +1487,11 @@ impl Store {
 }
 
 /// Parses `"16MB"`, `"1 GiB"`, `1048576`.
+/// A segment id as `mount_segment` prints it (32 hex digits).
+fn parse_segment_id(s: &str) -> Option<tycho_proto::SegmentId> {
+    (s.len() == 32).then(|| u128::from_str_radix(s, 16).ok()).flatten().map(tycho_proto::SegmentId)
+}
+
 #[pyfunction]
 fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     if let Ok(n) = value.extract::<u64>() {

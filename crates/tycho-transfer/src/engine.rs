@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use tycho_proto::auth::capability::RIGHT_RETIRE;
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
-use tycho_proto::{ReplicaDesc, SegmentId};
+use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
 
 use crate::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
 use crate::{Mapping, SegmentRegistry, TransferError};
@@ -86,6 +86,8 @@ pub struct TransferEngine {
     /// Same-host endpoints whose holder has no local socket this process can reach (another
     /// user's process): their replicas go over TCP.
     no_local: Mutex<std::collections::HashSet<String>>,
+    /// Same-host segments their holder does not share by mapping (segments over a file).
+    unshared: Mutex<std::collections::HashSet<SegmentId>>,
 }
 
 impl TransferEngine {
@@ -107,6 +109,7 @@ impl TransferEngine {
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
             no_local: Mutex::new(std::collections::HashSet::new()),
+            unshared: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -116,7 +119,10 @@ impl TransferEngine {
             Transport::Tcp
         } else if self.local.get(r.segment).is_some() {
             Transport::Local
-        } else if r.host == self.host && !self.no_local.lock().contains(&r.endpoint) {
+        } else if r.host == self.host
+            && !self.no_local.lock().contains(&r.endpoint)
+            && !self.unshared.lock().contains(&r.segment)
+        {
             Transport::SharedMemory
         } else {
             Transport::Tcp
@@ -224,7 +230,13 @@ impl TransferEngine {
                 return Ok(Some(m.clone()));
             }
         }
-        let Some(m) = crate::local::request_mapping(r, write)? else {
+        let answer = crate::local::request_mapping(r, write);
+        if let Err(TransferError::Remote(ErrorCode::NOT_SUPPORTED)) = answer {
+            // The holder does not share this segment (it lies over a file): TCP for it alone.
+            self.unshared.lock().insert(r.segment);
+            return Ok(None);
+        }
+        let Some(m) = answer? else {
             self.no_local.lock().insert(r.endpoint.clone());
             return Ok(None);
         };

@@ -9,7 +9,7 @@
 mod copy;
 mod engine;
 mod error;
-mod local;
+pub mod local;
 mod registry;
 mod segment;
 mod server;

@@ -39,13 +39,14 @@ pub fn socket_path(port: u16) -> PathBuf {
     files::runtime_dir().join(format!("xfer-{port}.sock"))
 }
 
-fn uid() -> u32 {
+/// This process's uid.
+pub fn uid() -> u32 {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
 }
 
 /// The uid and pid of the process at the other end of `s`.
-fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, i32)> {
+pub fn peer_cred(s: &UnixStream) -> std::io::Result<(u32, i32)> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` and `len` are valid for writes of the sizes given.
@@ -138,7 +139,9 @@ fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedF
 }
 
 /// The holder's side: hands out memfds of registered segments to peers that present a grant.
-pub(crate) struct LocalServer {
+/// A Unix socket in the runtime directory, served one short exchange at a time by a thread
+/// of its own, until dropped (which removes the socket file it bound, and only that one).
+pub struct UnixServer {
     path: PathBuf,
     /// Identity of the socket file bound, so that only this one is removed at the end.
     file: Option<(u64, u64)>,
@@ -153,16 +156,16 @@ fn identity(path: &std::path::Path) -> Option<(u64, u64)> {
     std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
-impl LocalServer {
-    /// Listens on the socket of transfer port `port`. A socket file left there by an earlier
-    /// process is replaced: this process holds the port now.
-    pub(crate) fn start(
-        port: u16,
-        registry: Arc<SegmentRegistry>,
-        guard: Arc<Guard>,
-    ) -> Result<LocalServer, TransferError> {
+impl UnixServer {
+    /// Listens on `path` (inside the runtime directory, created if missing) and calls `serve`
+    /// for each connection in turn, on a thread named `name`. A socket file left at `path` by
+    /// an earlier process is replaced: the caller holds what the name stands for now.
+    pub fn bind(
+        path: PathBuf,
+        name: &str,
+        serve: impl Fn(&UnixStream) -> Result<(), TransferError> + Send + 'static,
+    ) -> Result<UnixServer, TransferError> {
         files::ensure_runtime_dir().map_err(|e| TransferError::Protocol(e.to_string()))?;
-        let path = socket_path(port);
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)?;
         let file = identity(&path);
@@ -170,7 +173,7 @@ impl LocalServer {
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         // One thread serves every request in turn: each is one short exchange with a deadline.
-        let thread = std::thread::Builder::new().name("tycho-xfer-local".into()).spawn(move || {
+        let thread = std::thread::Builder::new().name(name.into()).spawn(move || {
             for conn in listener.incoming() {
                 if stop2.load(Ordering::Relaxed) {
                     break;
@@ -180,16 +183,27 @@ impl LocalServer {
                     std::thread::sleep(Duration::from_millis(10));
                     continue;
                 };
-                if let Err(e) = serve_one(&s, &registry, &guard) {
-                    tracing::debug!(error = %e, "local mapping request failed");
+                let _ = s.set_read_timeout(Some(EXCHANGE_TIMEOUT));
+                let _ = s.set_write_timeout(Some(EXCHANGE_TIMEOUT));
+                if let Err(e) = serve(&s) {
+                    tracing::debug!(error = %e, "a request on a local socket failed");
                 }
             }
         })?;
-        Ok(LocalServer { path, file, listener: wake, stop, thread: Some(thread) })
+        Ok(UnixServer { path, file, listener: wake, stop, thread: Some(thread) })
+    }
+
+    /// The holder's side of same-host mappings: the socket of transfer port `port`.
+    pub(crate) fn mappings(
+        port: u16,
+        registry: Arc<SegmentRegistry>,
+        guard: Arc<Guard>,
+    ) -> Result<UnixServer, TransferError> {
+        Self::bind(socket_path(port), "tycho-xfer-local", move |s| serve_one(s, &registry, &guard))
     }
 }
 
-impl Drop for LocalServer {
+impl Drop for UnixServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         // Shutting the listening socket down makes a blocked accept return at once (the socket
@@ -206,8 +220,6 @@ impl Drop for LocalServer {
 }
 
 fn serve_one(s: &UnixStream, registry: &SegmentRegistry, guard: &Guard) -> Result<(), TransferError> {
-    s.set_read_timeout(Some(EXCHANGE_TIMEOUT))?;
-    s.set_write_timeout(Some(EXCHANGE_TIMEOUT))?;
     let refuse = |code: ErrorCode| -> Result<(), TransferError> {
         (&*s).write_all(&encode_answer(Err(code)))?;
         Ok(())
@@ -230,6 +242,10 @@ fn serve_one(s: &UnixStream, registry: &SegmentRegistry, guard: &Guard) -> Resul
     let Some(m) = registry.get(req.segment) else { return refuse(ErrorCode::SEGMENT_NOT_FOUND) };
     if m.incarnation() != req.incarnation {
         return refuse(ErrorCode::RANGE_REUSED);
+    }
+    if !m.is_shareable() {
+        // A segment over a user's file: the peer goes over TCP (see `Mapping::over_file`).
+        return refuse(ErrorCode::NOT_SUPPORTED);
     }
     let fd = m.fd_for_peer(req.op == XferOp::Write)?;
     send_with_fd(s, &encode_answer(Ok(m.len() as u64)), &fd)?;

@@ -102,6 +102,9 @@ pub struct Mapping {
     owner: Option<(i32, u64)>,
     /// The memfd, passed on to peers that present a grant.
     fd: OwnedFd,
+    /// Whether peers may map it: not when the data lives in a file a user named (the file
+    /// could be truncated under them; only the memfd is sealed), see [`Mapping::over_file`].
+    shareable: bool,
 }
 
 // SAFETY: the mapping is plain shared memory; concurrent access to disjoint ranges is the
@@ -114,6 +117,56 @@ impl Mapping {
     /// Creates `len` bytes of shared memory, pre-faulted so that the first write does not pay
     /// page faults.
     pub fn create(name: &str, len: usize) -> Result<Mapping, TransferError> {
+        let (fd, total, gen_off, block_shift) = Self::sealed_memfd(name, len)?;
+        let m = Self::map(fd, len, total, gen_off, block_shift, true)?;
+        m.write_header();
+        Ok(m)
+    }
+
+    /// A segment whose `len` data bytes are those of `file` from `offset` on (a page multiple),
+    /// mapped shared, so that what is stored lands in the file. Its header and generation
+    /// words live in a sealed memfd as usual, but the segment is never handed to peers: a
+    /// file, unlike the memfd, cannot be sealed against truncation, which would crash a peer
+    /// mapping it with SIGBUS. Same-host peers reach it over the transfer server instead. The
+    /// caller keeps the file at least `offset + len` bytes long while the segment lives.
+    pub fn over_file(name: &str, file: &std::fs::File, offset: u64, len: usize) -> Result<Mapping, TransferError> {
+        if !offset.is_multiple_of(PAGE as u64) {
+            return Err(TransferError::InvalidRange(format!("offset {offset} is not a multiple of {PAGE}")));
+        }
+        let file_len = file.metadata()?.len();
+        if offset.checked_add(len as u64).is_none_or(|end| end > file_len) {
+            return Err(TransferError::InvalidRange(format!(
+                "{len} bytes at {offset} do not fit in a file of {file_len} bytes"
+            )));
+        }
+        let (fd, total, gen_off, block_shift) = Self::sealed_memfd(name, len)?;
+        // The memfd's data pages are never touched (the file is mapped over them), so it is
+        // mapped without pre-faulting.
+        let mut m = Self::map_with(fd, len, total, gen_off, block_shift, true, libc::MAP_SHARED)?;
+        let data_len = len.next_multiple_of(PAGE);
+        // SAFETY: replaces the data pages of our own fresh mapping (inside it: `total` covers
+        // a page of header plus the data rounded up to a page) with the file's pages; offset
+        // and length were checked against the file.
+        let ptr = unsafe {
+            libc::mmap(
+                m.ptr.cast(),
+                data_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(TransferError::Io(std::io::Error::last_os_error()));
+        }
+        m.write_header();
+        m.shareable = false;
+        Ok(m)
+    }
+
+    /// A memfd of the layout of a `len`-byte segment, sealed against resizing.
+    fn sealed_memfd(name: &str, len: usize) -> Result<(OwnedFd, usize, usize, u32), TransferError> {
         if len == 0 {
             return Err(TransferError::InvalidRange("segment size must be positive".into()));
         }
@@ -135,17 +188,20 @@ impl Mapping {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
             return Err(TransferError::Io(std::io::Error::last_os_error()));
         }
-        let m = Self::map(fd, len, total, gen_off, block_shift, true)?;
+        Ok((fd, total, gen_off, block_shift))
+    }
+
+    fn write_header(&self) {
+        let block_shift = self.block_shift;
         // SAFETY: the header page lies inside the mapping and nothing else uses it yet.
         unsafe {
-            let h = m.map as *mut GenHeader;
+            let h = self.map as *mut GenHeader;
             (*h).version = GEN_VERSION;
             (*h).block_shift = block_shift;
-            (*h).data_len = len as u64;
-            (*h).blocks = (len as u64).div_ceil(1 << block_shift);
+            (*h).data_len = self.len as u64;
+            (*h).blocks = (self.len as u64).div_ceil(1 << block_shift);
             (*h).magic = GEN_MAGIC;
         }
-        Ok(m)
     }
 
     /// Maps a peer's segment from its memfd (received over the local socket from process
@@ -190,7 +246,11 @@ impl Mapping {
     }
 
     /// A descriptor of this segment's memfd for a peer: read-only unless `writable`.
+    /// Fails (Unsupported) for a segment over a file, which peers reach over TCP instead.
     pub fn fd_for_peer(&self, writable: bool) -> std::io::Result<OwnedFd> {
+        if !self.shareable {
+            return Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "a segment over a file is not shared"));
+        }
         if writable {
             return self.fd.try_clone();
         }
@@ -203,6 +263,11 @@ impl Mapping {
         }
         // SAFETY: a fresh fd nothing else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+
+    /// Whether peers on this host may map it (see [`Mapping::over_file`]).
+    pub fn is_shareable(&self) -> bool {
+        self.shareable
     }
 
     /// Whether this mapping may be written.
@@ -220,7 +285,19 @@ impl Mapping {
         block_shift: u32,
         writable: bool,
     ) -> Result<Mapping, TransferError> {
-        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
+        Self::map_with(fd, len, total, gen_off, block_shift, writable, libc::MAP_SHARED | libc::MAP_POPULATE)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn map_with(
+        fd: OwnedFd,
+        len: usize,
+        total: usize,
+        gen_off: usize,
+        block_shift: u32,
+        writable: bool,
+        flags: libc::c_int,
+    ) -> Result<Mapping, TransferError> {
         let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: mapping a valid fd of at least `total` bytes; the result is checked.
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), total, prot, flags, fd.as_raw_fd(), 0) };
@@ -230,7 +307,18 @@ impl Mapping {
         let map = ptr as *mut u8;
         // SAFETY: the data starts one page into the mapping, which is larger than a page.
         let data = unsafe { map.add(PAGE) };
-        Ok(Mapping { map, ptr: data, len, map_len: total, gen_off, block_shift, writable, owner: None, fd })
+        Ok(Mapping {
+            map,
+            ptr: data,
+            len,
+            map_len: total,
+            gen_off,
+            block_shift,
+            writable,
+            owner: None,
+            fd,
+            shareable: true,
+        })
     }
 
     fn header(&self) -> &GenHeader {
@@ -615,6 +703,32 @@ mod tests {
             OwnedFd::from_raw_fd(raw)
         };
         assert!(matches!(Mapping::from_fd(blank, false, me), Err(TransferError::InvalidRange(_))));
+    }
+
+    #[test]
+    fn a_segment_over_a_file_writes_into_the_file_and_is_never_shared() {
+        use std::io::{Read, Seek, SeekFrom};
+        let path = std::env::temp_dir().join(format!("tycho-over-file-{}", std::process::id()));
+        let mut file =
+            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file.set_len(3 * PAGE as u64).unwrap();
+        // Offsets off a page, and ranges past the file's end, are refused.
+        assert!(matches!(Mapping::over_file("t", &file, 100, PAGE), Err(TransferError::InvalidRange(_))));
+        assert!(matches!(Mapping::over_file("t", &file, PAGE as u64, 3 * PAGE), Err(TransferError::InvalidRange(_))));
+        let m = Mapping::over_file("t", &file, PAGE as u64, 2 * PAGE - 10).unwrap();
+        assert_eq!(m.len(), 2 * PAGE - 10);
+        let next = m.bump_incarnation();
+        m.stamp(5, 5, next, 7).unwrap();
+        m.write(5, b"hello").unwrap();
+        m.verify(5, 5, next, 7).unwrap();
+        let mut back = [0u8; 5];
+        file.seek(SeekFrom::Start(PAGE as u64 + 5)).unwrap();
+        file.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"hello", "the bytes are in the file, at the offset given");
+        assert!(!m.is_shareable());
+        assert_eq!(m.fd_for_peer(false).unwrap_err().kind(), std::io::ErrorKind::Unsupported);
+        assert_eq!(m.fd_for_peer(true).unwrap_err().kind(), std::io::ErrorKind::Unsupported);
     }
 
     #[test]

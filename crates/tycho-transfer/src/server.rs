@@ -19,7 +19,7 @@ use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::Secret;
 use tycho_proto::{ErrorCode, SegmentId};
 
-use crate::local::LocalServer;
+use crate::local::UnixServer;
 use crate::wire::{encode_answer, XferOp, XferRequest, REQUEST_LEN};
 
 /// Most connections served at once (one thread each); more are closed as they arrive. A
@@ -36,7 +36,7 @@ pub struct TransferServer {
     stop: Arc<AtomicBool>,
     accept: Option<std::thread::JoinHandle<()>>,
     /// Hands the memfds of registered segments to same-host peers of this user.
-    _local: Option<LocalServer>,
+    _local: Option<UnixServer>,
 }
 
 impl TransferServer {
@@ -60,7 +60,7 @@ impl TransferServer {
     ) -> std::io::Result<TransferServer> {
         let guard = Arc::new(Guard { secret, epochs: Mutex::new(HashMap::new()) });
         let addr = listener.local_addr()?;
-        let local = match LocalServer::start(addr.port(), registry.clone(), guard.clone()) {
+        let local = match UnixServer::mappings(addr.port(), registry.clone(), guard.clone()) {
             Ok(l) => Some(l),
             Err(e) => {
                 // Peers on this host then go over TCP; nothing else is lost.

@@ -7,7 +7,7 @@ use tycho_client::{parse_size, Client, ClientConfig, Protocol};
 #[derive(Args, Debug, Clone)]
 pub struct NodeArgs {
     /// Master RPC address.
-    #[arg(long, default_value = "127.0.0.1:50051", env = "MASTER_SERVER")]
+    #[arg(long, alias = "master_server_address", default_value = "127.0.0.1:50051", env = "MASTER_SERVER")]
     pub master: String,
     /// Memory to contribute: bytes, or a size such as 64GB or 512MiB.
     #[arg(long = "segment-size", alias = "global_segment_size", default_value = "1GB", value_parser = parse_size)]
@@ -25,6 +25,21 @@ pub struct NodeArgs {
     /// For benchmarks that need one node to be the bottleneck (`tycho bench hot`).
     #[arg(long = "max-serve-rate", value_parser = parse_size)]
     pub max_serve_rate: Option<u64>,
+    /// Where Python processes of this user on this host attach to the node with
+    /// `setup_dummy(..., server_address="127.0.0.1:PORT")` (Mooncake's real-client port): a
+    /// Unix socket named after the port in the runtime directory, not a TCP port. 0: none.
+    #[arg(long, default_value_t = tycho_client::attach::DEFAULT_PORT)]
+    pub port: u16,
+    /// Accepted for `mooncake_client` command lines, and ignored: Tycho has no metadata server
+    /// and picks its transports itself.
+    #[arg(long = "metadata_server", hide = true)]
+    pub metadata_server: Option<String>,
+    /// Ignored (see `--metadata_server`).
+    #[arg(long = "device_names", hide = true)]
+    pub device_names: Option<String>,
+    /// Ignored (see `--metadata_server`).
+    #[arg(long = "threads", hide = true)]
+    pub threads: Option<u32>,
     /// Cluster secret and authentication.
     #[command(flatten)]
     pub security: crate::master_cmd::SecurityArgs,
@@ -66,9 +81,33 @@ pub fn run(args: NodeArgs) -> i32 {
             return 1;
         }
     };
+    // Python processes attach here (Mooncake's dummy clients). The port names a socket that only
+    // processes of this user can reach; a node already listening on it keeps it.
+    let _attach = if args.port == 0 {
+        None
+    } else if tycho_client::attach::attach(args.port).is_ok() {
+        eprintln!(
+            "warning: another tycho node of this user listens for attaching processes on port {}; \
+             this one does not (give it --port)",
+            args.port
+        );
+        None
+    } else {
+        match tycho_client::attach::AttachServer::serve(args.port, client.attach_info()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("error: cannot listen for attaching processes on port {}: {e}", args.port);
+                let _ = client.close();
+                return 1;
+            }
+        }
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
+    if _attach.is_some() {
+        println!("tycho node: processes of this user attach with setup_dummy(..., \"127.0.0.1:{}\")", args.port);
+    }
     rt.block_on(signals.wait());
     println!("tycho node: served {} reads over TCP", client.reads_served());
     match client.close() {

@@ -9,11 +9,30 @@
 //! one decision; on a failure, CopyRevoke, which frees the ranges and fails the task. Every step
 //! names the copy by a fresh write id, so that a step repeated after a lost answer does no harm.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tycho_proto::*;
 
 use super::{new_write_id, Client, Inner};
+
+/// Starts the task worker of `inner` unless it runs already or tasks are off; false when the
+/// thread could not be started.
+pub(super) fn ensure_worker(inner: &Arc<Inner>) -> bool {
+    let every = inner.cfg.task_poll_interval;
+    let mut slot = inner.task_thread.lock();
+    if every.is_zero() || slot.is_some() {
+        return true;
+    }
+    let w = inner.clone();
+    match std::thread::Builder::new().name("tycho-tasks".into()).spawn(move || w.task_loop(every)) {
+        Ok(t) => {
+            *slot = Some(t);
+            true
+        }
+        Err(_) => false,
+    }
+}
 
 /// Bytes copied per read-then-write step of a task's copy: bounds the worker's buffer.
 const COPY_CHUNK: usize = 8 << 20;

@@ -53,6 +53,17 @@ impl Secret {
         Ok(Secret { key: h.finalize().into() })
     }
 
+    /// The key the secret stands for, to hand to a process of the same user over a local
+    /// socket (`tycho node` to an attaching Python process); never sent over the network.
+    pub fn key(&self) -> [u8; 32] {
+        self.key
+    }
+
+    /// A secret from the key [`Secret::key`] gave.
+    pub fn from_key(key: [u8; 32]) -> Secret {
+        Secret { key }
+    }
+
     /// A fresh random secret and its text form (64 hex digits).
     pub fn generate() -> Result<(Secret, String), AuthError> {
         let mut raw = [0u8; 32];

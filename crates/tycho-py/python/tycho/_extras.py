@@ -119,6 +119,33 @@ class MooncakeHostMemAllocator:
         return 0
 
 
+# Page-aligned allocation and its free, as C functions `void *(size_t)` and `void (void *)`.
+_libc.valloc.argtypes = [ctypes.c_size_t]
+_libc.valloc.restype = ctypes.c_void_p
+
+
+def get_alloc_func_addr():
+    """The address of a C allocator, ``void *alloc(size_t size)``, returning page-aligned host
+    memory (glibc's ``valloc``), for code that takes allocator function pointers."""
+    return ctypes.cast(_libc.valloc, ctypes.c_void_p).value
+
+
+def get_free_func_addr():
+    """The address of the matching ``void free(void *ptr)``."""
+    return ctypes.cast(_libc.free, ctypes.c_void_p).value
+
+
+class DiskDescriptor:
+    """Where a disk replica's bytes are (Mooncake's). Tycho keeps no disk replicas, so none is
+    ever returned, and like Mooncake's it cannot be constructed."""
+
+    file_path = ""
+    object_size = 0
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("tycho.store.DiskDescriptor: No constructor defined!")
+
+
 def _node_cpus(node):
     path = f"/sys/devices/system/node/node{int(node)}/cpulist"
     try:

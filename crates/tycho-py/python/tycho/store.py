@@ -27,6 +27,7 @@ from ._tycho import (  # noqa: F401  (re-exported)
 )
 
 from ._extras import (  # noqa: F401  (re-exported)
+    DiskDescriptor,
     EngramStore,
     EngramStoreConfig,
     MooncakeDistributedNoFRegister,
@@ -36,8 +37,22 @@ from ._extras import (  # noqa: F401  (re-exported)
     ReadTarget,
     TensorParallelism,
     bind_to_numa_node,
+    get_alloc_func_addr,
+    get_free_func_addr,
     module_values as _module_values,
 )
+from ._pools import (  # noqa: F401  (re-exported)
+    BufferLease,
+    BufferLeaseView,
+    BufferPool,
+    RegisteredBufferLease,
+    RegisteredBufferLeaseView,
+    RegisteredBufferPool,
+)
+from ._tensors import TensorMethods as _TensorMethods
+
+# Mooncake's name of a memory replica's location.
+Descriptor = BufferDescriptor
 
 # The enums' members by name, as Mooncake's module has them (PENDING, REPLICA_COPY, KVCACHE...).
 globals().update(_module_values())
@@ -64,6 +79,16 @@ __all__ = [
     "EngramStore",
     "EngramStoreConfig",
     "MooncakeDistributedNoFRegister",
+    "Descriptor",
+    "DiskDescriptor",
+    "BufferPool",
+    "BufferLease",
+    "BufferLeaseView",
+    "RegisteredBufferPool",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "get_alloc_func_addr",
+    "get_free_func_addr",
 ] + sorted(_module_values())
 
 # Mooncake's setup() defaults.
@@ -117,7 +142,7 @@ def _close_open_stores():
         s._close_quickly()
 
 
-class MooncakeDistributedStore(_Store):
+class MooncakeDistributedStore(_TensorMethods, _Store):
     """A client of a Tycho store, with the API of ``mooncake.store.MooncakeDistributedStore``.
 
     Tycho's segments carry their own endpoints, so ``metadata_server`` is accepted and ignored.
@@ -166,6 +191,7 @@ class MooncakeDistributedStore(_Store):
         tenant = params.get("tenant_id")
         tenant = "" if tenant in (None, "", _DEFAULT_TENANT) else str(tenant)
         _OPEN_STORES.add(self)
+        self._local_buffer_size = buffer
         return self._connect(
             str(params["local_hostname"]),
             segment,
@@ -174,6 +200,74 @@ class MooncakeDistributedStore(_Store):
             str(params["master_server_addr"]),
             tenant,
         )
+
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
+        """Attaches to the ``tycho node`` of this user on this host started with ``--port P``,
+        where ``server_address`` is ``"127.0.0.1:P"`` (Mooncake's real-client address; the
+        port names a Unix socket, so only processes of the node's user on its host can attach).
+        The store then needs no master address, secret or segment of its own: it joins the
+        node's store, reads and writes with one copy (mapping the node's segment), and
+        ``alloc_from_mem_pool`` hands out up to ``mem_pool_size`` bytes of host memory.
+        Returns 0, or -1 when no node answers there."""
+        host, _, port = str(server_address).rpartition(":")
+        try:
+            port = int(port)
+            buffer = _parse_size(local_buffer_size)
+            pool = _parse_size(mem_pool_size)
+        except (ValueError, TypeError, OverflowError):
+            return -1
+        if not 0 < port < 65536 or host not in ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", ""):
+            return -1
+        _OPEN_STORES.add(self)
+        self._local_buffer_size = buffer
+        self._mem_pool_limit = pool
+        return 0 if self._connect_dummy(port, buffer) == 0 else -1
+
+    def init_all(self, protocol, device_name, mount_segment_size=16 * 1024 * 1024):
+        """``setup`` with Mooncake's fixed arguments: this host, a segment of
+        ``mount_segment_size`` bytes, the master at ``$MASTER_SERVER`` (default
+        127.0.0.1:50051). -600 when this store is set up already."""
+        if self._is_set_up():
+            return _INVALID_PARAMS
+        import os
+
+        master = os.environ.get("MASTER_SERVER", "127.0.0.1:50051")
+        return self.setup("localhost", "P2PHANDSHAKE", mount_segment_size, _DEFAULT_LOCAL_BUFFER_SIZE,
+                          protocol, device_name, master)
+
+    def alloc_from_mem_pool(self, size):
+        """The address of ``size`` bytes of page-aligned host memory that live until this store
+        closes (register them with ``register_buffer`` for zero-copy calls); 0 when the store is
+        not set up, ``size`` is not positive, or a dummy store's ``mem_pool_size`` is used up."""
+        size = int(size)
+        if size <= 0 or not self._is_set_up():
+            return 0
+        pool = self.__dict__.setdefault("_mem_pool", MooncakeHostMemAllocator())
+        used = self.__dict__.get("_mem_pool_used", 0)
+        limit = self.__dict__.get("_mem_pool_limit", 0)
+        if limit and used + size > limit:
+            return 0
+        ptr = pool.alloc(size)
+        if ptr:
+            self._mem_pool_used = used + size
+        return ptr
+
+    def get_offload_rpc_read_count(self):
+        """Reads of SSD-offloaded objects served over RPC: Tycho offloads nothing, so 0."""
+        return 0
+
+    def unmount_local_disk_segment(self, grace_period_seconds=0):
+        """Tycho has no local disk segments: nothing to unmount, 0."""
+        return 0
+
+    def close(self):
+        rc = _Store.close(self)
+        pool = self.__dict__.pop("_mem_pool", None)
+        if pool is not None:
+            for ptr in list(pool._blocks):
+                pool.free(ptr)
+        self._mem_pool_used = 0
+        return rc
 
     def put(self, key, value, config=None):
         """Stores ``value`` under ``key`` unless the key exists (then the old value stays and 0 is
