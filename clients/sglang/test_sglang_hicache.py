@@ -134,3 +134,98 @@ def test_pages_written_by_one_process_are_read_by_another(master, layout, tmp_pa
             writer.kill()
             writer.wait()
         writer_log.close()
+
+
+# SGLang's standalone-storage mode: the SGLang process runs a dummy client (setup_dummy) over
+# host memory from MooncakeHostTensorAllocator, attached to a long-running `tycho node` that holds
+# the store's memory, so the pages outlive the SGLang process.
+STANDALONE_WORKER = r'''
+import hashlib, json, sys, torch
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
+    MooncakeHostTensorAllocator, MooncakeStore)
+from sglang.srt.mem_cache.storage.mooncake_store.test_mooncake_store import make_hicache_storage_config
+
+mode, keys = sys.argv[1], json.loads(sys.argv[2])
+entries, elements, n = 2, 256, len(keys)
+
+class HostPool:
+    """A page-first host KV pool over memory from SGLang's Mooncake allocator."""
+    def __init__(self, pages):
+        self.allocator = MooncakeHostTensorAllocator()
+        self.kv_buffer = self.allocator.allocate((pages * entries * elements,), torch.float32)
+        self.layout, self.page_size = "page_first", 1
+    def get_page_buffer_meta(self, indices):
+        ptrs, sizes = [], []
+        for idx in indices:
+            for e in range(entries):
+                ptrs.append(self.kv_buffer[(int(idx) * entries + e) * elements:].data_ptr())
+                sizes.append(elements * 4)
+        return ptrs, sizes
+    def get_ksize_per_token(self):
+        return entries * elements * 4
+
+host = HostPool(2 * n)
+store = MooncakeStore(make_hicache_storage_config(is_mla_model=False, tp_rank=0, tp_size=1), host)
+assert store.config.standalone_storage, "not in standalone mode"
+store.register_mem_pool_host(host)
+buf = host.kv_buffer
+
+def digests(first_page):
+    return [hashlib.sha256(buf[(first_page + i) * entries * elements:(first_page + i + 1) * entries * elements]
+                           .contiguous().numpy().tobytes()).hexdigest() for i in range(n)]
+
+if mode == "write":
+    torch.manual_seed(11)
+    buf[: n * entries * elements] = torch.randn(n * entries * elements)
+    assert all(store.batch_set_v1(keys, torch.arange(n))), "batch_set_v1 failed"
+else:
+    assert store.batch_exists(keys) == n, "not every key exists"
+    buf.zero_()
+    ok = store.batch_get_v1(keys, torch.arange(n, 2 * n))
+    assert all(ok), f"batch_get_v1: {ok}"
+print(json.dumps(digests(0 if mode == "write" else n)), flush=True)
+'''
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_standalone_storage_through_a_tycho_node(master, tmp_path):
+    port = _free_port()
+    node_log = open(tmp_path / "node.log", "w+")
+    node = subprocess.Popen([os.environ["TYCHO_BIN"], "node", "--master", master.addr, "--segment-size", "256MB",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=node_log, text=True)
+    try:
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(l) for l in node.stdout] + [lines.put(None)], daemon=True).start()
+        deadline = time.monotonic() + 60
+        while True:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert line is not None, "node exited: " + (tmp_path / "node.log").read_text()[-3000:]
+            if "attach with setup_dummy" in line:
+                break
+        env = mooncake_env(master.addr)
+        env.update({"MOONCAKE_STANDALONE_STORAGE": "1", "MOONCAKE_CLIENT": f"127.0.0.1:{port}"})
+        keys = [f"standalone-{i}-{time.monotonic_ns()}" for i in range(9)]
+        runs = []
+        # The writer exits before the reader starts: the pages live in the node.
+        for mode in ("write", "read"):
+            r = subprocess.run([sys.executable, "-c", STANDALONE_WORKER, mode, json.dumps(keys)], env=env,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs.append(json.loads([l for l in r.stdout.splitlines() if l.startswith("[")][-1]))
+        assert runs[0] == runs[1]
+        assert len(set(runs[0])) == len(keys), "pages should differ"
+    finally:
+        node.terminate()
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+        node_log.close()

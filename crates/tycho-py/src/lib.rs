@@ -583,15 +583,15 @@ impl Store {
     /// file is opened here, by this process, and never shared: peers on this host reach it over
     /// the transfer server, not by mapping it (see docs/python.md). Returns
     /// `{"ret": 0 or a negative code, "segment_ids": [id]}`.
-    #[pyo3(signature = (path, size, offset = 0, protocol = String::from("tcp"), location = String::new()))]
+    #[pyo3(signature = (path, size, offset = 0, protocol = "tcp", location = ""))]
     fn mount_segment<'py>(
         &self,
         py: Python<'py>,
         path: String,
         size: u64,
         offset: u64,
-        protocol: String,
-        location: String,
+        protocol: &str,
+        location: &str,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = (protocol, location);
         let result = self.client().and_then(|c| {
@@ -609,29 +609,18 @@ impl Store {
                 c.mount_segment(std::sync::Arc::new(memory))
             })
         });
-        let d = PyDict::new(py);
-        match result {
-            Ok(desc) => {
-                d.set_item("ret", 0)?;
-                d.set_item("segment_ids", vec![desc.id.to_string()])?;
-            }
-            Err(e) => {
-                d.set_item("ret", code(e))?;
-                d.set_item("segment_ids", Vec::<String>::new())?;
-            }
-        }
-        Ok(d)
+        mount_answer(py, result, false)
     }
 
     /// Allocates `size` bytes of shared memory and mounts them as one more segment of this
     /// store. Returns `{"ret", "segment_ids", "allocated_size"}`.
-    #[pyo3(signature = (size, protocol = String::from("tcp"), location = String::new()))]
+    #[pyo3(signature = (size, protocol = "tcp", location = ""))]
     fn allocate_and_mount_segment<'py>(
         &self,
         py: Python<'py>,
         size: u64,
-        protocol: String,
-        location: String,
+        protocol: &str,
+        location: &str,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = (protocol, location);
         let result = self.client().and_then(|c| {
@@ -644,20 +633,7 @@ impl Store {
                 c.mount_segment(std::sync::Arc::new(memory))
             })
         });
-        let d = PyDict::new(py);
-        match result {
-            Ok(desc) => {
-                d.set_item("ret", 0)?;
-                d.set_item("segment_ids", vec![desc.id.to_string()])?;
-                d.set_item("allocated_size", desc.size)?;
-            }
-            Err(e) => {
-                d.set_item("ret", code(e))?;
-                d.set_item("segment_ids", Vec::<String>::new())?;
-                d.set_item("allocated_size", 0)?;
-            }
-        }
-        Ok(d)
+        mount_answer(py, result, true)
     }
 
     /// Unmounts segments `mount_segment` or `allocate_and_mount_segment` mounted (objects kept
@@ -1487,6 +1463,25 @@ impl Store {
 }
 
 /// Parses `"16MB"`, `"1 GiB"`, `1048576`.
+/// The dict `mount_segment` (and, with `with_size`, `allocate_and_mount_segment`) returns.
+fn mount_answer<'py>(
+    py: Python<'py>,
+    result: Result<tycho_proto::SegmentDesc, ErrorCode>,
+    with_size: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let (ret, ids, size) = match result {
+        Ok(desc) => (0, vec![desc.id.to_string()], desc.size),
+        Err(e) => (code(e), Vec::new(), 0),
+    };
+    d.set_item("ret", ret)?;
+    d.set_item("segment_ids", ids)?;
+    if with_size {
+        d.set_item("allocated_size", size)?;
+    }
+    Ok(d)
+}
+
 /// A segment id as `mount_segment` prints it (32 hex digits).
 fn parse_segment_id(s: &str) -> Option<tycho_proto::SegmentId> {
     (s.len() == 32).then(|| u128::from_str_radix(s, 16).ok()).flatten().map(tycho_proto::SegmentId)

@@ -26,6 +26,33 @@ def _tycho_bin():
     raise RuntimeError("build the tycho binary first (cargo build) or set TYCHO_BIN")
 
 
+def lines_of(proc):
+    """A queue of `proc`'s stdout lines, read for its whole life so it never blocks on a full
+    pipe; None once the stream closes."""
+    lines = queue.Queue()
+
+    def drain():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return lines
+
+
+def wait_line(lines, prefix, timeout=30):
+    """The first line of `lines` that starts with `prefix`; None if the stream ends or `timeout`
+    seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if line is None or line.startswith(prefix):
+            return line
+
+
 class Master:
     """A `tycho master` on kernel-chosen loopback ports; the address comes from the line it
     prints once listening, so no other process can take the port in between."""
@@ -34,28 +61,11 @@ class Master:
         args = [_tycho_bin(), "master", "--rpc-address", "127.0.0.1", "--rpc-port", "0",
                 "--metrics-address", "127.0.0.1", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        lines = queue.Queue()
-
-        def drain():
-            # Keeps reading for the master's whole life, so it never blocks on a full pipe.
-            for line in self.proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=drain, daemon=True).start()
-        prefix = "tycho master listening on "
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                self.stop()
-                raise RuntimeError("tycho master did not print its address within 30 s")
-            if line.startswith(prefix):
-                self.addr = line[len(prefix):].strip()
-                break
+        line = wait_line(lines_of(self.proc), "tycho master listening on ")
+        if line is None:
+            self.stop()
+            raise RuntimeError("tycho master did not print its address within 30 s")
+        self.addr = line[len("tycho master listening on "):].strip()
         self.port = int(self.addr.rsplit(":", 1)[1])
 
     def stop(self):

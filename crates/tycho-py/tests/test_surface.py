@@ -4,7 +4,6 @@ torch-free tensor header."""
 
 import ctypes
 import os
-import queue
 import socket
 import struct
 import subprocess
@@ -25,7 +24,7 @@ from tycho.store import (
     get_free_func_addr,
 )
 
-from conftest import _tycho_bin
+from conftest import _tycho_bin, lines_of, wait_line
 
 
 def _wait(cond, timeout=20):
@@ -107,22 +106,12 @@ class Node:
         self.port = port
         self.proc = subprocess.Popen([_tycho_bin(), "node", "--master", master_addr, "--segment-size", segment,
                                       "--port", str(port)], stdout=subprocess.PIPE, text=True)
-        lines = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(l) for l in self.proc.stdout] + [lines.put(None)],
-                         daemon=True).start()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                self.stop()
-                raise RuntimeError("tycho node did not start")
-            if line.startswith("tycho node serving"):
-                self.endpoint = line.split(" at ", 1)[1].split(" ", 1)[0]
-            if "attach with setup_dummy" in line:
-                return
+        lines = lines_of(self.proc)
+        serving = wait_line(lines, "tycho node serving")
+        if serving is None or wait_line(lines, "tycho node: processes of this user attach") is None:
+            self.stop()
+            raise RuntimeError("tycho node did not start")
+        self.endpoint = serving.split(" at ", 1)[1].split(" ", 1)[0]
 
     def stop(self):
         self.proc.terminate()
@@ -290,3 +279,26 @@ def test_the_tensor_header_layout_without_torch(make_store):
         _tensors.pack_header(0, (1,) * 9, 0)
     m = _tensors.pack_manifest(0, (4, 2), 0, 2)
     assert len(m) == 96 and _tensors.unpack_manifest(m)["global_shape"] == (4, 2)
+
+
+def test_tensor_methods_without_torch_say_what_is_missing(make_store):
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here; test_tensors.py covers the methods")
+    s = make_store()
+    with pytest.raises(ImportError, match="PyTorch"):
+        s.put_tensor("k", object())
+    with pytest.raises(ImportError, match="PyTorch"):
+        s.get_tensor_into("k", 0, 0)
+
+
+def test_init_all_sets_up_against_master_server(master, monkeypatch):
+    monkeypatch.setenv("MASTER_SERVER", master.addr)
+    s = MooncakeDistributedStore()
+    try:
+        assert s.init_all("tcp", "", 16 << 20) == 0
+        assert s.put("init-all", b"v") == 0 and s.get("init-all") == b"v"
+        assert s.init_all("tcp", "", 16 << 20) == -600
+    finally:
+        s.close()

@@ -118,7 +118,7 @@ impl Mapping {
     /// page faults.
     pub fn create(name: &str, len: usize) -> Result<Mapping, TransferError> {
         let (fd, total, gen_off, block_shift) = Self::sealed_memfd(name, len)?;
-        let m = Self::map(fd, len, total, gen_off, block_shift, true)?;
+        let m = Self::map(fd, len, total, gen_off, block_shift, true, true)?;
         m.write_header();
         Ok(m)
     }
@@ -142,7 +142,7 @@ impl Mapping {
         let (fd, total, gen_off, block_shift) = Self::sealed_memfd(name, len)?;
         // The memfd's data pages are never touched (the file is mapped over them), so it is
         // mapped without pre-faulting.
-        let mut m = Self::map_with(fd, len, total, gen_off, block_shift, true, libc::MAP_SHARED)?;
+        let mut m = Self::map(fd, len, total, gen_off, block_shift, true, false)?;
         let data_len = len.next_multiple_of(PAGE);
         // SAFETY: replaces the data pages of our own fresh mapping (inside it: `total` covers
         // a page of header plus the data rounded up to a page) with the file's pages; offset
@@ -232,7 +232,7 @@ impl Mapping {
             return Err(bad("the header does not match the file's size"));
         }
         let (gen_off, total, block_shift) = layout(len).expect("checked above");
-        let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift, writable)?;
+        let mut m = Self::map(OwnedFd::from(file), len, total, gen_off, block_shift, writable, true)?;
         // SAFETY: the header page is inside the mapping.
         let (version, shift) = unsafe {
             let h = m.map as *const GenHeader;
@@ -275,8 +275,10 @@ impl Mapping {
         self.writable
     }
 
-    /// Maps `total` bytes of `fd`, pre-faulted: otherwise the first copy into each page pays a
-    /// page fault, which can cost as much as the copy itself.
+    /// Maps `total` bytes of `fd`, pre-faulted when `populate` (the default for a segment:
+    /// otherwise the first copy into each page pays a page fault, which can cost as much as
+    /// the copy itself).
+    #[allow(clippy::too_many_arguments)]
     fn map(
         fd: OwnedFd,
         len: usize,
@@ -284,20 +286,9 @@ impl Mapping {
         gen_off: usize,
         block_shift: u32,
         writable: bool,
+        populate: bool,
     ) -> Result<Mapping, TransferError> {
-        Self::map_with(fd, len, total, gen_off, block_shift, writable, libc::MAP_SHARED | libc::MAP_POPULATE)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn map_with(
-        fd: OwnedFd,
-        len: usize,
-        total: usize,
-        gen_off: usize,
-        block_shift: u32,
-        writable: bool,
-        flags: libc::c_int,
-    ) -> Result<Mapping, TransferError> {
+        let flags = if populate { libc::MAP_SHARED | libc::MAP_POPULATE } else { libc::MAP_SHARED };
         let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: mapping a valid fd of at least `total` bytes; the result is checked.
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), total, prot, flags, fd.as_raw_fd(), 0) };

@@ -223,7 +223,7 @@ class MooncakeDistributedStore(_TensorMethods, _Store):
         self._mem_pool_limit = pool
         return 0 if self._connect_dummy(port, buffer) == 0 else -1
 
-    def init_all(self, protocol, device_name, mount_segment_size=16 * 1024 * 1024):
+    def init_all(self, protocol, device_name, mount_segment_size):
         """``setup`` with Mooncake's fixed arguments: this host, a segment of
         ``mount_segment_size`` bytes, the master at ``$MASTER_SERVER`` (default
         127.0.0.1:50051). -600 when this store is set up already."""
