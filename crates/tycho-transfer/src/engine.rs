@@ -75,6 +75,20 @@ impl Part<'_> {
     }
 }
 
+/// Same-host replicas that go over TCP: those of holders this process cannot reach by socket,
+/// and segments their holder does not share.
+#[derive(Default)]
+struct NoLocal {
+    endpoints: std::collections::HashSet<String>,
+    segments: std::collections::HashSet<SegmentId>,
+}
+
+impl NoLocal {
+    fn excludes(&self, r: &ReplicaDesc) -> bool {
+        self.endpoints.contains(&r.endpoint) || self.segments.contains(&r.segment)
+    }
+}
+
 /// Moves bytes to and from replicas.
 pub struct TransferEngine {
     host: String,
@@ -85,9 +99,8 @@ pub struct TransferEngine {
     mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
     /// Same-host endpoints whose holder has no local socket this process can reach (another
     /// user's process): their replicas go over TCP.
-    no_local: Mutex<std::collections::HashSet<String>>,
-    /// Same-host segments their holder does not share by mapping (segments over a file).
-    unshared: Mutex<std::collections::HashSet<SegmentId>>,
+    /// And same-host segments their holder does not share by mapping (segments over a file).
+    no_local: Mutex<NoLocal>,
 }
 
 impl TransferEngine {
@@ -108,8 +121,7 @@ impl TransferEngine {
             local,
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
-            no_local: Mutex::new(std::collections::HashSet::new()),
-            unshared: Mutex::new(std::collections::HashSet::new()),
+            no_local: Mutex::new(NoLocal::default()),
         }
     }
 
@@ -120,8 +132,7 @@ impl TransferEngine {
         } else if self.local.get(r.segment).is_some() {
             Transport::Local
         } else if r.host == self.host
-            && !self.no_local.lock().contains(&r.endpoint)
-            && !self.unshared.lock().contains(&r.segment)
+            && !self.no_local.lock().excludes(r)
         {
             Transport::SharedMemory
         } else {
@@ -233,11 +244,11 @@ impl TransferEngine {
         let answer = crate::local::request_mapping(r, write);
         if let Err(TransferError::Remote(ErrorCode::NOT_SUPPORTED)) = answer {
             // The holder does not share this segment (it lies over a file): TCP for it alone.
-            self.unshared.lock().insert(r.segment);
+            self.no_local.lock().segments.insert(r.segment);
             return Ok(None);
         }
         let Some(m) = answer? else {
-            self.no_local.lock().insert(r.endpoint.clone());
+            self.no_local.lock().endpoints.insert(r.endpoint.clone());
             return Ok(None);
         };
         let m = Arc::new(m);
@@ -264,7 +275,7 @@ impl TransferEngine {
     /// Forgets cached peer mappings (a peer restarted and its paths now name other memory).
     pub fn forget_mappings(&self) {
         self.mapped.lock().clear();
-        self.no_local.lock().clear();
+        *self.no_local.lock() = NoLocal::default();
     }
 
     fn tcp(&self, r: &ReplicaDesc, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
