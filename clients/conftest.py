@@ -4,7 +4,10 @@ The master runs on ports the kernel picks and the address is read from the line 
 listening, so no other process can take the port in between.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 import queue
 import subprocess
 import threading
@@ -21,6 +24,13 @@ def _die_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 START_TIMEOUT = 30  # seconds until the master prints its address
+
+# This run's own runtime directory (the master's secret file, the transfer and attach sockets),
+# so that tests never meet sockets of other runs or of the user's own nodes; every process the
+# tests start inherits it.
+_RUNTIME_DIR = tempfile.mkdtemp(prefix="tycho-test-rt-")
+os.environ["TYCHO_RUNTIME_DIR"] = _RUNTIME_DIR
+atexit.register(shutil.rmtree, _RUNTIME_DIR, True)
 
 
 class TychoMaster:

@@ -169,6 +169,14 @@ impl AttachServer {
     }
 }
 
+/// Whether a node of this user listens for attaching processes on `port` (a silent check).
+pub fn listening(port: u16) -> bool {
+    UnixStream::connect(socket_path(port))
+        .ok()
+        .and_then(|s| peer_cred(&s).ok())
+        .is_some_and(|(node_uid, _)| node_uid == uid())
+}
+
 /// Asks the node listening on `port` of this host for what a client of its store needs.
 /// RPC_FAIL when no node of this user listens there; PERMISSION_DENIED from a node of another
 /// user; INVALID_VERSION from a node of another build.

@@ -130,6 +130,11 @@ struct Inner {
     engine: TransferEngine,
     registry: Arc<SegmentRegistry>,
     segments: Mutex<Vec<Segment>>,
+    /// Held while this client's set of segments changes on the masters (a mount, an unmount,
+    /// a remount), so that one never interleaves with another: a remount between a mount's
+    /// listing and its MountSegment would mount a newer incarnation first. Reentrant, because
+    /// a call that finds the client forgotten remounts on the same thread.
+    mounts: parking_lot::ReentrantMutex<()>,
     server: Mutex<Option<TransferServer>>,
     registered: Mutex<Vec<(u64, u64)>>,
     /// Replica lists with the leases granted with them, reused while the lease has more than
@@ -202,7 +207,11 @@ fn shut_down(
     }
     // Open put sessions would block their keys until the discard timeout: revoked first.
     sessions::revoke_all(inner, quick);
-    let segments: Vec<Segment> = std::mem::take(&mut *inner.segments.lock());
+    let segments: Vec<Segment> = {
+        // After any mount in progress (which sees the client closed, or is listed by now).
+        let _mounting = inner.mounts.lock();
+        std::mem::take(&mut *inner.segments.lock())
+    };
     let mut result = Ok(());
     for s in &segments {
         let req = Request::UnmountSegment { client: inner.id, segment: s.desc.id };
@@ -345,6 +354,7 @@ impl Client {
             engine,
             registry,
             segments: Mutex::new(segments),
+            mounts: parking_lot::ReentrantMutex::new(()),
             server: Mutex::new(Some(server)),
             registered: Mutex::new(Vec::new()),
             leases: Mutex::new(HashMap::new()),
@@ -412,6 +422,7 @@ impl Client {
     /// nothing mounted.
     pub fn mount_segment(&self, memory: Arc<Mapping>) -> Result<SegmentDesc, ErrorCode> {
         let inner = &self.inner;
+        let _mounting = inner.mounts.lock();
         if self.is_closed() {
             return Err(ErrorCode::INVALID_PARAMS);
         }
@@ -425,12 +436,16 @@ impl Client {
             incarnation: memory.bump_incarnation(),
         };
         inner.registry.register(desc.id, memory.clone());
-        // Listed before the master hears of it, so that a remount running meanwhile carries it
-        // too (the mount is idempotent).
+        // Listed before the master hears of it, so that a remount the call itself makes (the
+        // master forgot this client) carries it too; the mount of the same incarnation is
+        // idempotent.
         inner.segments.lock().push(Segment { desc: desc.clone(), memory });
         if let Err(e) = inner.call(&Request::MountSegment { client: inner.id, segment: desc.clone() }) {
             inner.segments.lock().retain(|s| s.desc.id != desc.id);
             inner.registry.unregister(desc.id);
+            // Some primary may have taken it (the call fails only when none did, or the answer
+            // was lost): take it back, best effort; the master drops it at expiry otherwise.
+            let _ = inner.call(&Request::UnmountSegment { client: inner.id, segment: desc.id });
             return Err(e);
         }
         tasks::ensure_worker(inner);
@@ -1574,6 +1589,7 @@ impl Inner {
             owners.iter().filter(|o| !mounted.contains(*o)).cloned().collect()
         };
         if !missing.is_empty() {
+            let _mounting = self.mounts.lock();
             let segments: Vec<SegmentDesc> = self.segments.lock().iter().map(|s| s.desc.clone()).collect();
             let again = Request::ReMountSegment { client: self.id, segments };
             for owner in missing {
@@ -1732,15 +1748,20 @@ impl Inner {
 
     /// See [`Client::unmount_segment`].
     fn unmount(&self, id: SegmentId) -> Result<(), ErrorCode> {
-        if !self.segments.lock().iter().any(|s| s.desc.id == id) {
-            return Err(ErrorCode::SEGMENT_NOT_FOUND);
+        let _mounting = self.mounts.lock();
+        {
+            let mut segments = self.segments.lock();
+            let before = segments.len();
+            segments.retain(|s| s.desc.id != id);
+            if segments.len() == before {
+                return Err(ErrorCode::SEGMENT_NOT_FOUND);
+            }
         }
-        let r = self.call(&Request::UnmountSegment { client: self.id, segment: id }).map(|_| ());
-        // Gone from the list whatever the master said: a master that missed the unmount drops
-        // the segment when it next expires or remounts this client, and nothing serves it now.
-        self.segments.lock().retain(|s| s.desc.id != id);
+        // Off the list first, so that no remount brings it back. A master that misses the
+        // unmount drops the segment when it next expires or remounts this client; nothing
+        // serves it from now on.
         self.registry.unregister(id);
-        r
+        self.call(&Request::UnmountSegment { client: self.id, segment: id }).map(|_| ())
     }
 
     /// Mounts every segment again under a new incarnation (the master forgot this client, or
@@ -1748,6 +1769,7 @@ impl Inner {
     /// and writers holding them might otherwise meet the new allocations in the same memory.
     /// Reusable replica lists and peer mappings go too.
     fn remount(&self) -> Result<(), ErrorCode> {
+        let _mounting = self.mounts.lock();
         self.leases.lock().clear();
         self.mounted_on.lock().clear();
         let segments = {

@@ -28,6 +28,16 @@ def _die_with_parent():
 IMPL = os.environ.get("STORE_IMPL", "tycho")
 ROOT = Path(__file__).resolve().parents[3]
 
+if IMPL == "tycho":
+    # This run's own runtime directory (secret file, sockets), inherited by every process the
+    # tests start, so that they never meet another run's.
+    import atexit
+    import tempfile
+
+    _RUNTIME_DIR = tempfile.mkdtemp(prefix="tycho-test-rt-")
+    os.environ["TYCHO_RUNTIME_DIR"] = _RUNTIME_DIR
+    atexit.register(shutil.rmtree, _RUNTIME_DIR, True)
+
 if IMPL == "mooncake":
     import mooncake.store as store_module
 elif IMPL == "tycho":

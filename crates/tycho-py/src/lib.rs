@@ -1462,7 +1462,6 @@ impl Store {
     }
 }
 
-/// Parses `"16MB"`, `"1 GiB"`, `1048576`.
 /// The dict `mount_segment` (and, with `with_size`, `allocate_and_mount_segment`) returns.
 fn mount_answer<'py>(
     py: Python<'py>,
@@ -1487,6 +1486,7 @@ fn parse_segment_id(s: &str) -> Option<tycho_proto::SegmentId> {
     (s.len() == 32).then(|| u128::from_str_radix(s, 16).ok()).flatten().map(tycho_proto::SegmentId)
 }
 
+/// Parses `"16MB"`, `"1 GiB"`, `1048576`.
 #[pyfunction]
 fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     if let Ok(n) = value.extract::<u64>() {

@@ -1,7 +1,10 @@
 """Fixtures: a real `tycho master` process on a free loopback port, and stores set up
 against it."""
 
+import atexit
 import os
+import shutil
+import tempfile
 import subprocess
 import queue
 import threading
@@ -13,6 +16,13 @@ import pytest
 from tycho.store import MooncakeDistributedStore
 
 ROOT = Path(__file__).resolve().parents[3]
+
+# This run's own runtime directory (the master's secret file, the transfer and attach sockets),
+# so that tests never meet sockets of other runs or of the user's own nodes; every process the
+# tests start inherits it.
+_RUNTIME_DIR = tempfile.mkdtemp(prefix="tycho-test-rt-")
+os.environ["TYCHO_RUNTIME_DIR"] = _RUNTIME_DIR
+atexit.register(shutil.rmtree, _RUNTIME_DIR, True)
 
 
 def _tycho_bin():

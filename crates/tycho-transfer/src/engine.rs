@@ -131,9 +131,7 @@ impl TransferEngine {
             Transport::Tcp
         } else if self.local.get(r.segment).is_some() {
             Transport::Local
-        } else if r.host == self.host
-            && !self.no_local.lock().excludes(r)
-        {
+        } else if r.host == self.host && !self.no_local.lock().excludes(r) {
             Transport::SharedMemory
         } else {
             Transport::Tcp

@@ -105,6 +105,9 @@ pub struct Mapping {
     /// Whether peers may map it: not when the data lives in a file a user named (the file
     /// could be truncated under them; only the memfd is sealed), see [`Mapping::over_file`].
     shareable: bool,
+    /// For a segment over a file: the file, open as long as the segment lives, which holds the
+    /// lock on its range.
+    _file: Option<std::fs::File>,
 }
 
 // SAFETY: the mapping is plain shared memory; concurrent access to disjoint ranges is the
@@ -139,6 +142,24 @@ impl Mapping {
                 "{len} bytes at {offset} do not fit in a file of {file_len} bytes"
             )));
         }
+        // One segment per range of a file: a second mount of the same bytes (in this process or
+        // another) would hand them out twice. An open-file-description lock, held as long as the
+        // segment keeps the file open, refuses it.
+        // SAFETY: a zeroed flock is a valid value; the fields set below describe the range.
+        let mut range: libc::flock = unsafe { std::mem::zeroed() };
+        range.l_type = libc::F_WRLCK as libc::c_short;
+        range.l_whence = libc::SEEK_SET as libc::c_short;
+        range.l_start = offset as libc::off_t;
+        range.l_len = len as libc::off_t;
+        let file = file.try_clone()?;
+        // SAFETY: fcntl on an owned fd with a valid flock.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &range) } != 0 {
+            return Err(TransferError::InvalidRange(format!(
+                "bytes {offset}..{} of the file are locked (another segment's?): {}",
+                offset + len as u64,
+                std::io::Error::last_os_error()
+            )));
+        }
         let (fd, total, gen_off, block_shift) = Self::sealed_memfd(name, len)?;
         // The memfd's data pages are never touched (the file is mapped over them), so it is
         // mapped without pre-faulting.
@@ -158,10 +179,25 @@ impl Mapping {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(TransferError::Io(std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            // A failed MAP_FIXED may have unmapped the range already: cover it again, so that
+            // no other mapping of this process can land there before the drop unmaps it.
+            // SAFETY: the range is our own mapping's, as above.
+            unsafe {
+                libc::mmap(
+                    m.ptr.cast(),
+                    data_len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            return Err(TransferError::Io(e));
         }
         m.write_header();
         m.shareable = false;
+        m._file = Some(file);
         Ok(m)
     }
 
@@ -309,6 +345,7 @@ impl Mapping {
             owner: None,
             fd,
             shareable: true,
+            _file: None,
         })
     }
 
@@ -720,6 +757,20 @@ mod tests {
         assert!(!m.is_shareable());
         assert_eq!(m.fd_for_peer(false).unwrap_err().kind(), std::io::ErrorKind::Unsupported);
         assert_eq!(m.fd_for_peer(true).unwrap_err().kind(), std::io::ErrorKind::Unsupported);
+        // The same bytes cannot become a second segment, even through another open of the file;
+        // other bytes of it can, and the range is free again once the segment is gone.
+        let again = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .unwrap();
+        assert!(matches!(Mapping::over_file("t", &again, PAGE as u64, PAGE), Err(TransferError::InvalidRange(_))));
+        let first_page = Mapping::over_file("t", &again, 0, PAGE).unwrap();
+        // The lock lives as long as the file stays open, by the segment or by whoever opened it.
+        drop(m);
+        drop(file);
+        Mapping::over_file("t", &again, PAGE as u64, PAGE).unwrap();
+        drop(first_page);
     }
 
     #[test]

@@ -507,3 +507,40 @@ fn same_host_mappings_need_a_grant_and_fall_back_to_tcp_without_a_socket() {
     assert_eq!(other.local_mappings(), 0);
     assert_eq!(other.transport_for(&rw), Transport::Tcp);
 }
+
+/// A segment over a file is never handed to same-host peers: its holder answers their mapping
+/// request NOT_SUPPORTED, and they read and write it over TCP (with their grant) from then on,
+/// while the holder's memfd segments are still mapped.
+#[test]
+fn a_segment_over_a_file_is_reached_over_tcp_on_the_same_host() {
+    let path = std::env::temp_dir().join(format!("tycho-transfer-file-{}", std::process::id()));
+    let file = std::fs::File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file.set_len(1 << 20).unwrap();
+    let p = peer(1 << 20);
+    let over_file = Arc::new(Mapping::over_file("test-file", &file, 0, 1 << 20).unwrap());
+    p.registry.register(SegmentId(2), over_file.clone());
+    let inc = over_file.incarnation();
+    let on_file = ReplicaDesc {
+        cap: grant_on(2, inc, 0, 4096, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1),
+        segment: SegmentId(2),
+        incarnation: inc,
+        ..replica(&p, 0, 4096, "here")
+    };
+    let e = engine("here", false);
+    assert_eq!(e.transport_for(&on_file), Transport::SharedMemory, "tried first, as for any same-host peer");
+    e.write(&on_file, 0, &pattern(4096, 9)).unwrap();
+    assert_eq!(e.local_mappings(), 0, "nothing mapped");
+    assert_eq!(e.transport_for(&on_file), Transport::Tcp);
+    let mut out = vec![0u8; 4096];
+    e.read(&on_file, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(4096, 9));
+    let mut in_file = vec![0u8; 4096];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut in_file, 0).unwrap();
+    assert_eq!(in_file, pattern(4096, 9), "the bytes are the file's");
+    // The holder's memfd segment is still shared by mapping.
+    let on_memfd = replica(&p, 0, 4096, "here");
+    e.write(&on_memfd, 0, &pattern(4096, 3)).unwrap();
+    assert_eq!(e.local_mappings(), 1);
+    assert_eq!(e.transport_for(&on_memfd), Transport::SharedMemory);
+}

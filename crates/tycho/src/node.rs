@@ -28,8 +28,9 @@ pub struct NodeArgs {
     /// Where Python processes of this user on this host attach to the node with
     /// `setup_dummy(..., server_address="127.0.0.1:PORT")` (Mooncake's real-client port): a
     /// Unix socket named after the port in the runtime directory, not a TCP port. 0: none.
-    #[arg(long, default_value_t = tycho_client::attach::DEFAULT_PORT)]
-    pub port: u16,
+    /// (Default 50052: a node then does without when it cannot listen there.)
+    #[arg(long)]
+    pub port: Option<u16>,
     /// Accepted for `mooncake_client` command lines, and ignored: Tycho has no metadata server
     /// and picks its transports itself.
     #[arg(long = "metadata_server", hide = true)]
@@ -82,21 +83,26 @@ pub fn run(args: NodeArgs) -> i32 {
         }
     };
     // Python processes attach here (Mooncake's dummy clients). The port names a socket that only
-    // processes of this user can reach; a node already listening on it keeps it.
-    let _attach = if args.port == 0 {
+    // processes of this user can reach; a node already listening on it keeps it. Failing to
+    // listen is fatal only for a port given explicitly.
+    let port = args.port.unwrap_or(tycho_client::attach::DEFAULT_PORT);
+    let _attach = if port == 0 {
         None
-    } else if tycho_client::attach::attach(args.port).is_ok() {
+    } else if tycho_client::attach::listening(port) {
         eprintln!(
-            "warning: another tycho node of this user listens for attaching processes on port {}; \
-             this one does not (give it --port)",
-            args.port
+            "warning: another tycho node of this user listens for attaching processes on port {port}; \
+             this one does not (give it --port)"
         );
         None
     } else {
-        match tycho_client::attach::AttachServer::serve(args.port, client.attach_info()) {
+        match tycho_client::attach::AttachServer::serve(port, client.attach_info()) {
             Ok(s) => Some(s),
+            Err(e) if args.port.is_none() => {
+                eprintln!("warning: cannot listen for attaching processes on port {port}: {e}");
+                None
+            }
             Err(e) => {
-                eprintln!("error: cannot listen for attaching processes on port {}: {e}", args.port);
+                eprintln!("error: cannot listen for attaching processes on port {port}: {e}");
                 let _ = client.close();
                 return 1;
             }
@@ -106,7 +112,7 @@ pub fn run(args: NodeArgs) -> i32 {
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
     if _attach.is_some() {
-        println!("tycho node: processes of this user attach with setup_dummy(..., \"127.0.0.1:{}\")", args.port);
+        println!("tycho node: processes of this user attach with setup_dummy(..., \"127.0.0.1:{port}\")");
     }
     rt.block_on(signals.wait());
     println!("tycho node: served {} reads over TCP", client.reads_served());

@@ -36,10 +36,10 @@ class _Region:
 
 
 class BufferLeaseView:
-    """The exporter behind a lease's ``buffer``: holds the lease while a view is alive."""
+    """What a lease's ``buffer`` is a view of, with its own ``buffer`` property (Mooncake's
+    lease views). The memory under it stays the lease's while any view of it is alive."""
 
-    def __init__(self, lease, array):
-        self._lease = lease
+    def __init__(self, array):
         self._array = array
 
     @property
@@ -49,13 +49,16 @@ class BufferLeaseView:
 
 class BufferLease:
     """``size`` bytes at ``ptr`` inside a registered region, until ``release()`` (or the end of
-    a ``with`` block, or garbage collection)."""
+    a ``with`` block, or garbage collection once no view of it is left)."""
 
     def __init__(self, pool, region, size):
         self._pool = pool
         self._region = region
         self._size = size
-        self._views = []
+        # The ctypes arrays behind this lease's views. Each holds the lease (so the region
+        # cannot go back to the pool under a live view, even if the lease object is dropped);
+        # the lease holds them weakly, to refuse release() while one lives.
+        self._arrays = []
 
     @property
     def size(self):
@@ -74,23 +77,14 @@ class BufferLease:
     def buffer(self):
         """A writable ``memoryview`` of the lease's ``size`` bytes."""
         region = self._open_region()
-        array = (ctypes.c_ubyte * self._size).from_address(region.ptr) if self._size else bytearray()
-        view = BufferLeaseView(self, array).buffer
-        self._views.append(weakref.ref(view))
-        return view
+        array = (ctypes.c_ubyte * self._size).from_address(region.ptr)
+        array._lease = self
+        self._arrays = [a for a in self._arrays if a() is not None]
+        self._arrays.append(weakref.ref(array))
+        return BufferLeaseView(array).buffer
 
     def _views_alive(self):
-        alive = False
-        for ref in self._views:
-            v = ref()
-            if v is None:
-                continue
-            try:
-                v.obj  # raises once the view was released
-                alive = True
-            except ValueError:
-                pass
-        return alive
+        return any(a() is not None for a in self._arrays)
 
     def release(self):
         """Gives the region back to the pool; a second call does nothing. Refused while a
@@ -181,8 +175,8 @@ class BufferPool:
         _libc.free(region.ptr)
 
     def _room_for(self, cls):
-        """Under the lock: frees idle regions of other classes until ``cls`` more bytes fit;
-        whether they do. Returns the regions to drop outside the lock."""
+        """Under the lock: takes idle regions off the free lists until ``cls`` more bytes fit.
+        Returns whether they do, and the regions taken, for the caller to drop outside it."""
         dropped = []
         for other in list(self._free):
             while self._held + cls > self._capacity and self._free[other]:
@@ -205,31 +199,33 @@ class BufferPool:
             raise RuntimeError("requested buffer size exceeds pool capacity")
         oversize = size > self._max_class
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise RuntimeError("buffer pool is closed")
-                if self._max_regions is None or self._leased < self._max_regions:
-                    if not oversize and self._free.get(cls):
-                        region = self._free[cls].pop()
-                        self._leased += 1
-                        return BufferLease(self, region, size)
-                    fits, dropped = self._room_for(cls)
-                    if fits:
-                        self._held += cls
-                        self._leased += 1
-                        break
-                    for r in dropped:
-                        self._drop_region(r)
-                if not block:
-                    raise RuntimeError("buffer pool is exhausted")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RuntimeError("timed out waiting for buffer")
-                self._lock.wait(left)
+        dropped = []  # idle regions let go to make room: unregistered outside the lock
         try:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        raise RuntimeError("buffer pool is closed")
+                    if self._max_regions is None or self._leased < self._max_regions:
+                        if not oversize and self._free.get(cls):
+                            region = self._free[cls].pop()
+                            self._leased += 1
+                            return BufferLease(self, region, size)
+                        fits, let_go = self._room_for(cls)
+                        dropped.extend(let_go)
+                        if fits:
+                            self._held += cls
+                            self._leased += 1
+                            break
+                    if not block:
+                        raise RuntimeError("buffer pool is exhausted")
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise RuntimeError("timed out waiting for buffer")
+                    self._lock.wait(left)
+        finally:
             for r in dropped:
                 self._drop_region(r)
+        try:
             region = self._new_region(cls)
         except BaseException:
             with self._lock:
@@ -277,7 +273,12 @@ class BufferPool:
                     self._held -= cls
                 raise
             with self._lock:
-                self._free.setdefault(cls, []).append(region)
+                closed = self._closed
+                if not closed:
+                    self._free.setdefault(cls, []).append(region)
+            if closed:
+                self._drop_region(region)
+                raise RuntimeError("buffer pool is closed")
 
     def close(self):
         """Unregisters and frees every region; refused while leases are out. Idempotent."""

@@ -20,6 +20,7 @@ store each shard under its own key with a shard header, and a 96-byte manifest
 (magic 0x574D414E) under ``KEY__parallelism_manifest`` or ``KEY__writer_manifest``.
 """
 
+import copy
 import ctypes
 import struct
 
@@ -146,7 +147,7 @@ class _Encoded:
 def _encode(tensor, layout=LAYOUT_FULL, global_shape=None, axes=()):
     """``tensor`` (on the CPU) as header and bytes; None for what cannot be stored."""
     torch = _torch()
-    if not _is_tensor(tensor) or getattr(tensor, "is_cuda", False):
+    if not _is_tensor(tensor) or tensor.device.type != "cpu" or tensor.layout != torch.strided:
         return None
     code = _dtype_code(torch, tensor.dtype)
     if code is None or tensor.dim() > MAX_DIMS:
@@ -576,7 +577,26 @@ class TensorMethods:
             return self.get_tensor(key) if not axes else None
         if mode == "full":
             # With a parallelism, from the shards of its layout; without, from a writer's parts.
-            return self._rebuild(key, "parallelism" if axes else "writer")
+            if not axes:
+                return self._rebuild(key, "writer")
+            if not _axes_valid(axes):
+                return None
+            kinds = [a.kind.lower() for a in axes]
+            if kinds == ["tp"]:
+                return self._rebuild(key, "parallelism")
+            if "tp" not in kinds:
+                return self.get_tensor(key + _suffix(axes))
+            # Several axes: this layout's shards of every tp rank, the others as given.
+            i = kinds.index("tp")
+            names = []
+            for r in range(axes[i].size):
+                shard_axes = [copy.copy(a) for a in axes]
+                shard_axes[i].rank = r
+                names.append(key + _suffix(shard_axes))
+            shards = self.batch_get_tensor(names)
+            if any(t is None for t in shards):
+                return None
+            return _torch().cat(shards, dim=axes[i].split_dim)
         if mode != "shard" or not _axes_valid(axes):
             return None
         kinds = [a.kind.lower() for a in axes]
