@@ -1043,10 +1043,15 @@ pub fn run_up(args: UpArgs) -> i32 {
             return 1;
         }
     };
+    // Python processes of this user attach to the store here (`setup_dummy`), as to a node.
+    let attach = crate::node::listen_for_attaching(&node, None).unwrap_or(None);
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho up");
     println!("  master RPC     {master_addr}");
     println!("  node segment   {} bytes, transfer server {}", args.segment_size, node.hostname());
+    if let Some((_, port)) = &attach {
+        println!("  attach         setup_dummy(..., \"127.0.0.1:{port}\") from this user's processes");
+    }
     println!("  admin HTTP     http://{}  (/readyz /livez /metrics)", admin.local_addr());
     match self_check(&master_addr, &auth) {
         Ok(line) => println!("  self-check     {line}"),

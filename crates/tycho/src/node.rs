@@ -82,36 +82,18 @@ pub fn run(args: NodeArgs) -> i32 {
             return 1;
         }
     };
-    // Python processes attach here (Mooncake's dummy clients). The port names a socket that only
-    // processes of this user can reach; a node already listening on it keeps it. Failing to
-    // listen is fatal only for a port given explicitly.
-    let port = args.port.unwrap_or(tycho_client::attach::DEFAULT_PORT);
-    let _attach = if port == 0 {
-        None
-    } else if tycho_client::attach::listening(port) {
-        eprintln!(
-            "warning: another tycho node of this user listens for attaching processes on port {port}; \
-             this one does not (give it --port)"
-        );
-        None
-    } else {
-        match tycho_client::attach::AttachServer::serve(port, client.attach_info()) {
-            Ok(s) => Some(s),
-            Err(e) if args.port.is_none() => {
-                eprintln!("warning: cannot listen for attaching processes on port {port}: {e}");
-                None
-            }
-            Err(e) => {
-                eprintln!("error: cannot listen for attaching processes on port {port}: {e}");
-                let _ = client.close();
-                return 1;
-            }
+    let attach = match listen_for_attaching(&client, args.port) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let _ = client.close();
+            return 1;
         }
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
-    if _attach.is_some() {
+    if let Some((_, port)) = &attach {
         println!("tycho node: processes of this user attach with setup_dummy(..., \"127.0.0.1:{port}\")");
     }
     rt.block_on(signals.wait());
@@ -125,6 +107,35 @@ pub fn run(args: NodeArgs) -> i32 {
             eprintln!("error: unmount failed: {e}");
             1
         }
+    }
+}
+
+/// Where Python processes of this user attach to `client`'s store (Mooncake's dummy clients,
+/// `setup_dummy`): the socket of `port`, by default 50052. The port names a socket only processes
+/// of this user can reach; a node already listening there keeps it (`None`, with a warning).
+/// Failing to listen is an error only for a port given explicitly; 0 is none.
+pub fn listen_for_attaching(
+    client: &Client,
+    port: Option<u16>,
+) -> Result<Option<(tycho_client::attach::AttachServer, u16)>, String> {
+    let p = port.unwrap_or(tycho_client::attach::DEFAULT_PORT);
+    if p == 0 {
+        return Ok(None);
+    }
+    if tycho_client::attach::listening(p) {
+        eprintln!(
+            "warning: another tycho node of this user listens for attaching processes on port {p}; \
+             this one does not (give it --port)"
+        );
+        return Ok(None);
+    }
+    match tycho_client::attach::AttachServer::serve(p, client.attach_info()) {
+        Ok(s) => Ok(Some((s, p))),
+        Err(e) if port.is_none() => {
+            eprintln!("warning: cannot listen for attaching processes on port {p}: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(format!("cannot listen for attaching processes on port {p}: {e}")),
     }
 }
 
