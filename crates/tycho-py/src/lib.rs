@@ -486,6 +486,24 @@ impl Store {
         self.client.read().clone().ok_or(ErrorCode::UNAVAILABLE_IN_CURRENT_STATUS)
     }
 
+    /// Runs `f` on this store's client with `keys`, off the GIL, for one answer per key (every
+    /// key the store's own error when it is not set up).
+    fn per_key(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        f: impl FnOnce(&Client, &[&str]) -> Vec<i64> + Send,
+    ) -> Vec<i64> {
+        let c = match self.client() {
+            Ok(c) => c,
+            Err(e) => return vec![code(e); keys.len()],
+        };
+        py.allow_threads(|| {
+            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            f(&c, &ks)
+        })
+    }
+
     /// Connects with `cfg`, replacing (and closing) any earlier connection. 0 or a negative code.
     fn install(&self, py: Python<'_>, cfg: ClientConfig) -> i64 {
         let previous = self.client.write().take();
@@ -1140,52 +1158,24 @@ impl Store {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         let cfg = wire_config(config);
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.put_session_start(&ks, &sizes, &cfg).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
-        })
+        self.per_key(py, &keys, |c, ks| c.put_session_start(ks, &sizes, &cfg).into_iter().map(status).collect())
     }
 
     /// Ends put sessions: bytes no ranged write covered are zeros, the objects become
     /// readable. Per key 0 or a negative code (INVALID_PARAMS for a key without a session).
     fn batch_put_session_end(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.put_session_end(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
-        })
+        self.per_key(py, &keys, |c, ks| c.put_session_end(ks).into_iter().map(status).collect())
     }
 
     /// Revokes put sessions: nothing is committed. Per key 0 or INVALID_PARAMS (no session).
     fn batch_put_session_revoke(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.put_session_revoke(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
-        })
+        self.per_key(py, &keys, |c, ks| c.put_session_revoke(ks).into_iter().map(status).collect())
     }
 
     /// Starts a get session: asks for the replicas of `keys` once; this store's reads reuse
     /// them while their lease allows. Per key 0 or a negative code (OBJECT_NOT_FOUND).
     fn batch_get_session_start(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.get_session_start(&ks).into_iter().map(|r| r.map_or_else(code, |()| 0)).collect()
-        })
+        self.per_key(py, &keys, |c, ks| c.get_session_start(ks).into_iter().map(status).collect())
     }
 
     /// Ends a get session: the next reads of `keys` ask the master. 0.
@@ -1334,13 +1324,8 @@ impl Store {
 
     /// `is_exist` for many keys.
     fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.exists_batch(&ks).into_iter().map(|r| r.map_or_else(code, i64::from)).collect()
+        self.per_key(py, &keys, |c, ks| {
+            c.exists_batch(ks).into_iter().map(|r| r.map_or_else(code, i64::from)).collect()
         })
     }
 
@@ -1364,14 +1349,7 @@ impl Store {
     /// Removes many keys; one code per key.
     #[pyo3(signature = (keys, force = false))]
     fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
-        let c = match self.client() {
-            Ok(c) => c,
-            Err(e) => return vec![code(e); keys.len()],
-        };
-        py.allow_threads(|| {
-            let ks: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-            c.remove_batch(&ks, force).into_iter().map(status).collect()
-        })
+        self.per_key(py, &keys, |c, ks| c.remove_batch(ks, force).into_iter().map(status).collect())
     }
 
     /// Removes every key matching `regex` (searched anywhere in the key, as Mooncake does);
