@@ -156,6 +156,11 @@ impl NodeProc {
         cmd.args(["node", "--master", master, "--segment-size", size, "--local-hostname", "127.0.0.1:0"])
             .args(extra)
             .envs(env.iter().copied());
+        // No socket for attaching processes unless the test asks for one: test nodes run side
+        // by side and must not take the default port from each other (or from the user's node).
+        if !extra.contains(&"--port") {
+            cmd.args(["--port", "0"]);
+        }
         let mut proc = Proc::spawn(&mut cmd).expect("spawn tycho node");
         let line = proc.wait_line("tycho node serving ", STARTUP).expect("tycho node starts");
         // "<bytes> bytes at <host:port> (master <addr>)"

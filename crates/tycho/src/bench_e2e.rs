@@ -377,7 +377,7 @@ impl Cluster {
         let node_bytes = (held + held / 4).to_string();
         let node = ChildGuard(
             Command::new(&exe)
-                .args(["node", "--master", &master, "--segment-size", &node_bytes])
+                .args(["node", "--master", &master, "--segment-size", &node_bytes, "--port", "0"])
                 .args(flag)
                 .stdout(Stdio::null())
                 .spawn()

@@ -74,7 +74,7 @@ fn fill_one(args: &BenchFillArgs, size: usize) -> Result<(u64, u64), String> {
     wait_for_port(port, "master")?;
     let _n = ChildGuard(
         Command::new(&exe)
-            .args(["node", "--master", &master, "--segment-size", &args.segment_size])
+            .args(["node", "--master", &master, "--segment-size", &args.segment_size, "--port", "0"])
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?,

@@ -155,7 +155,7 @@ impl Node {
         let segment = (size * 4).max(16 << 20).to_string();
         let mut child = ChildGuard(
             Command::new(exe)
-                .args(["node", "--master", master, "--segment-size", &segment, "--host-id", host])
+                .args(["node", "--master", master, "--segment-size", &segment, "--host-id", host, "--port", "0"])
                 .args(["--max-serve-rate", &rate.to_string(), "--protocol", "tcp"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())

@@ -79,12 +79,7 @@ impl Cluster {
 
     /// [`Cluster::client`] with its settings changed by `f`.
     fn client_with(&self, master: &str, f: impl FnOnce(&mut ClientConfig)) -> Client {
-        let mut cfg = ClientConfig::new(master);
-        cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(&self.secret).unwrap()));
-        cfg.segment_size = 0;
-        cfg.protocol = Protocol::Tcp;
-        f(&mut cfg);
-        Client::connect(cfg).unwrap()
+        client_of(master, &self.secret, f)
     }
 
     /// Four masters of a G = 4 cluster, each the primary of one group.
@@ -99,6 +94,17 @@ impl Cluster {
         });
         masters
     }
+}
+
+/// A client of `master` holding the secret in file `secret`, with no segment, over TCP, with
+/// its settings then changed by `f`.
+fn client_of(master: &str, secret: &std::path::Path, f: impl FnOnce(&mut ClientConfig)) -> Client {
+    let mut cfg = ClientConfig::new(master);
+    cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(secret).unwrap()));
+    cfg.segment_size = 0;
+    cfg.protocol = Protocol::Tcp;
+    f(&mut cfg);
+    Client::connect(cfg).unwrap()
 }
 
 /// The first `n` keys `prefix{i}` (default tenant) of group `rank` of `groups`.
@@ -997,12 +1003,7 @@ impl Alone {
 
     /// [`Alone::client`] with its settings changed by `f`.
     fn client_with(&self, f: impl FnOnce(&mut ClientConfig)) -> Client {
-        let mut cfg = ClientConfig::new(&self.master.rpc);
-        cfg.auth = ClientAuth::Secret(std::sync::Arc::new(tycho_proto::auth::files::load(&self.secret).unwrap()));
-        cfg.segment_size = 0;
-        cfg.protocol = Protocol::Tcp;
-        f(&mut cfg);
-        Client::connect(cfg).unwrap()
+        client_of(&self.master.rpc, &self.secret, f)
     }
 
     /// `tycho <args>` against the master, with the cluster secret.
