@@ -683,6 +683,11 @@ impl Store {
         self.unmount_segment(py, segment_ids, grace_period_seconds)
     }
 
+    /// Whether `[ptr, ptr + size)` lies inside one buffer registered with this store.
+    fn _is_registered(&self, ptr: u64, size: u64) -> bool {
+        self.client.read().as_ref().is_some_and(|c| c.is_registered(ptr, size))
+    }
+
     /// Whether `setup` (or `setup_dummy`) connected this store and it is not closed.
     fn _is_set_up(&self) -> bool {
         self.client.read().is_some()

@@ -281,10 +281,9 @@ class TensorMethods:
             unpack_header(ctypes.string_at(buffer_ptr, HEADER_SIZE), size)
         except HeaderError:
             return _INVALID_PARAMS
-        rc = self._write_from(key, buffer_ptr, size, config, upsert)
-        if rc == _INVALID_PARAMS:  # not in a registered buffer: through a copy
-            rc = self._write(key, memoryview(_memory_at(buffer_ptr, size)).cast("B"), config, upsert)
-        return rc
+        if self._is_registered(buffer_ptr, size):
+            return self._write_from(key, buffer_ptr, size, config, upsert)
+        return self._write(key, memoryview(_memory_at(buffer_ptr, size)).cast("B"), config, upsert)
 
     def put_tensor_from(self, key, buffer_ptr, size):
         return self._put_tensor_from(key, buffer_ptr, size, None, False)
@@ -316,8 +315,9 @@ class TensorMethods:
         """Reads ``key`` into ``size`` bytes at ``buffer_ptr`` (header then data); returns a
         tensor over the data there, or None (missing key, too small a buffer, not a tensor)."""
         _torch()
-        n = self.get_into(key, buffer_ptr, size)
-        if n == _INVALID_PARAMS:  # not in a registered buffer: through a copy
+        if self._is_registered(buffer_ptr, size):
+            n = self.get_into(key, buffer_ptr, size)
+        else:  # through a copy
             buf = self.get_buffer(key)
             if buf is None or len(buf) > size:
                 return None
