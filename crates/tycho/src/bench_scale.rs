@@ -48,6 +48,15 @@ struct Setup {
     targets: Vec<Share>,
 }
 
+/// Counters read around a round: etcd's unary requests by gRPC method, the masters' committed
+/// log batches and their commit times added up (seconds).
+#[derive(Default)]
+struct Counters {
+    etcd: BTreeMap<String, f64>,
+    batches: f64,
+    commit_secs: f64,
+}
+
 /// What one round of one workload on one setup measured.
 struct Round {
     ops: u64,
@@ -58,6 +67,8 @@ struct Round {
     etcd: BTreeMap<String, f64>,
     /// Log batches the setup's masters committed during the round.
     batches: f64,
+    /// Their commit times added up (each batch of a shared transaction counts it), seconds.
+    commit_secs: f64,
 }
 
 impl Round {
@@ -66,6 +77,19 @@ impl Round {
     }
     fn ops_per_sec(&self) -> f64 {
         self.ops as f64 / self.secs
+    }
+    /// The masters' CPU use over the round, in cores: well under what the masters could use
+    /// means they waited (on etcd, or on the load generator) rather than worked.
+    fn cores(&self) -> f64 {
+        self.cpu / self.secs.max(1e-9)
+    }
+    /// Mean time to commit one log batch, milliseconds (0 without a log).
+    fn commit_ms(&self) -> f64 {
+        if self.batches > 0.0 {
+            self.commit_secs / self.batches * 1e3
+        } else {
+            0.0
+        }
     }
 }
 
@@ -150,14 +174,15 @@ fn etcd_requests(etcd: &str) -> Result<BTreeMap<String, f64>, String> {
     Ok(scrape(&page, "grpc_server_started_total", "grpc_method", |l| l.contains("grpc_type=\"unary\"")))
 }
 
-/// Log batches the masters committed so far.
-fn batches(procs: &[Proc]) -> Result<f64, String> {
-    let mut n = 0.0;
+/// Log batches the masters committed so far, and their commit times added up (seconds).
+fn batches(procs: &[Proc]) -> Result<(f64, f64), String> {
+    let (mut n, mut secs) = (0.0, 0.0);
     for p in procs {
         let page = crate::admin::http_get(&p.admin, "/metrics")?;
         n += scrape(&page, "tycho_oplog_batches_total", "", |_| true).values().sum::<f64>();
+        secs += scrape(&page, "tycho_oplog_commit_seconds_sum", "", |_| true).values().sum::<f64>();
     }
-    Ok(n)
+    Ok((n, secs))
 }
 
 /// Waits (bounded) until the route table of the cluster behind `procs[0]` names a primary for
@@ -216,10 +241,13 @@ impl Setup {
         owner: ClientId,
         etcd: Option<&str>,
     ) -> Result<Round, String> {
-        let counted = |etcd: Option<&str>| -> Result<(BTreeMap<String, f64>, f64), String> {
+        let counted = |etcd: Option<&str>| -> Result<Counters, String> {
             match etcd {
-                Some(e) => Ok((etcd_requests(e)?, batches(&self.procs)?)),
-                None => Ok((BTreeMap::new(), 0.0)),
+                Some(e) => {
+                    let (batches, commit_secs) = batches(&self.procs)?;
+                    Ok(Counters { etcd: etcd_requests(e)?, batches, commit_secs })
+                }
+                None => Ok(Counters::default()),
             }
         };
         let local = tokio::task::LocalSet::new();
@@ -265,12 +293,13 @@ impl Setup {
                 crate::bench_master::remove_written(&p.addr, w).await?;
             }
         }
-        let mut etcd_diff = after.0.clone();
+        let mut etcd_diff = after.etcd.clone();
         for (k, v) in etcd_diff.iter_mut() {
-            *v -= before.0.get(k).copied().unwrap_or(0.0);
+            *v -= before.etcd.get(k).copied().unwrap_or(0.0);
         }
         etcd_diff.retain(|_, v| *v > 0.0);
-        Ok(Round { ops, secs, cpu, etcd: etcd_diff, batches: after.1 - before.1 })
+        let (batches, commit_secs) = (after.batches - before.batches, after.commit_secs - before.commit_secs);
+        Ok(Round { ops, secs, cpu, etcd: etcd_diff, batches, commit_secs })
     }
 }
 
@@ -300,7 +329,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
         b.prepare(ob, &alive).await?;
         let mut worst = f64::INFINITY;
         println!(
-            "{:<12} {:>13} {:>13} {:>7} {:>13}   {:>11} {:>11} {:>7}   etcd requests per round, mean ({})",
+            "{:<12} {:>13} {:>13} {:>7} {:>13}   {:>11} {:>11} {:>7}   {:>11}   etcd requests per round, mean ({})",
             "workload",
             format!("{} /cpu-s", a.name),
             format!("{} /cpu-s", b.name),
@@ -309,6 +338,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
             format!("{} ops/s", a.name),
             format!("{} ops/s", b.name),
             "ratio",
+            "cores",
             a.name
         );
         for w in &args.workloads {
@@ -318,14 +348,19 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                 let y = || b.round(w, args, ob, etcd);
                 let (x, y) = paired(round, x, y).await?;
                 eprintln!(
-                    "  {w} round {}: {} {:.0} ops/s, {:.0} per cpu-s; {} {:.0} ops/s, {:.0} per cpu-s; etcd {:?}, batches {}",
+                    "  {w} round {}: {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms; \
+                     {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms; etcd {:?}, batches {}",
                     round + 1,
                     a.name,
                     x.ops_per_sec(),
                     x.per_cpu_second(),
+                    x.cores(),
+                    x.commit_ms(),
                     b.name,
                     y.ops_per_sec(),
                     y.per_cpu_second(),
+                    y.cores(),
+                    y.commit_ms(),
                     x.etcd,
                     x.batches
                 );
@@ -352,15 +387,26 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                     .map(|(k, v)| format!("{k} {:.0}", v.iter().sum::<f64>() / ra.len() as f64))
                     .collect();
                 let b = ra.iter().map(|r| r.batches).sum::<f64>() / ra.len() as f64;
-                format!("{}; log batches {b:.0}", if methods.is_empty() { "none".into() } else { methods.join(", ") })
+                let commits = if b > 0.0 {
+                    let ms = |rs: &[Round]| median(rs.iter().map(Round::commit_ms).collect());
+                    format!("; commit {:.2} / {:.2} ms", ms(&ra), ms(&rb))
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{}; log batches {b:.0}{commits}",
+                    if methods.is_empty() { "none".into() } else { methods.join(", ") }
+                )
             };
             println!(
-                "{w:<12} {:>13.0} {:>13.0} {m:>7.3} {lo:>6.3}..{hi:<6.3}   {:>11.0} {:>11.0} {:>7.3}   {etcd_text}",
+                "{w:<12} {:>13.0} {:>13.0} {m:>7.3} {lo:>6.3}..{hi:<6.3}   {:>11.0} {:>11.0} {:>7.3}   {:>4.2} / {:<4.2}   {etcd_text}",
                 median(ra.iter().map(Round::per_cpu_second).collect()),
                 median(rb.iter().map(Round::per_cpu_second).collect()),
                 median(ra.iter().map(Round::ops_per_sec).collect()),
                 median(rb.iter().map(Round::ops_per_sec).collect()),
                 median(tput),
+                median(ra.iter().map(Round::cores).collect()),
+                median(rb.iter().map(Round::cores).collect()),
             );
         }
         Ok::<f64, String>(worst)
