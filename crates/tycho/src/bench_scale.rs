@@ -48,13 +48,26 @@ struct Setup {
     targets: Vec<Share>,
 }
 
-/// Counters read around a round: etcd's unary requests by gRPC method, the masters' committed
-/// log batches and their commit times added up (seconds).
+/// Counters read before and after a round, and their difference over it: etcd's unary requests
+/// by gRPC method, the masters' committed log batches and their commit times added up (each
+/// batch of a shared transaction counts it), seconds.
 #[derive(Default)]
 struct Counters {
     etcd: BTreeMap<String, f64>,
     batches: f64,
     commit_secs: f64,
+}
+
+impl Counters {
+    /// What changed since `before` (etcd methods that did not move are left out).
+    fn since(self, before: &Counters) -> Counters {
+        let mut etcd = self.etcd;
+        for (k, v) in etcd.iter_mut() {
+            *v -= before.etcd.get(k).copied().unwrap_or(0.0);
+        }
+        etcd.retain(|_, v| *v > 0.0);
+        Counters { etcd, batches: self.batches - before.batches, commit_secs: self.commit_secs - before.commit_secs }
+    }
 }
 
 /// What one round of one workload on one setup measured.
@@ -63,12 +76,8 @@ struct Round {
     secs: f64,
     /// The setup's masters' CPU time over the round, seconds.
     cpu: f64,
-    /// etcd unary requests during the round, by gRPC method.
-    etcd: BTreeMap<String, f64>,
-    /// Log batches the setup's masters committed during the round.
-    batches: f64,
-    /// Their commit times added up (each batch of a shared transaction counts it), seconds.
-    commit_secs: f64,
+    /// etcd and log counters over the round.
+    log: Counters,
 }
 
 impl Round {
@@ -85,8 +94,8 @@ impl Round {
     }
     /// Mean time to commit one log batch, milliseconds (0 without a log).
     fn commit_ms(&self) -> f64 {
-        if self.batches > 0.0 {
-            self.commit_secs / self.batches * 1e3
+        if self.log.batches > 0.0 {
+            self.log.commit_secs / self.log.batches * 1e3
         } else {
             0.0
         }
@@ -293,13 +302,7 @@ impl Setup {
                 crate::bench_master::remove_written(&p.addr, w).await?;
             }
         }
-        let mut etcd_diff = after.etcd.clone();
-        for (k, v) in etcd_diff.iter_mut() {
-            *v -= before.etcd.get(k).copied().unwrap_or(0.0);
-        }
-        etcd_diff.retain(|_, v| *v > 0.0);
-        let (batches, commit_secs) = (after.batches - before.batches, after.commit_secs - before.commit_secs);
-        Ok(Round { ops, secs, cpu, etcd: etcd_diff, batches, commit_secs })
+        Ok(Round { ops, secs, cpu, log: after.since(&before) })
     }
 }
 
@@ -361,8 +364,8 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                     y.per_cpu_second(),
                     y.cores(),
                     y.commit_ms(),
-                    x.etcd,
-                    x.batches
+                    x.log.etcd,
+                    x.log.batches
                 );
                 ra.push(x);
                 rb.push(y);
@@ -375,7 +378,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
             // etcd requests per round of `a` (mean), next to its log batches.
             let mut by_method: BTreeMap<String, Vec<f64>> = BTreeMap::new();
             for r in &ra {
-                for (k, v) in &r.etcd {
+                for (k, v) in &r.log.etcd {
                     by_method.entry(k.clone()).or_default().push(*v);
                 }
             }
@@ -386,7 +389,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                     .into_iter()
                     .map(|(k, v)| format!("{k} {:.0}", v.iter().sum::<f64>() / ra.len() as f64))
                     .collect();
-                let b = ra.iter().map(|r| r.batches).sum::<f64>() / ra.len() as f64;
+                let b = ra.iter().map(|r| r.log.batches).sum::<f64>() / ra.len() as f64;
                 let commits = if b > 0.0 {
                     let ms = |rs: &[Round]| median(rs.iter().map(Round::commit_ms).collect());
                     format!("; commit {:.2} / {:.2} ms", ms(&ra), ms(&rb))
