@@ -16,7 +16,7 @@ use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
 
-use crate::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
+use crate::wire::{decode_answer, send_all_more, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
 use crate::{Mapping, SegmentRegistry, TransferError};
 
 /// TCP transfers above this size are split into slices of this size.
@@ -352,7 +352,8 @@ impl TransferEngine {
                 }
             }
             Part::Write { src, .. } => {
-                s.write_all(&head)?;
+                // The head goes with the bytes, so the node wakes once for both.
+                send_all_more(&s, &head)?;
                 s.write_all(src)?;
                 s.read_exact(&mut answer)?;
                 if let Err(e) = decode_answer(&answer) {

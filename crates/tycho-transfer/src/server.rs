@@ -20,7 +20,7 @@ use tycho_proto::auth::Secret;
 use tycho_proto::{ErrorCode, SegmentId};
 
 use crate::local::UnixServer;
-use crate::wire::{encode_answer, XferOp, XferRequest, REQUEST_LEN};
+use crate::wire::{encode_answer, send_all_more, send_more, XferOp, XferRequest, REQUEST_LEN};
 
 /// Most connections served at once (one thread each); more are closed as they arrive. A
 /// client engine keeps at most 16 idle connections per peer.
@@ -208,12 +208,13 @@ impl Cutoff {
         Ok(())
     }
 
-    /// Sends all of `buf`, each call armed against `deadline` (none: no limit).
+    /// Sends all of `buf` as a part of an answer that goes on ([`send_more`]), each call armed
+    /// against `deadline` (none: no limit).
     fn send(&mut self, stream: &mut TcpStream, mut buf: &[u8], deadline: Option<u64>) -> std::io::Result<()> {
-        let Some(deadline) = deadline else { return stream.write_all(buf) };
+        let Some(deadline) = deadline else { return send_all_more(stream, buf) };
         while !buf.is_empty() {
             Self::arm(&mut self.send, deadline, |t| stream.set_write_timeout(t))?;
-            match stream.write(buf) {
+            match send_more(stream, buf) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => buf = &buf[n..],
                 Err(e) if waited(&e) => {}
@@ -365,7 +366,8 @@ fn serve_connection(
                 // SAFETY: the range was checked above. A writer may reuse it while the bytes
                 // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };
-                stream.write_all(&encode_answer(Ok(req.len)))?;
+                // Head and bytes go with MSG_MORE, the trailer ends the answer.
+                send_all_more(&stream, &encode_answer(Ok(req.len)))?;
                 cutoff.send(&mut stream, bytes, deadline)?;
                 let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
                 if verdict.is_ok() {

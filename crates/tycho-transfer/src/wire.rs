@@ -178,6 +178,35 @@ pub fn decode_answer(b: &[u8; ANSWER_LEN]) -> Result<u64, TransferError> {
     }
 }
 
+/// Sends what it can of `buf`, a part of a message whose end is still to come: with `MSG_MORE`
+/// the kernel holds the bytes until the call that sends the end (or a full segment), so the
+/// peer is woken once for the whole message. Sent as separate plain writes, a read's head,
+/// bytes and trailer (or a write's head and bytes) woke the peer once per part, each a context
+/// switch on both sides: on the development VM a 4 KiB read over TCP took 15 to 25 % longer.
+pub(crate) fn send_more(stream: &std::net::TcpStream, buf: &[u8]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the socket is open for the call, and `buf` is valid for `buf.len()` bytes.
+    let sent =
+        unsafe { libc::send(stream.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_MORE | libc::MSG_NOSIGNAL) };
+    match sent {
+        n if n < 0 => Err(std::io::Error::last_os_error()),
+        n => Ok(n as usize),
+    }
+}
+
+/// [`send_more`] until all of `buf` is sent.
+pub(crate) fn send_all_more(stream: &std::net::TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match send_more(stream, buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
