@@ -47,15 +47,34 @@ pub struct BenchArgs {
     /// comparison's own noise (its ratios should straddle 1).
     #[arg(long, requires = "compare_insecure")]
     control: bool,
-    /// With `--compare-insecure`: run both clusters side by side and each phase on one right
-    /// after the other, rather than one whole run after the other. Drift between the two figures
-    /// of a row is then seconds instead of a minute, but two nodes' memory shares the machine:
-    /// on the 2-core development VM the TCP rows tightened and the shared-memory rows spread.
-    #[arg(long, requires = "compare_insecure")]
+    /// With `--compare-insecure`: which phases run on both clusters side by side, each phase on
+    /// one right after the other (the two figures of a row seconds apart), rather than one whole
+    /// cluster's run after the other (a minute apart). `tcp`: the TCP phases paired, the
+    /// shared-memory ones (`auto` and the multi-reader phase) one cluster after the other;
+    /// `all`; `none`. See docs/security.md for why `tcp` is the default.
+    #[arg(long, value_enum, default_value_t = Pairing::Tcp, requires = "compare_insecure")]
+    pairing: Pairing,
+    /// `--pairing all` (kept for earlier command lines).
+    #[arg(long, requires = "compare_insecure", conflicts_with = "pairing")]
     paired: bool,
+    /// Leave out the multi-reader phase (internal: set for the part of a comparison that
+    /// measures TCP only).
+    #[arg(skip)]
+    no_multi: bool,
     /// Worker mode (internal): role, master, protocol, prefix, size, count, seconds.
     #[arg(long, hide = true, num_args = 7)]
     worker: Option<Vec<String>>,
+}
+
+/// Which phases of `--compare-insecure` run on both clusters side by side.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pairing {
+    /// TCP phases paired; shared-memory phases one cluster after the other.
+    Tcp,
+    /// Every phase paired.
+    All,
+    /// One whole run after the other.
+    None,
 }
 
 /// Bytes written per size: enough objects to average over, bounded for big values.
@@ -298,18 +317,29 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
         let secure = Mode { label: first_label, insecure: args.control };
         let open = Mode { label: "--insecure", insecure: true };
         let modes = if secure_first { [secure, open] } else { [open, secure] };
-        let mut rows = match args.paired {
-            true => orchestrate(args, &modes)?,
-            false => {
-                let mut both = orchestrate(args, &modes[..1])?;
-                both.extend(orchestrate(args, &modes[1..])?);
-                both
+        // Each mode's rows, part after part.
+        let mut rows: [Rows; 2] = Default::default();
+        for (part, paired) in parts(args) {
+            let got = match paired {
+                true => orchestrate(&part, &modes)?,
+                false => {
+                    let mut both = orchestrate(&part, &modes[..1])?;
+                    both.extend(orchestrate(&part, &modes[1..])?);
+                    both
+                }
+            };
+            for (mode, got) in rows.iter_mut().zip(got) {
+                mode.extend(got);
             }
-        };
-        let (s, i) = if secure_first { (rows.remove(0), rows.remove(0)) } else { (rows.remove(1), rows.remove(0)) };
-        pairs.push((s, i));
+        }
+        let [first, second] = rows;
+        pairs.push(if secure_first { (first, second) } else { (second, first) });
     }
-    let how = if args.paired { ", phases paired" } else { "" };
+    let how = match pairing(args) {
+        Pairing::Tcp => ", TCP phases paired",
+        Pairing::All => ", phases paired",
+        Pairing::None => "",
+    };
     println!(
         "\n{first_label} vs --insecure, {rounds} alternating rounds{how} (ratio of ops/s; median, then min..max):"
     );
@@ -333,6 +363,35 @@ fn compare_insecure(args: &BenchArgs, rounds: usize) -> Result<(), String> {
     }
     println!("lowest median ratio: {worst:.3}");
     Ok(())
+}
+
+fn pairing(args: &BenchArgs) -> Pairing {
+    if args.paired {
+        Pairing::All
+    } else {
+        args.pairing
+    }
+}
+
+/// The parts of a comparison round, each with whether its two clusters run side by side.
+/// Under `--pairing tcp`, the TCP phases are paired: they move with the state of the machine's
+/// CPUs, which on the development VM changes every few tens of seconds for every process at once
+/// (docs/security.md). The shared-memory phases run one cluster after the other: they move with
+/// where a node's memory lands, and measured wider apart with two nodes alive at once.
+fn parts(args: &BenchArgs) -> Vec<(BenchArgs, bool)> {
+    match pairing(args) {
+        Pairing::All => vec![(args.clone(), true)],
+        Pairing::None => vec![(args.clone(), false)],
+        Pairing::Tcp => {
+            let (tcp, rest): (Vec<String>, Vec<String>) = args.protocols.iter().cloned().partition(|p| p == "tcp");
+            let mut parts = Vec::new();
+            if !tcp.is_empty() {
+                parts.push((BenchArgs { protocols: tcp, no_multi: true, ..args.clone() }, true));
+            }
+            parts.push((BenchArgs { protocols: rest, ..args.clone() }, false));
+            parts
+        }
+    }
 }
 
 /// One cluster of a run: whether it runs without authentication, and its name in the output.
@@ -469,43 +528,51 @@ fn orchestrate(args: &BenchArgs, modes: &[Mode]) -> Result<Vec<Rows>, String> {
             }
         }
     }
-    // Several reader processes at once against one stream.
-    let size = 1 << 20;
-    let prefix = "bench/multi";
-    let count = MULTI_OBJECTS;
-    progress("multi-client: put");
-    each(&|c| run_phase("put", c, "auto", prefix, size, count, 0.0))?;
-    progress("multi-client: 1 reader");
-    let one = each(&|c| run_phase("get", c, "auto", prefix, size, count, args.duration))?;
-    progress(&format!("multi-client: {} readers", args.clients));
-    // The readers' GB/s in aggregate, per cluster.
-    let many = clusters
-        .iter()
-        .map(|c| {
-            let reader: Vec<String> =
-                ["get", &c.master, "auto", prefix, &size.to_string(), &count.to_string(), &args.duration.to_string()]
-                    .map(String::from)
-                    .to_vec();
-            Ok(run_workers(&vec![reader; args.clients], c.insecure)?.iter().map(Measured::gbps).sum::<f64>())
-        })
-        .collect::<Result<Vec<f64>, String>>()?;
-    eprint!("\r\x1b[2K");
+    // Several reader processes at once against one stream (left out of a TCP-only part).
+    let multi: Vec<Option<(f64, f64)>> = match args.no_multi {
+        true => clusters.iter().map(|_| None).collect(),
+        false => {
+            let size = 1 << 20;
+            let prefix = "bench/multi";
+            let count = MULTI_OBJECTS;
+            progress("multi-client: put");
+            each(&|c| run_phase("put", c, "auto", prefix, size, count, 0.0))?;
+            progress("multi-client: 1 reader");
+            let one = each(&|c| run_phase("get", c, "auto", prefix, size, count, args.duration))?;
+            progress(&format!("multi-client: {} readers", args.clients));
+            // The readers' GB/s in aggregate, per cluster.
+            let many = clusters
+                .iter()
+                .map(|c| {
+                    let secs = args.duration.to_string();
+                    let reader: Vec<String> =
+                        ["get", &c.master, "auto", prefix, &size.to_string(), &count.to_string(), &secs]
+                            .map(String::from)
+                            .to_vec();
+                    Ok(run_workers(&vec![reader; args.clients], c.insecure)?.iter().map(Measured::gbps).sum::<f64>())
+                })
+                .collect::<Result<Vec<f64>, String>>()?;
+            eprint!("\r\x1b[2K");
+            one.iter().zip(many).map(|(one, many)| Some((one.gbps(), many))).collect()
+        }
+    };
     let mut out = Vec::new();
     for (i, c) in clusters.iter().enumerate() {
-        let (one, aggregate) = (one[i].gbps(), many[i]);
-        println!(
-            "{}get 1 MiB: 1 reader {one:.2} GB/s; {} concurrent readers {aggregate:.2} GB/s in aggregate",
-            label(i),
-            args.clients
-        );
-        if args.baseline {
-            baseline(args, &rows[i], one, aggregate)?;
-        }
-        c.admin.remove_by_regex("bench/.*", true).map_err(|e| format!("cleanup: {e}"))?;
         let mut mode: Rows =
             rows[i].iter().map(|(p, size, op, m)| (format!("{p} {} {op}", human(*size)), m.ops_s())).collect();
-        mode.push(("get 1 MiB, 1 reader".into(), one));
-        mode.push((format!("get 1 MiB, {} readers", args.clients), aggregate));
+        if let Some((one, aggregate)) = multi[i] {
+            println!(
+                "{}get 1 MiB: 1 reader {one:.2} GB/s; {} concurrent readers {aggregate:.2} GB/s in aggregate",
+                label(i),
+                args.clients
+            );
+            mode.push(("get 1 MiB, 1 reader".into(), one));
+            mode.push((format!("get 1 MiB, {} readers", args.clients), aggregate));
+        }
+        if args.baseline {
+            baseline(args, &rows[i], multi[i])?;
+        }
+        c.admin.remove_by_regex("bench/.*", true).map_err(|e| format!("cleanup: {e}"))?;
         out.push(mode);
     }
     Ok(out)
@@ -571,7 +638,13 @@ fn raw_tcp_gbps(size: usize, secs: f64) -> Result<f64, String> {
     Ok(gbps)
 }
 
-fn baseline(args: &BenchArgs, rows: &[(String, usize, String, Measured)], one: f64, many: f64) -> Result<(), String> {
+/// The ceilings of `rows`, and of the multi-reader phase's figures (one reader, all of them)
+/// when it ran.
+fn baseline(
+    args: &BenchArgs,
+    rows: &[(String, usize, String, Measured)],
+    multi: Option<(f64, f64)>,
+) -> Result<(), String> {
     let find = |proto: &str, size: usize, op: &str| {
         rows.iter().find(|(p, s, o, _)| p == proto && *s == size && o == op).map(|(_, _, _, m)| m.gbps())
     };
@@ -600,7 +673,9 @@ fn baseline(args: &BenchArgs, rows: &[(String, usize, String, Measured)], one: f
     if let Some(ours) = find("auto", 64 << 20, "put") {
         check("put 64 MiB into a same-host client vs memcpy", ours, memcpy_gbps(64 << 20, secs), 0.7);
     }
-    check(&format!("{} concurrent gets of 1 MiB vs 1 stream", args.clients), many, one, 1.0);
+    if let Some((one, many)) = multi {
+        check(&format!("{} concurrent gets of 1 MiB vs 1 stream", args.clients), many, one, 1.0);
+    }
     for &size in &args.sizes {
         println!(
             "  {:<8} memcpy {:>6.2} GB/s, raw TCP {:>6.2} GB/s",
