@@ -50,8 +50,8 @@ pub struct BenchArgs {
     /// With `--compare-insecure`: which phases run on both clusters side by side, each phase on
     /// one right after the other (the two figures of a row seconds apart), rather than one whole
     /// cluster's run after the other (a minute apart). `tcp`: the TCP phases paired, the
-    /// shared-memory ones (`auto` and the multi-reader phase) one cluster after the other;
-    /// `all`; `none`. See docs/security.md for why `tcp` is the default.
+    /// shared-memory ones (`auto` and the multi-reader phase) one cluster after the other, size
+    /// by size; `all`; `none`. See docs/security.md for why `tcp` is the default.
     #[arg(long, value_enum, default_value_t = Pairing::Tcp, requires = "compare_insecure")]
     pairing: Pairing,
     /// `--pairing all` (kept for earlier command lines).
@@ -376,8 +376,10 @@ fn pairing(args: &BenchArgs) -> Pairing {
 /// The parts of a comparison round, each with whether its two clusters run side by side.
 /// Under `--pairing tcp`, the TCP phases are paired: they move with the state of the machine's
 /// CPUs, which on the development VM changes every few tens of seconds for every process at once
-/// (docs/security.md). The shared-memory phases run one cluster after the other: they move with
-/// where a node's memory lands, and measured wider apart with two nodes alive at once.
+/// (docs/security.md). The shared-memory phases run one cluster after the other, as they move
+/// with where a node's memory lands too, and measured wider apart with two nodes alive at once;
+/// but one size at a time, each size on fresh clusters, so that the two figures of a row are
+/// seconds apart rather than a whole run; the multi-reader phase last, the same way.
 fn parts(args: &BenchArgs) -> Vec<(BenchArgs, bool)> {
     match pairing(args) {
         Pairing::All => vec![(args.clone(), true)],
@@ -388,7 +390,13 @@ fn parts(args: &BenchArgs) -> Vec<(BenchArgs, bool)> {
             if !tcp.is_empty() {
                 parts.push((BenchArgs { protocols: tcp, no_multi: true, ..args.clone() }, true));
             }
-            parts.push((BenchArgs { protocols: rest, ..args.clone() }, false));
+            if !rest.is_empty() {
+                for &size in &args.sizes {
+                    let one = BenchArgs { protocols: rest.clone(), sizes: vec![size], no_multi: true, ..args.clone() };
+                    parts.push((one, false));
+                }
+            }
+            parts.push((BenchArgs { protocols: Vec::new(), sizes: Vec::new(), ..args.clone() }, false));
             parts
         }
     }
