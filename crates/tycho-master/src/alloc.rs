@@ -24,11 +24,13 @@ pub struct RangeAllocator {
     by_offset: BTreeMap<u64, u64>,
     by_len: BTreeSet<(u64, u64)>,
     free_bytes: u64,
-    /// Held ranges by offset (never adjacent with the same tenant: those are merged).
+    /// Held ranges by their *end* offset (never adjacent with the same tenant: those are
+    /// merged). Keyed by the end, so that an allocation taken off a held range's front, the
+    /// common case, changes the entry in place and leaves `held_due` alone.
     held: BTreeMap<u64, Held>,
-    /// Held ranges by (tenant, length, offset), for best fit within a tenant's.
+    /// Held ranges by (tenant, length, end), for best fit within a tenant's.
     held_fit: BTreeSet<(u64, u64, u64)>,
-    /// Held ranges by (until, offset), to give them back once due.
+    /// Held ranges by (until, end), to give them back once due.
     held_due: BTreeSet<(u64, u64)>,
     held_bytes: u64,
 }
@@ -106,9 +108,9 @@ impl RangeAllocator {
         let mut at = offset;
         while at < end {
             let free = self.by_offset.range(..=at).next_back().map(|(&o, &l)| (o, o + l, false));
-            let held = self.held.range(..=at).next_back().map(|(&o, h)| (o, o + h.len, true));
-            let (o, stop, is_held) = [free, held].into_iter().flatten().find(|&(_, stop, _)| stop > at)?;
-            pieces.push((o, is_held));
+            let held = self.held_around(at).map(|(_, e)| (e, e, true));
+            let (key, stop, is_held) = [free, held].into_iter().flatten().find(|&(_, stop, _)| stop > at)?;
+            pieces.push((key, is_held));
             at = stop;
         }
         for (o, is_held) in pieces {
@@ -128,14 +130,38 @@ impl RangeAllocator {
         Some(want)
     }
 
-    /// Takes `[from, to)` out of the held range at `o`, keeping the parts outside it held.
-    fn carve_held(&mut self, o: u64, from: u64, to: u64) {
-        let h = self.remove_held(o);
-        if o < from {
-            self.insert_held(o, from - o, h.tenant, h.until, false);
+    /// The held range that contains `at`: (start, end).
+    fn held_around(&self, at: u64) -> Option<(u64, u64)> {
+        let (&e, h) = self.held.range(at + 1..).next()?;
+        (e - h.len <= at).then_some((e - h.len, e))
+    }
+
+    /// Whether any of `[offset, end)` is held.
+    fn any_held(&self, offset: u64, end: u64) -> bool {
+        self.held.range(offset + 1..).next().is_some_and(|(&e, h)| e - h.len < end)
+    }
+
+    /// Takes `[from, to)` out of the held range that ends at `e`, keeping the parts of it
+    /// outside `[from, to)` held.
+    fn carve_held(&mut self, e: u64, from: u64, to: u64) {
+        let h = self.held[&e];
+        let s = e - h.len;
+        let (from, to) = (from.max(s), to.min(e));
+        if from == s && to < e {
+            // Off the front: the end, and so the entry's keys but one, stay as they are.
+            let len = e - to;
+            self.held_fit.remove(&(h.tenant, h.len, e));
+            self.held_fit.insert((h.tenant, len, e));
+            self.held.get_mut(&e).expect("read above").len = len;
+            self.held_bytes -= to - from;
+            return;
         }
-        if to < o + h.len {
-            self.insert_held(to, o + h.len - to, h.tenant, h.until, false);
+        self.remove_held(e);
+        if s < from {
+            self.insert_held(s, from - s, h.tenant, h.until, false);
+        }
+        if to < e {
+            self.insert_held(to, e - to, h.tenant, h.until, false);
         }
     }
 
@@ -146,9 +172,9 @@ impl RangeAllocator {
     pub fn allocate_for(&mut self, len: u64, tenant: u64, now: u64) -> Option<(u64, u64, u64)> {
         self.release_due(now);
         let want = self.rounded(len)?;
-        if let Some(&(_, _, o)) = self.held_fit.range((tenant, want, 0)..=(tenant, u64::MAX, u64::MAX)).next() {
-            let until = self.held[&o].until;
-            self.carve_held(o, o, o + want);
+        if let Some(&(_, len, e)) = self.held_fit.range((tenant, want, 0)..=(tenant, u64::MAX, u64::MAX)).next() {
+            let (o, until) = (e - len, self.held[&e].until);
+            self.carve_held(e, o, o + want);
             return Some((o, want, until));
         }
         self.allocate(len).map(|(o, r)| (o, r, 0))
@@ -171,25 +197,42 @@ impl RangeAllocator {
 
     /// Gives every held range due at `now` back to everyone.
     pub fn release_due(&mut self, now: u64) {
-        while let Some(&(until, o)) = self.held_due.first() {
+        while let Some(&(until, e)) = self.held_due.first() {
             if until > now {
                 break;
             }
-            let h = self.remove_held(o);
-            let freed = self.free(o, h.len);
+            let h = self.remove_held(e);
+            let freed = self.free(e - h.len, h.len);
             debug_assert!(freed, "a held range overlapped free space");
         }
     }
 
     /// The held ranges: offset, bytes, until when.
     pub fn held_ranges(&self) -> Vec<(u64, u64, u64)> {
-        self.held.iter().map(|(&o, h)| (o, h.len, h.until)).collect()
+        self.held.iter().map(|(&e, h)| (e - h.len, h.len, h.until)).collect()
     }
 
     /// Bytes held for their tenants.
     #[cfg(test)]
     pub fn held_bytes(&self) -> u64 {
         self.held_bytes
+    }
+
+    /// Panics unless the three indexes of held ranges agree with each other and with
+    /// `held_bytes`, and no held range overlaps another or free space.
+    #[cfg(test)]
+    fn check_held(&self) {
+        assert_eq!(self.held_fit.len(), self.held.len());
+        assert_eq!(self.held_due.len(), self.held.len());
+        let mut last_end = 0;
+        for (&e, h) in &self.held {
+            assert!(h.len > 0 && e - h.len >= last_end, "held ranges overlap at {e}");
+            assert!(self.held_fit.contains(&(h.tenant, h.len, e)) && self.held_due.contains(&(h.until, e)));
+            let s = e - h.len;
+            assert!(self.by_offset.range(..e).next_back().is_none_or(|(&o, &l)| o + l <= s), "held overlaps free");
+            last_end = e;
+        }
+        assert_eq!(self.held.values().map(|h| h.len).sum::<u64>(), self.held_bytes);
     }
 
     /// Whether none of `[offset, offset + reserved)` is free or held (and it lies inside).
@@ -199,8 +242,7 @@ impl RangeAllocator {
             _ => return false,
         };
         let free_before = self.by_offset.range(..end).next_back().is_some_and(|(&o, &l)| o + l > offset);
-        let held_before = self.held.range(..end).next_back().is_some_and(|(&o, h)| o + h.len > offset);
-        !free_before && !held_before
+        !free_before && !self.any_held(offset, end)
     }
 
     /// Adds a held range; with `merge`, joins held neighbours of the same tenant (the later
@@ -208,30 +250,31 @@ impl RangeAllocator {
     fn insert_held(&mut self, offset: u64, len: u64, tenant: u64, until: u64, merge: bool) {
         let (mut start, mut stop, mut until) = (offset, offset + len, until);
         if merge {
-            let prev = self.held.range(..offset).next_back().map(|(&o, &h)| (o, h));
-            if let Some((o, h)) = prev.filter(|(o, h)| o + h.len == offset && h.tenant == tenant) {
-                self.remove_held(o);
-                start = o;
+            // The range that ends where this one starts, then the one that starts where it ends.
+            if let Some(h) = self.held.get(&offset).copied().filter(|h| h.tenant == tenant) {
+                self.remove_held(offset);
+                start = offset - h.len;
                 until = until.max(h.until);
             }
-            let next = self.held.get(&stop).copied();
-            if let Some(h) = next.filter(|h| h.tenant == tenant) {
-                self.remove_held(stop);
-                stop += h.len;
+            let next = self.held.range(stop + 1..).next().map(|(&e, &h)| (e, h));
+            if let Some((e, h)) = next.filter(|(e, h)| e - h.len == stop && h.tenant == tenant) {
+                self.remove_held(e);
+                stop = e;
                 until = until.max(h.until);
             }
         }
         let h = Held { len: stop - start, tenant, until };
-        self.held.insert(start, h);
-        self.held_fit.insert((tenant, h.len, start));
-        self.held_due.insert((until, start));
+        self.held.insert(stop, h);
+        self.held_fit.insert((tenant, h.len, stop));
+        self.held_due.insert((until, stop));
         self.held_bytes += h.len;
     }
 
-    fn remove_held(&mut self, offset: u64) -> Held {
-        let h = self.held.remove(&offset).expect("a held range at this offset");
-        self.held_fit.remove(&(h.tenant, h.len, offset));
-        self.held_due.remove(&(h.until, offset));
+    /// Removes the held range that ends at `end`.
+    fn remove_held(&mut self, end: u64) -> Held {
+        let h = self.held.remove(&end).expect("a held range ending here");
+        self.held_fit.remove(&(h.tenant, h.len, end));
+        self.held_due.remove(&(h.until, end));
         self.held_bytes -= h.len;
         h
     }
@@ -243,7 +286,7 @@ impl RangeAllocator {
             Some(e) if reserved > 0 && e <= self.size => e,
             _ => return false,
         };
-        if self.held.range(..end).next_back().is_some_and(|(&o, h)| o + h.len > offset) {
+        if self.any_held(offset, end) {
             return false;
         }
         let prev = self.by_offset.range(..=offset).next_back().map(|(&o, &l)| (o, l));
@@ -402,6 +445,7 @@ mod tests {
                     prop_assert!(w[0].0 + w[0].1 <= w[1].0, "overlap {:?}", w);
                 }
                 let used: u64 = live.iter().map(|x| x.1).sum();
+                a.check_held();
                 prop_assert_eq!(used + a.free_bytes() + a.held_bytes(), 64 * 1024);
             }
         }

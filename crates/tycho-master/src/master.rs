@@ -292,13 +292,16 @@ impl Master {
             return Grant::default();
         }
         let group = kvpt_to_rank(partition_of_encoded(key), self.cfg.group_count.max(1));
-        Grant {
-            rights,
-            expires_ms,
-            epoch: self.group(group).map_or(0, Group::epoch),
-            group: group as u16,
-            tenant: tenant_of(key),
+        self.grant_in(rights, expires_ms, group, tenant_of(key))
+    }
+
+    /// [`Master::grant_until`] for a key already routed to `group`, of the tenant tagged
+    /// `tenant`.
+    fn grant_in(&self, rights: u8, expires_ms: u64, group: u32, tenant: u64) -> Grant {
+        if self.cfg.secret.is_none() {
+            return Grant::default();
         }
+        Grant { rights, expires_ms, epoch: self.group(group).map_or(0, Group::epoch), group: group as u16, tenant }
     }
 
     // ---- routing -------------------------------------------------------------------------
@@ -573,6 +576,7 @@ impl Master {
             preferred: &cfg.preferred_segments,
             local_host: host,
             tenant: tenant_tag(tenant),
+            unix_ms: if self.cfg.secret.is_some() { self.clock.unix_now_ms() } else { 0 },
         }
     }
 
@@ -787,7 +791,7 @@ impl Master {
                 let now = self.now();
                 run.iter()
                     .map(|(i, r)| {
-                        let grant = || self.grant_until(RIGHT_WRITE, expires, &r.key);
+                        let grant = || self.grant_in(RIGHT_WRITE, expires, r.group, placement.tenant);
                         let retried = retried_start(&map, &r.key, req.client, req.write_ids[*i], grant);
                         (mode == WriteMode::Put && self.is_put_conflict(&map, &r.key, now), retried)
                     })
@@ -824,7 +828,7 @@ impl Master {
             let mut next = Some(first);
             while let Some((i, r, reps)) = next.take() {
                 let size = req.items[i].1;
-                let grant = self.grant_until(RIGHT_WRITE, expires, &r.key);
+                let grant = self.grant_in(RIGHT_WRITE, expires, r.group, placement.tenant);
                 let descs: Vec<ReplicaDesc> = reps.iter().map(|x| x.desc(size, &grant)).collect();
                 let id = req.write_ids[i];
                 match self.install_write(&mut map, r.key, mode, req.client, id, size, pins, reps, now, &pending) {

@@ -228,17 +228,18 @@ impl MountedSegment {
     /// Reserves `size` bytes for an object of `tenant` (ranges held for that tenant first), or
     /// `None` if no range it may take is large enough.
     pub fn allocate(&self, size: u64, tenant: u64) -> Option<SegAlloc> {
-        self.allocate_held(size, tenant).map(|(a, _)| a)
+        let now = self.holding.as_ref().map_or(0, |h| h.clock.unix_now_ms());
+        self.allocate_held(size, tenant, now).map(|(a, _)| a)
     }
 
-    /// [`allocate`](Self::allocate), with the expiry (Unix ms) of the grants the range was held
-    /// for (0 if it was free): the new replica must count them as its own.
-    fn allocate_held(&self, size: u64, tenant: u64) -> Option<(SegAlloc, u64)> {
+    /// [`allocate`](Self::allocate) at `unix_ms`, with the expiry (Unix ms) of the grants the
+    /// range was held for (0 if it was free): the new replica must count them as its own.
+    fn allocate_held(&self, size: u64, tenant: u64, unix_ms: u64) -> Option<(SegAlloc, u64)> {
         if !self.is_alive() {
             return None;
         }
         let (offset, reserved, held_until) = match &self.holding {
-            Some(h) => self.alloc.lock().allocate_for(size, tenant, h.clock.unix_now_ms())?,
+            Some(_) => self.alloc.lock().allocate_for(size, tenant, unix_ms)?,
             None => self.alloc.lock().allocate(size).map(|(o, r)| (o, r, 0))?,
         };
         self.used.fetch_add(reserved, Ordering::Relaxed);
@@ -449,6 +450,9 @@ pub struct Placement<'a> {
     pub local_host: Option<&'a str>,
     /// Tag of the object's tenant.
     pub tenant: u64,
+    /// Unix ms the placement is made at (read once for a whole batch): ranges held until then
+    /// go back to everyone first. Unused without a cluster secret.
+    pub unix_ms: u64,
 }
 
 /// All mounted segments.
@@ -614,7 +618,7 @@ impl SegmentTable {
         let mut out: Vec<Replica> = Vec::with_capacity(want);
         let try_seg = |seg: &Arc<MountedSegment>, out: &mut Vec<Replica>| {
             if out.len() < want && !out.iter().any(|r| Arc::ptr_eq(&r.seg, seg)) {
-                if let Some((alloc, granted)) = seg.allocate_held(size, p.tenant) {
+                if let Some((alloc, granted)) = seg.allocate_held(size, p.tenant, p.unix_ms) {
                     let r = Replica::new(seg.clone(), alloc, p.tenant);
                     r.assume_granted_until(granted);
                     out.push(r);
@@ -665,6 +669,11 @@ mod tests {
     use super::*;
     use tycho_proto::segment_block_size;
 
+    /// Random placement of `replicas` replicas, `preferred` first, with no tenant or holding.
+    fn random(replicas: u32, preferred: &[String]) -> Placement<'_> {
+        Placement { replicas, strategy: AllocStrategy::Random, preferred, local_host: None, tenant: 0, unix_ms: 0 }
+    }
+
     fn desc(id: u128, endpoint: &str, base: u64, size: u64) -> SegmentDesc {
         SegmentDesc {
             id: SegmentId(id),
@@ -713,17 +722,16 @@ mod tests {
         for i in 0..3 {
             t.mount(ClientId(1), desc(i, &format!("e:{i}"), 0, 1 << 20), &[]).unwrap();
         }
-        let p = Placement { replicas: 5, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
+        let p = random(5, &[]);
         let r = t.place(1000, &p).unwrap();
         assert_eq!(r.len(), 3);
         let mut ids: Vec<_> = r.iter().map(|r| r.seg.desc.id).collect();
         ids.dedup();
         assert_eq!(ids.len(), 3);
         let pref = vec!["seg2".to_string()];
-        let p =
-            Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &pref, local_host: None, tenant: 0 };
+        let p = random(1, &pref);
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
-        let p = Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
+        let p = random(1, &[]);
         assert_eq!(t.place(2 << 20, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
     }
 
@@ -739,6 +747,7 @@ mod tests {
             preferred: &[],
             local_host: None,
             tenant: 0,
+            unix_ms: 0,
         };
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
     }
@@ -805,8 +814,7 @@ mod tests {
             assert!(seg.in_slice(a.offset, a.reserved), "{a:?} outside slice {rank}");
             // Full: a slice does not spill into its neighbour.
             assert!(seg.allocate(quarter, 0).is_none());
-            let p =
-                Placement { replicas: 1, strategy: AllocStrategy::Random, preferred: &[], local_host: None, tenant: 0 };
+            let p = random(1, &[]);
             assert_eq!(t.place(quarter, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
             assert_eq!(t.usage().0, quarter);
         }
