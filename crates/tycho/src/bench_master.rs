@@ -762,8 +762,9 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
         for w in &args.workloads {
             let mut ratios = Vec::new();
             let (mut on, mut off) = (Vec::new(), Vec::new());
-            // Master CPU per call, microseconds.
+            // Master CPU per call, and the load generator's own, microseconds.
             let (mut on_cpu, mut off_cpu) = (Vec::new(), Vec::new());
+            let (mut on_load, mut off_load) = (Vec::new(), Vec::new());
             for round in 0..args.rounds {
                 // Alternate which master goes first.
                 let secure = || measure(&secure_addr, w, args, owners[0], keys.clone(), secure_pid);
@@ -772,6 +773,9 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 let per_call = |s: &Stats| s.server_cpu.unwrap_or(0.0) * 1e6 / s.ops.max(1) as f64;
                 on_cpu.push(per_call(&a));
                 off_cpu.push(per_call(&b));
+                let load_per_call = |s: &Stats| s.client_cpu * 1e6 / s.ops.max(1) as f64;
+                on_load.push(load_per_call(&a));
+                off_load.push(load_per_call(&b));
                 eprintln!(
                     "  {w} round {}: {label} {:.0} ops/s (p99 {} us), insecure {:.0} ops/s (p99 {} us)",
                     round + 1,
@@ -793,13 +797,15 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             };
             println!(
                 "{w:<12} {label} {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}   \
-                 master cpu/call {:.2} / {:.2} us",
+                 master cpu/call {:.2} / {:.2} us   load cpu/call {:.2} / {:.2} us",
                 med(&mut on),
                 med(&mut off),
                 ratios[0],
                 ratios[ratios.len() - 1],
                 med(&mut on_cpu),
                 med(&mut off_cpu),
+                med(&mut on_load),
+                med(&mut off_load),
             );
         }
         Ok::<(), String>(())
