@@ -98,6 +98,8 @@ pub(crate) struct Stats {
     lat_us: Vec<u32>,
     client_cpu: f64,
     server_cpu: Option<f64>,
+    /// CPU seconds the whole machine spent busy (all processes and the kernel) and idle.
+    machine: (f64, f64),
 }
 
 impl Stats {
@@ -122,6 +124,19 @@ pub(crate) fn cpu_self() -> f64 {
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// CPU seconds the whole machine has spent busy and idle since boot, from `/proc/stat`
+/// (zeros where it cannot be read).
+pub(crate) fn machine_cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = stat.lines().next().unwrap_or("");
+    let f: Vec<f64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / hz;
+    // Fields: user nice system idle iowait irq softirq steal (guest time is inside user).
+    (at(0) + at(1) + at(2) + at(5) + at(6) + at(7), at(3) + at(4))
 }
 
 pub(crate) fn cpu_of(pid: u32) -> Option<f64> {
@@ -485,19 +500,20 @@ async fn run_workload(
     let local = tokio::task::LocalSet::new();
     // The clock and the CPU counters start at the first call, once every connection is open
     // (and, on a secure master, authenticated): the figures cover calls only.
-    type Start = (Instant, f64, Option<f64>);
+    type Start = (Instant, f64, Option<f64>, (f64, f64));
     let started: Rc<std::cell::Cell<Option<Start>>> = Rc::default();
     let duration = Duration::from_secs_f64(args.duration);
     let first = started.clone();
     let until: Rc<dyn Fn() -> bool> = Rc::new(move || {
-        let (t0, _, _) = first.get().unwrap_or_else(|| {
-            first.set(Some((Instant::now(), cpu_self(), server_pid.and_then(cpu_of))));
+        let (t0, _, _, _) = first.get().unwrap_or_else(|| {
+            first.set(Some((Instant::now(), cpu_self(), server_pid.and_then(cpu_of), machine_cpu())));
             first.get().expect("just set")
         });
         t0.elapsed() >= duration
     });
     let (ops, nkeys, lat, errs) = local.run_until(drive(addr, w, args, owner, keys, until, None)).await?;
-    let (t0, cpu0, srv0) = started.get().unwrap_or((Instant::now(), cpu_self(), server_pid.and_then(cpu_of)));
+    let (t0, cpu0, srv0, m0) =
+        started.get().unwrap_or((Instant::now(), cpu_self(), server_pid.and_then(cpu_of), machine_cpu()));
     let secs = t0.elapsed().as_secs_f64();
     if errs > 0 {
         return Err(format!("workload {w}: {errs} calls failed"));
@@ -512,6 +528,10 @@ async fn run_workload(
         lat_us,
         client_cpu: cpu_self() - cpu0,
         server_cpu: server_pid.and_then(cpu_of).zip(srv0).map(|(a, b)| a - b),
+        machine: {
+            let m1 = machine_cpu();
+            (m1.0 - m0.0, m1.1 - m0.1)
+        },
     })
 }
 
@@ -765,6 +785,8 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             // Master CPU per call, and the load generator's own, microseconds.
             let (mut on_cpu, mut off_cpu) = (Vec::new(), Vec::new());
             let (mut on_load, mut off_load) = (Vec::new(), Vec::new());
+            // Idle CPU of the whole machine during each master's rounds, cores.
+            let (mut on_idle, mut off_idle) = (Vec::new(), Vec::new());
             for round in 0..args.rounds {
                 // Alternate which master goes first.
                 let secure = || measure(&secure_addr, w, args, owners[0], keys.clone(), secure_pid);
@@ -776,13 +798,23 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 let load_per_call = |s: &Stats| s.client_cpu * 1e6 / s.ops.max(1) as f64;
                 on_load.push(load_per_call(&a));
                 off_load.push(load_per_call(&b));
+                // Busy CPU of neither the master nor the load generator, cores.
+                let other = |s: &Stats| (s.machine.0 - s.client_cpu - s.server_cpu.unwrap_or(0.0)) / s.secs;
+                on_idle.push(a.machine.1 / a.secs);
+                off_idle.push(b.machine.1 / b.secs);
                 eprintln!(
-                    "  {w} round {}: {label} {:.0} ops/s (p99 {} us), insecure {:.0} ops/s (p99 {} us)",
+                    "  {w} round {}: {label} {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores), insecure {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores)",
                     round + 1,
                     a.ops_per_sec(),
                     a.pct(0.99),
+                    a.pct(1.0),
+                    a.machine.1 / a.secs,
+                    other(&a),
                     b.ops_per_sec(),
-                    b.pct(0.99)
+                    b.pct(0.99),
+                    b.pct(1.0),
+                    b.machine.1 / b.secs,
+                    other(&b),
                 );
                 on.push(a.ops_per_sec());
                 off.push(b.ops_per_sec());
@@ -797,7 +829,7 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             };
             println!(
                 "{w:<12} {label} {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}   \
-                 master cpu/call {:.2} / {:.2} us   load cpu/call {:.2} / {:.2} us",
+                 master cpu/call {:.2} / {:.2} us   load cpu/call {:.2} / {:.2} us   idle {:.2} / {:.2} cores",
                 med(&mut on),
                 med(&mut off),
                 ratios[0],
@@ -806,6 +838,8 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 med(&mut off_cpu),
                 med(&mut on_load),
                 med(&mut off_load),
+                med(&mut on_idle),
+                med(&mut off_idle),
             );
         }
         Ok::<(), String>(())
