@@ -153,12 +153,7 @@ impl RangeAllocator {
         let s = e - h.len;
         let (from, to) = (from.max(s), to.min(e));
         if from == s && to < e {
-            // Off the front: the end, and so the entry's keys but one, stay as they are.
-            let len = e - to;
-            self.held_fit.remove(&(h.tenant, h.len, e));
-            self.held_fit.insert((h.tenant, len, e));
-            self.held.get_mut(&e).expect("read above").len = len;
-            self.held_bytes -= to - from;
+            self.take_front(e, to - from);
             return;
         }
         self.remove_held(e);
@@ -168,6 +163,19 @@ impl RangeAllocator {
         if to < e {
             self.insert_held(to, e - to, h.tenant, h.until, false);
         }
+    }
+
+    /// Takes `n` bytes (fewer than it holds) off the front of the held range that ends at `e`;
+    /// returns until when it is held. The end, and so the entry's keys but one, stay as they
+    /// are: one lookup, and the fit index moves the entry.
+    fn take_front(&mut self, e: u64, n: u64) -> u64 {
+        let h = self.held.get_mut(&e).expect("a held range ending here");
+        let (tenant, was, until) = (h.tenant, h.len, h.until);
+        h.len -= n;
+        self.held_fit.remove(&(tenant, was, e));
+        self.held_fit.insert((tenant, was - n, e));
+        self.held_bytes -= n;
+        until
     }
 
     /// Allocates `len` bytes for `tenant` at `now`. While held space is small next to free space
@@ -195,20 +203,8 @@ impl RangeAllocator {
         else {
             return self.allocate(len).map(|(o, r)| (o, r, 0));
         };
-        let o = e - held_len;
-        if held_len == want {
-            let h = self.remove_held(e);
-            return Some((o, want, h.until));
-        }
-        // Off the front, the common case: the entry keeps its end, so only its length changes
-        // (one lookup, and the fit index moves it).
-        let h = self.held.get_mut(&e).expect("indexed above");
-        h.len -= want;
-        let until = h.until;
-        self.held_fit.remove(&(tenant, held_len, e));
-        self.held_fit.insert((tenant, held_len - want, e));
-        self.held_bytes -= want;
-        Some((o, want, until))
+        let until = if held_len == want { self.remove_held(e).until } else { self.take_front(e, want) };
+        Some((e - held_len, want, until))
     }
 
     /// Frees `[offset, offset + reserved)` but keeps it for `tenant` until `until`: only

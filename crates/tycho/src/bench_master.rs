@@ -132,8 +132,7 @@ pub(crate) fn machine_cpu() -> (f64, f64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let line = stat.lines().next().unwrap_or("");
     let f: Vec<f64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = clock_ticks_per_sec();
     let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / hz;
     // Fields: user nice system idle iowait irq softirq steal (guest time is inside user).
     (at(0) + at(1) + at(2) + at(5) + at(6) + at(7), at(3) + at(4))
@@ -145,9 +144,13 @@ pub(crate) fn cpu_of(pid: u32) -> Option<f64> {
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / clock_ticks_per_sec())
+}
+
+/// The unit of CPU times in `/proc`.
+fn clock_ticks_per_sec() -> f64 {
     // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some(ticks / hz)
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
 }
 
 /// A free loopback port.
