@@ -27,7 +27,7 @@
 //! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the commit task
 //! only carries its messages to the store and back.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -470,8 +470,35 @@ struct Shared {
     /// Notified when there is work for the commit task (records appended, the writer closed):
     /// the writer's own, or its combiner's.
     wake: Arc<tokio::sync::Notify>,
+    /// Where the log is. Its receivers are woken only when the log ends: a commit changes
+    /// `durable` silently and wakes only the waiters it satisfies ([`Shared::waiters`]).
     progress: tokio::sync::watch::Sender<Progress>,
+    /// Who waits for which record to become durable (by sequence number, then arrival):
+    /// each is told when a commit covers its record, or (its sender dropped) when the log
+    /// ends. A waiter checks `progress` and registers under this lock, and a commit notes
+    /// `durable` before it takes the lock, so that none misses its commit.
+    waiters: Mutex<Waiters>,
     cfg: WriterConfig,
+}
+
+/// The waiters of one log (see [`Shared::waiters`]).
+#[derive(Default)]
+struct Waiters {
+    by_seq: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
+    next_id: u64,
+}
+
+impl Shared {
+    /// Tells the waiters of every record up to `durable`.
+    fn wake_durable(&self, durable: u64) {
+        let mut w = self.waiters.lock();
+        let later = w.by_seq.split_off(&(durable.saturating_add(1), 0));
+        let due = std::mem::replace(&mut w.by_seq, later);
+        drop(w);
+        for (_, tx) in due {
+            let _ = tx.send(());
+        }
+    }
 }
 
 /// The ordered group-commit writer of one group's log.
@@ -501,6 +528,7 @@ impl OpLogWriter {
             on_end: Mutex::new(None),
             wake: wake.clone(),
             progress: tokio::sync::watch::Sender::new(Progress { durable, sending: durable, failed: None }),
+            waiters: Mutex::default(),
             cfg,
         });
         shared.cfg.stats.appended(durable);
@@ -669,19 +697,35 @@ impl Drop for OpLogWriter {
     }
 }
 
-/// Waits until record `seq` of `shared`'s log is durable, or the log ends first.
+/// Waits until record `seq` of `shared`'s log is durable, or the log ends first. Woken once,
+/// by the commit that covers the record or by the log's end; not by other commits.
 async fn wait_for(shared: &Shared, seq: u64) -> Result<(), LogError> {
-    let mut rx = shared.progress.subscribe();
-    let p = rx.wait_for(|p| p.durable >= seq || p.failed.is_some()).await.map_err(|_| LogError::Closed)?.clone();
+    let told = {
+        let mut w = shared.waiters.lock();
+        if let Some(settled) = settled(&shared.progress.borrow(), seq) {
+            return settled;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let id = w.next_id;
+        w.next_id += 1;
+        w.by_seq.insert((seq, id), tx);
+        rx
+    };
+    // Told (durable), or the sender dropped (the log ended): either way `progress` says which.
+    let _ = told.await;
+    settled(&shared.progress.borrow(), seq).unwrap_or(Err(LogError::Closed))
+}
+
+/// Whether record `seq` is durable (`Ok`), will never be (`Err`), or neither yet (`None`).
+fn settled(p: &Progress, seq: u64) -> Option<Result<(), LogError>> {
     if p.durable >= seq {
-        return Ok(());
+        return Some(Ok(()));
     }
-    Err(match p.failed {
+    Some(Err(match p.failed.clone()? {
         // Stopped mid-commit: this record may be in the log.
-        Some(LogError::Closed) if seq <= p.sending => LogError::Interrupted,
-        Some(e) => e,
-        None => LogError::Closed,
-    })
+        LogError::Closed if seq <= p.sending => LogError::Interrupted,
+        e => e,
+    }))
 }
 
 /// A primary's records go to its group's log. A record the log no longer takes (it was fenced
@@ -728,6 +772,8 @@ fn end(shared: &Shared, why: LogError) {
         }
     });
     if first {
+        // Every waiter learns the end from `progress` (their senders dropped).
+        std::mem::take(&mut shared.waiters.lock().by_seq);
         if let Some(f) = shared.on_end.lock().take() {
             f(&why);
         }
@@ -883,14 +929,14 @@ impl Committer {
     fn committed(&mut self, tell: bool) {
         if let Some((last, records, started)) = self.batch.take() {
             self.shared.cfg.stats.committed(last, records, started.elapsed());
+            // The value changes silently: its waiters are told apart.
+            self.shared.progress.send_if_modified(|p| {
+                p.durable = last;
+                false
+            });
             if tell {
-                self.shared.progress.send_modify(|p| p.durable = last);
+                self.shared.wake_durable(last);
             } else {
-                // The value changes, the waiters are not woken yet.
-                self.shared.progress.send_if_modified(|p| {
-                    p.durable = last;
-                    false
-                });
                 self.untold = true;
             }
         }
@@ -901,7 +947,8 @@ impl Committer {
     /// them all durable once the first wakes it, instead of waking once per group.
     fn tell(&mut self) {
         if std::mem::take(&mut self.untold) {
-            self.shared.progress.send_modify(|_| {});
+            let durable = self.shared.progress.borrow().durable;
+            self.shared.wake_durable(durable);
         }
     }
 

@@ -92,6 +92,71 @@ async fn records_appended_during_a_commit_form_the_next_batch() {
     assert_eq!(sizes, vec![(1, 1), (2, 3)]);
 }
 
+/// A waker that counts its wakes.
+#[derive(Default)]
+struct Wakes(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Wakes {
+    fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Polls `f` once with `wakes`' waker.
+fn poll_with<F: std::future::Future + Unpin>(f: &mut F, wakes: &Arc<Wakes>) -> std::task::Poll<F::Output> {
+    let waker = std::task::Waker::from(wakes.clone());
+    std::pin::Pin::new(f).poll(&mut std::task::Context::from_waker(&waker))
+}
+
+#[tokio::test]
+async fn a_commit_wakes_the_waiters_of_its_records_and_no_others() {
+    let (store, w, _) = setup(cfg()).await;
+    store.set_txn_fault(TxnFault::Hold);
+    w.append(rec(1)).unwrap();
+    until_txns(&store, 1).await;
+    // Record 2 waits for the next batch while the first is in flight.
+    w.append(rec(2)).unwrap();
+    let (first, second, end) = (Arc::new(Wakes::default()), Arc::new(Wakes::default()), Arc::new(Wakes::default()));
+    let mut wait_first = Box::pin(w.wait(1));
+    let mut wait_second = Box::pin(w.wait(2));
+    let mut ended = Box::pin(w.ended());
+    assert!(poll_with(&mut wait_first, &first).is_pending());
+    assert!(poll_with(&mut wait_second, &second).is_pending());
+    assert!(poll_with(&mut ended, &end).is_pending());
+    // The first batch commits; the second is sent (and held) after its waiters were told.
+    store.release_txns(1);
+    until_txns(&store, 2).await;
+    assert_eq!(first.count(), 1, "the waiter of the committed record is woken once");
+    assert_eq!(poll_with(&mut wait_first, &first), std::task::Poll::Ready(Ok(())));
+    assert_eq!((second.count(), end.count()), (0, 0), "a commit wakes neither a later record's waiter nor the end's");
+    assert!(poll_with(&mut wait_second, &second).is_pending());
+    store.set_txn_fault(TxnFault::None);
+    store.release_txns(1);
+    for _ in 0..5000 {
+        if second.count() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(second.count(), 1);
+    assert_eq!(poll_with(&mut wait_second, &second), std::task::Poll::Ready(Ok(())));
+    assert_eq!(end.count(), 0);
+    // The end wakes what still waits, with the reason.
+    let mut wait_never = Box::pin(w.wait(3));
+    let never = Arc::new(Wakes::default());
+    assert!(poll_with(&mut wait_never, &never).is_pending());
+    w.close();
+    assert_eq!((never.count(), end.count()), (1, 1));
+    assert_eq!(poll_with(&mut wait_never, &never), std::task::Poll::Ready(Err(LogError::Closed)));
+    assert_eq!(poll_with(&mut ended, &end), std::task::Poll::Ready(LogError::Closed));
+}
+
 #[tokio::test]
 async fn a_changed_ownership_record_fences_the_writer_for_good() {
     let (store, w, _) = setup(cfg()).await;

@@ -147,6 +147,24 @@ pub(crate) fn cpu_of(pid: u32) -> Option<f64> {
     Some(ticks / clock_ticks_per_sec())
 }
 
+/// Context switches of every thread of process `pid` so far, voluntary and not, from
+/// `/proc/{pid}/task/*/status` (threads that ended are not counted).
+pub(crate) fn switches_of(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    let mut n = 0;
+    for t in tasks.flatten() {
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        for line in status.lines() {
+            if let Some(v) =
+                line.strip_prefix("voluntary_ctxt_switches:").or(line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                n += v.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    n
+}
+
 /// The unit of CPU times in `/proc`.
 fn clock_ticks_per_sec() -> f64 {
     // SAFETY: sysconf has no memory effects.

@@ -22,8 +22,8 @@ use tycho_proto::*;
 use tycho_routing::RouteCache;
 
 use crate::bench_master::{
-    cpu_of, drive, free_port, keep_alive, mount_fake, paired, populate, start_master_with, BenchMasterArgs, ChildGuard,
-    Routing, FAKE_SEGMENTS,
+    cpu_of, drive, free_port, keep_alive, mount_fake, paired, populate, start_master_with, switches_of,
+    BenchMasterArgs, ChildGuard, Routing, FAKE_SEGMENTS,
 };
 use crate::master_client::{key_ref, MasterClient};
 
@@ -76,6 +76,8 @@ struct Round {
     secs: f64,
     /// The setup's masters' CPU time over the round, seconds.
     cpu: f64,
+    /// The setup's masters' context switches over the round, every thread's.
+    switches: u64,
     /// etcd and log counters over the round.
     log: Counters,
 }
@@ -83,6 +85,9 @@ struct Round {
 impl Round {
     fn per_cpu_second(&self) -> f64 {
         self.ops as f64 / self.cpu.max(1e-9)
+    }
+    fn switches_per_call(&self) -> f64 {
+        self.switches as f64 / self.ops.max(1) as f64
     }
     fn ops_per_sec(&self) -> f64 {
         self.ops as f64 / self.secs
@@ -260,18 +265,23 @@ impl Setup {
             }
         };
         let local = tokio::task::LocalSet::new();
-        type Start = (Instant, f64);
+        // When the round started, with the masters' CPU time and context switches then.
+        type Start = (Instant, f64, u64);
         let started: Rc<std::cell::Cell<Option<Start>>> = Rc::default();
         let duration = Duration::from_secs_f64(args.duration);
         let first = started.clone();
         let procs_cpu = {
             let pids: Vec<u32> = self.procs.iter().map(|p| p.pid).collect();
-            move || pids.iter().filter_map(|&p| cpu_of(p)).sum::<f64>()
+            move || {
+                let cpu = pids.iter().filter_map(|&p| cpu_of(p)).sum::<f64>();
+                (cpu, pids.iter().map(|&p| switches_of(p)).sum::<u64>())
+            }
         };
         let cpu_at_start = procs_cpu.clone();
         let until: Rc<dyn Fn() -> bool> = Rc::new(move || {
-            let (t0, _) = first.get().unwrap_or_else(|| {
-                first.set(Some((Instant::now(), cpu_at_start())));
+            let (t0, _, _) = first.get().unwrap_or_else(|| {
+                let (cpu, switches) = cpu_at_start();
+                first.set(Some((Instant::now(), cpu, switches)));
                 first.get().expect("just set")
             });
             t0.elapsed() >= duration
@@ -284,9 +294,13 @@ impl Setup {
             async move { drive(&p.addr, w, per, owner, keys, until, routing).await }
         });
         let results = local.run_until(futures_util::future::try_join_all(drives)).await?;
-        let (t0, cpu0) = started.get().unwrap_or((Instant::now(), procs_cpu()));
+        let (t0, cpu0, switches0) = started.get().unwrap_or_else(|| {
+            let (cpu, switches) = procs_cpu();
+            (Instant::now(), cpu, switches)
+        });
         let secs = t0.elapsed().as_secs_f64();
-        let cpu = procs_cpu() - cpu0;
+        let (cpu1, switches1) = procs_cpu();
+        let (cpu, switches) = (cpu1 - cpu0, switches1.saturating_sub(switches0));
         let after = counted(etcd)?;
         let (mut ops, mut errs) = (0, 0);
         for (o, _, _, e) in results {
@@ -302,7 +316,7 @@ impl Setup {
                 crate::bench_master::remove_written(&p.addr, w).await?;
             }
         }
-        Ok(Round { ops, secs, cpu, log: after.since(&before) })
+        Ok(Round { ops, secs, cpu, switches, log: after.since(&before) })
     }
 }
 
@@ -351,19 +365,21 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                 let y = || b.round(w, args, ob, etcd);
                 let (x, y) = paired(round, x, y).await?;
                 eprintln!(
-                    "  {w} round {}: {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms; \
-                     {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms; etcd {:?}, batches {}",
+                    "  {w} round {}: {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms, {:.2} switches/call; \
+                     {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms, {:.2} switches/call; etcd {:?}, batches {}",
                     round + 1,
                     a.name,
                     x.ops_per_sec(),
                     x.per_cpu_second(),
                     x.cores(),
                     x.commit_ms(),
+                    x.switches_per_call(),
                     b.name,
                     y.ops_per_sec(),
                     y.per_cpu_second(),
                     y.cores(),
                     y.commit_ms(),
+                    y.switches_per_call(),
                     x.log.etcd,
                     x.log.batches
                 );
