@@ -486,6 +486,24 @@ struct Shared {
 struct Waiters {
     by_seq: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
     next_id: u64,
+    /// The count at which the entries of waiters that gave up are dropped next, so that a
+    /// waiter that stops waiting (a timeout, a role that decides again) leaves nothing behind
+    /// for long: twice the count left by the last pruning (amortized constant per wait).
+    prune_at: usize,
+}
+
+impl Waiters {
+    /// Registers a waiter for record `seq`.
+    fn add(&mut self, seq: u64) -> tokio::sync::oneshot::Receiver<()> {
+        if self.by_seq.len() >= self.prune_at {
+            self.by_seq.retain(|_, tx| !tx.is_closed());
+            self.prune_at = (2 * self.by_seq.len()).max(64);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.by_seq.insert((seq, self.next_id), tx);
+        self.next_id += 1;
+        rx
+    }
 }
 
 impl Shared {
@@ -705,11 +723,7 @@ async fn wait_for(shared: &Shared, seq: u64) -> Result<(), LogError> {
         if let Some(settled) = settled(&shared.progress.borrow(), seq) {
             return settled;
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let id = w.next_id;
-        w.next_id += 1;
-        w.by_seq.insert((seq, id), tx);
-        rx
+        w.add(seq)
     };
     // Told (durable), or the sender dropped (the log ended): either way `progress` says which.
     let _ = told.await;
@@ -1204,5 +1218,28 @@ impl LogFollower {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Waiters;
+
+    #[test]
+    fn waiters_that_gave_up_are_dropped_and_the_live_ones_kept() {
+        let mut w = Waiters::default();
+        // A role that decides again and again, waiting each time for a record far ahead.
+        for _ in 0..10_000 {
+            drop(w.add(1_000_000));
+        }
+        assert!(w.by_seq.len() <= 64, "{} entries of waiters that gave up", w.by_seq.len());
+        // Live waiters stay, however many come and go beside them.
+        let live: Vec<_> = (1..=100).map(|seq| w.add(seq)).collect();
+        for _ in 0..10_000 {
+            drop(w.add(1_000_000));
+        }
+        assert!(w.by_seq.len() <= 2 * live.len(), "{} entries", w.by_seq.len());
+        let kept = w.by_seq.values().filter(|tx| !tx.is_closed()).count();
+        assert_eq!(kept, live.len());
     }
 }
