@@ -366,7 +366,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                 let (x, y) = paired(round, x, y).await?;
                 eprintln!(
                     "  {w} round {}: {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms, {:.2} switches/call; \
-                     {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms, {:.2} switches/call; etcd {:?}, batches {}",
+                     {} {:.0} ops/s, {:.0} per cpu-s, {:.2} cores, commit {:.2} ms, {:.2} switches/call; etcd {:?} / {:?}, batches {} / {}",
                     round + 1,
                     a.name,
                     x.ops_per_sec(),
@@ -381,7 +381,9 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
                     y.commit_ms(),
                     y.switches_per_call(),
                     x.log.etcd,
-                    x.log.batches
+                    y.log.etcd,
+                    x.log.batches,
+                    y.log.batches
                 );
                 ra.push(x);
                 rb.push(y);
