@@ -4,25 +4,30 @@
 //! simulation (`tests/sim.rs`) drives the same machine through a scheduler that delays,
 //! reorders and loses its messages.
 //!
-//! A batch is committed by one transaction that holds only while the group's ownership record
-//! is where this writer became primary and the durable prefix is where its last commit left it
-//! (see [`crate::oplog`] for the layout). Any other outcome is settled by reading back:
+//! A batch is committed by one transaction that puts it under its own key and holds only while
+//! the group's ownership record is where this writer became primary (see [`crate::oplog`] for
+//! the layout). Any other outcome is settled by reading the batch's key back:
 //!
-//! - the transaction failed its compares, or its answer was lost: read the durable prefix.
-//!   - The prefix moved past the batch, and the batch key holds exactly this batch: an earlier
-//!     attempt landed (its answer was lost); committed.
-//!   - The prefix moved otherwise: another writer appended; fenced for good.
-//!   - The prefix is where it was and the answer was lost: nothing landed; send it again, under
-//!     the same sequence numbers (the log never has a gap or a record twice).
-//!   - The prefix is where it was and the compares failed: the ownership record changed, or
-//!     the transaction carried other groups' batches too ([`crate::oplog::TxnCombiner`]) and
-//!     one of theirs failed. Read the record: still this primary at this epoch (a standby
-//!     joined or left, a reshard set the group migrating or lifted that, or nothing changed)
-//!     renews the fence at its revision and sends again; anything else fences the writer.
+//! - It holds exactly this batch: an attempt landed (its answer was lost, or arrived after the
+//!   read-back that sent the batch again); committed.
+//! - It holds another batch: another writer appended; fenced for good.
+//! - It is absent and the answer was lost: nothing landed; send it again, under the same
+//!   sequence numbers (the log never has a gap or a record twice).
+//! - It is absent and the compares failed: the ownership record changed, or the transaction
+//!   carried other groups' batches too ([`crate::oplog::TxnCombiner`]) and one of theirs failed.
+//!   Read the record: still this primary at this epoch (a standby joined or left, a reshard set
+//!   the group migrating or lifted that, or nothing changed) renews the fence at its revision and
+//!   sends again; anything else fences the writer.
+//!
+//! The transaction does not also check that the batch's key is free: while the fence holds, no
+//! other writer can put it. Every writer opens right after the compare-and-swap that named it
+//! primary and raised the epoch (group records are never deleted, so an epoch is never reused),
+//! and renews only to revisions that keep its primary and epoch; the one other put of the key
+//! is this writer's own earlier attempt, landing late with the same bytes.
 
 use tycho_meta::{Compare, KeyValue, MetaError, MetaResult, Revision, Txn, TxnOp, TxnResponse};
 
-use crate::oplog::{encode_prefix, Fence, LogError, LogKeys};
+use crate::oplog::{Fence, LogError, LogKeys};
 use crate::ownership::{GroupRecord, GroupState};
 
 /// What the machine needs done next.
@@ -30,14 +35,14 @@ use crate::ownership::{GroupRecord, GroupState};
 pub enum Io {
     /// Send this transaction; answer [`Reply::Sent`].
     Send(Txn),
-    /// Read the durable prefix, after the writer's back-off pause when `pause` (the store did
-    /// not answer); answer [`Reply::Prefix`].
-    ReadPrefix {
+    /// Read this key (the batch's, or the ownership record), after the writer's back-off pause
+    /// when `pause` (the store did not answer); answer [`Reply::Read`].
+    Read {
+        /// The key.
+        key: Vec<u8>,
         /// Pause first.
         pause: bool,
     },
-    /// Read this key (the batch, or the ownership record); answer [`Reply::Read`].
-    Read(Vec<u8>),
     /// The batch is committed (`Ok`), or the log ends here (`Err`).
     Done(Result<(), LogError>),
 }
@@ -47,8 +52,6 @@ pub enum Io {
 pub enum Reply {
     /// The transaction's answer (an unavailable store: the outcome is unknown).
     Sent(MetaResult<TxnResponse>),
-    /// The durable prefix and its mod revision (0 and 0 for an empty log).
-    Prefix(Result<(u64, Revision), LogError>),
     /// The key read (`None`: absent). The driver retries a store that does not answer.
     Read(Result<Option<KeyValue>, LogError>),
 }
@@ -58,10 +61,8 @@ pub enum Reply {
 enum Phase {
     /// Its transaction is out.
     Sending,
-    /// The prefix is being read back (`unknown`: the transaction went unanswered).
-    Prefix { unknown: bool },
-    /// The prefix moved past the batch, to `durable` at `rev`: is the batch the one in the log?
-    Batch { durable: u64, rev: Revision, unknown: bool },
+    /// Its key is being read back (`unknown`: the transaction went unanswered).
+    Batch { unknown: bool },
     /// The ownership record changed: does it still name this writer?
     Record,
 }
@@ -81,15 +82,13 @@ pub struct BatchCommit {
     fence: Fence,
     group: u32,
     durable: u64,
-    durable_rev: Revision,
     pending: Option<Pending>,
 }
 
 impl BatchCommit {
-    /// A writer of `keys` under `fence` whose log's durable prefix is `durable`, last written
-    /// at `durable_rev`.
-    pub fn new(keys: LogKeys, fence: Fence, group: u32, durable: u64, durable_rev: Revision) -> BatchCommit {
-        BatchCommit { keys, fence, group, durable, durable_rev, pending: None }
+    /// A writer of `keys` under `fence` whose log ends at record `durable`.
+    pub fn new(keys: LogKeys, fence: Fence, group: u32, durable: u64) -> BatchCommit {
+        BatchCommit { keys, fence, group, durable, pending: None }
     }
 
     /// The last committed record's sequence number.
@@ -123,41 +122,38 @@ impl BatchCommit {
             return Io::Done(Err(LogError::Closed));
         };
         match (std::mem::replace(&mut p.phase, Phase::Sending), reply) {
-            (Phase::Sending, Reply::Sent(Ok(r))) if r.succeeded => self.committed(r.revision),
+            (Phase::Sending, Reply::Sent(Ok(r))) if r.succeeded => self.committed(),
             (Phase::Sending, Reply::Sent(Ok(_))) => {
-                p.phase = Phase::Prefix { unknown: false };
-                Io::ReadPrefix { pause: false }
+                p.phase = Phase::Batch { unknown: false };
+                Io::Read { key: self.keys.batch(p.first_seq), pause: false }
             }
             (Phase::Sending, Reply::Sent(Err(e))) if e.is_unavailable() || matches!(e, MetaError::Other(_)) => {
                 tracing::warn!(group = self.group, error = %e, "OpLog commit outcome unknown; reading it back");
-                p.phase = Phase::Prefix { unknown: true };
-                Io::ReadPrefix { pause: true }
+                p.phase = Phase::Batch { unknown: true };
+                Io::Read { key: self.keys.batch(p.first_seq), pause: true }
             }
             (Phase::Sending, Reply::Sent(Err(e))) => self.done(Err(LogError::Refused(e.to_string()))),
-            (
-                Phase::Prefix { .. } | Phase::Batch { .. } | Phase::Record,
-                Reply::Prefix(Err(e)) | Reply::Read(Err(e)),
-            ) => self.done(Err(e)),
-            (Phase::Prefix { unknown }, Reply::Prefix(Ok((durable, rev)))) => {
+            (Phase::Batch { .. } | Phase::Record, Reply::Read(Err(e))) => self.done(Err(e)),
+            (Phase::Batch { unknown }, Reply::Read(Ok(kv))) => match kv {
                 // (Another writer may have appended after the batch already: it is committed
-                // all the same, and this writer's next batch finds the prefix moved.)
-                if durable >= p.last && rev != self.durable_rev {
-                    p.phase = Phase::Batch { durable, rev, unknown };
-                    return Io::Read(self.keys.batch(p.first_seq));
+                // all the same, and this writer's next batch finds its key taken.)
+                Some(kv) if kv.value == p.encoded => self.committed(),
+                Some(_) => {
+                    let first = p.first_seq;
+                    self.done(Err(LogError::Fenced(format!(
+                        "another writer committed record {first} of the log under this writer"
+                    ))))
                 }
-                self.settle(durable, rev, unknown)
-            }
-            (Phase::Batch { durable, rev, unknown }, Reply::Read(Ok(kv))) => {
-                if kv.is_some_and(|kv| kv.value == p.encoded) {
-                    // An earlier attempt went through; its answer was lost, or arrived after
-                    // the read-back that sent the batch again.
-                    let last = p.last;
-                    self.durable = last;
-                    self.durable_rev = rev;
-                    return self.done(Ok(()));
+                None if unknown => self.send(),
+                // Nothing landed, so the ownership record failed its compare.
+                None if self.fence.owner.is_none() => {
+                    self.done(Err(LogError::Fenced("the ownership record changed".into())))
                 }
-                self.settle(durable, rev, unknown)
-            }
+                None => {
+                    p.phase = Phase::Record;
+                    Io::Read { key: self.fence.key.clone(), pause: false }
+                }
+            },
             (Phase::Record, Reply::Read(Ok(kv))) => match self.renew(kv) {
                 Ok(()) => self.send(),
                 Err(e) => self.done(Err(e)),
@@ -166,27 +162,6 @@ impl BatchCommit {
                 self.done(Err(LogError::Refused(format!("commit machine: {reply:?} does not answer {phase:?}"))))
             }
         }
-    }
-
-    /// The prefix read back is at `durable`, `rev`, and the batch is not in the log.
-    fn settle(&mut self, durable: u64, rev: Revision, unknown: bool) -> Io {
-        if durable != self.durable || rev != self.durable_rev {
-            let expected = self.durable;
-            return self.done(Err(LogError::Fenced(format!(
-                "the log's durable prefix moved to {durable} under this writer (expected {expected})"
-            ))));
-        }
-        if unknown {
-            return self.send();
-        }
-        // The prefix is in place, so the ownership record failed its compare.
-        if self.fence.owner.is_none() {
-            return self.done(Err(LogError::Fenced("the ownership record changed".into())));
-        }
-        if let Some(p) = self.pending.as_mut() {
-            p.phase = Phase::Record;
-        }
-        Io::Read(self.fence.key.clone())
     }
 
     /// The ownership record as it is now: still this primary at this epoch renews the fence at
@@ -225,7 +200,7 @@ impl BatchCommit {
         Ok(())
     }
 
-    /// The batch's transaction, under the current fence and prefix.
+    /// The batch's transaction, under the current fence.
     fn send(&mut self) -> Io {
         let Some(p) = self.pending.as_mut() else {
             return Io::Done(Err(LogError::Closed));
@@ -233,21 +208,14 @@ impl BatchCommit {
         p.phase = Phase::Sending;
         Io::Send(
             Txn::new()
-                .when([
-                    Compare::mod_revision_eq(self.fence.key.clone(), self.fence.mod_revision),
-                    Compare::mod_revision_eq(self.keys.durable(), self.durable_rev),
-                ])
-                .and_then([
-                    TxnOp::put(self.keys.batch(p.first_seq), p.encoded.clone()),
-                    TxnOp::put(self.keys.durable(), encode_prefix(p.last)),
-                ]),
+                .when([Compare::mod_revision_eq(self.fence.key.clone(), self.fence.mod_revision)])
+                .and_then([TxnOp::put(self.keys.batch(p.first_seq), p.encoded.clone())]),
         )
     }
 
-    fn committed(&mut self, revision: Revision) -> Io {
+    fn committed(&mut self) -> Io {
         if let Some(p) = &self.pending {
             self.durable = p.last;
-            self.durable_rev = revision;
         }
         self.done(Ok(()))
     }

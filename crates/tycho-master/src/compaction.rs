@@ -293,8 +293,7 @@ pub async fn delete_batches_below(store: &dyn MetaStore, keys: &LogKeys, floor: 
     'pages: loop {
         let page = store.range(req.clone()).await.map_err(store_error)?;
         for kv in &page.kvs {
-            let first = std::str::from_utf8(&kv.key[keys.batches().len()..]).ok().and_then(|s| s.parse::<u64>().ok());
-            match first {
+            match keys.first_seq_of(&kv.key) {
                 Some(f) if f <= floor => doomed.push(kv.key.clone()),
                 Some(_) => break 'pages,
                 None => {

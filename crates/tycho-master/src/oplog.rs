@@ -9,20 +9,24 @@
 //!
 //! ```text
 //! if   mod_revision(kvpt_groups/{rank}) == the revision this master became primary at
-//!  and mod_revision(oplog/{rank}/durable) == the revision of this writer's last commit
 //! then put oplog/{rank}/b/{first_seq:020} = sealed RecordBatch
-//!      put oplog/{rank}/durable          = sealed last sequence number
 //! ```
 //!
+//! The log's durable prefix is where its last batch ends: there is no other record of it, so a
+//! group costs its transaction one compare and one put. A writer finds the end when it opens
+//! ([`read_durable`]); a follower reads on from where it stands and watches the batch keys.
+//! `oplog/{rank}/durable`, where earlier builds kept the prefix, holds the layout version
+//! instead ([`LOG_LAYOUT`]), written by every writer as it opens: a build that kept the prefix
+//! there refuses to follow or write the log rather than misread it.
+//!
 //! A transaction that fails its compares, or whose outcome is unknown (the store did not
-//! answer), is resolved by reading the durable prefix back: the batch is there (an earlier
-//! attempt landed after all), the prefix is where this writer left it (not committed: the same
-//! batch is sent again under the same sequence numbers, so the log has no gap), or someone else
-//! moved it (fenced). With the prefix in place, a failed compare means the ownership record
-//! changed: if it still names this primary at this epoch (only its standbys changed) the fence
-//! is renewed, else the writer is fenced for good: every waiting and later mutation fails with
-//! KVPT_NOT_OWNED, and the master must stop serving the group. Records appended while a batch
-//! is in flight form the next batch.
+//! answer), is resolved by reading the batch's key back: it holds the batch (an attempt landed
+//! after all), it is absent (not committed: the same batch is sent again under the same
+//! sequence numbers, so the log has no gap), or it holds another (fenced). With the key absent,
+//! a failed compare means the ownership record changed: if it still names this primary at this
+//! epoch (only its standbys changed) the fence is renewed, else the writer is fenced for good:
+//! every waiting and later mutation fails with KVPT_NOT_OWNED, and the master must stop serving
+//! the group. Records appended while a batch is in flight form the next batch.
 //!
 //! Those decisions are made without I/O by [`crate::commit::BatchCommit`]; the commit task
 //! only carries its messages to the store and back.
@@ -168,8 +172,10 @@ impl LogStats {
     }
 }
 
-/// Layout version of the durable-prefix record.
-const PREFIX_VERSION: u16 = 1;
+/// Layout version of a group's log, stored under [`LogKeys::layout`]. Version 1 kept the durable
+/// prefix there (an 8-byte sequence number) and wrote it with every batch; version 2 keeps no
+/// prefix, and the record holds nothing else.
+const LAYOUT_VERSION: u16 = 2;
 
 /// Where one group's log lives in the store.
 #[derive(Debug, Clone)]
@@ -193,23 +199,87 @@ impl LogKeys {
         format!("{}b/", self.prefix).into_bytes()
     }
 
-    /// The durable prefix: the sequence number of the last committed record.
-    pub fn durable(&self) -> Vec<u8> {
+    /// The first record of the batch stored under `key` (`None`: not a batch key of this log).
+    pub fn first_seq_of(&self, key: &[u8]) -> Option<u64> {
+        let rest = key.strip_prefix(self.batches().as_slice())?;
+        std::str::from_utf8(rest).ok()?.parse().ok()
+    }
+
+    /// The log's layout record (the key where layout 1 kept its durable prefix).
+    pub fn layout(&self) -> Vec<u8> {
         format!("{}durable", self.prefix).into_bytes()
     }
 }
 
-/// The durable prefix as stored: sealed, so that a reader refuses a damaged or newer one.
-pub fn encode_prefix(last_seq: u64) -> Vec<u8> {
-    envelope::seal(RecordKind::LogPrefix, PREFIX_VERSION, &last_seq.to_le_bytes())
+/// The layout record as every writer stores it: sealed at [`LAYOUT_VERSION`] and empty, so
+/// that a reader of layout 1 (which expects its prefix there) refuses it as a newer version.
+pub fn log_layout() -> Vec<u8> {
+    envelope::seal(RecordKind::LogPrefix, LAYOUT_VERSION, &[])
 }
 
-/// Reads a stored durable prefix.
-pub fn decode_prefix(bytes: &[u8]) -> Result<u64, LogError> {
-    let (_, payload) = envelope::open(RecordKind::LogPrefix, PREFIX_VERSION, bytes)
-        .map_err(|e| LogError::Corrupt(format!("durable prefix: {e}")))?;
-    let raw: [u8; 8] = payload.try_into().map_err(|_| LogError::Corrupt("durable prefix of the wrong size".into()))?;
-    Ok(u64::from_le_bytes(raw))
+/// The sequence number of the last committed record of the log of `keys` (0: an empty log),
+/// found from its batch keys alone. Each probe asks for the first batch key at or after a
+/// position (one key, no value): galloping up from the log's first batch, then halving, about
+/// twice the logarithm of the batch count in requests; the last batch is then read for where
+/// it ends. The store is asked again while it does not answer. Meant for a writer that opens
+/// (no other may append then): under a live writer the answer may be behind.
+pub async fn read_durable(store: &dyn MetaStore, keys: &LogKeys) -> Result<u64, LogError> {
+    let Some(mut lo) = first_batch_from(store, keys, 1).await? else { return Ok(0) };
+    let mut step = 1u64;
+    // Nothing starts at or after `hi`.
+    let mut hi = loop {
+        let at = lo.saturating_add(step);
+        match first_batch_from(store, keys, at).await? {
+            Some(first) if at < u64::MAX => {
+                lo = first;
+                step = step.saturating_mul(2);
+            }
+            _ => break at,
+        }
+    };
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match first_batch_from(store, keys, mid).await? {
+            Some(first) if first < hi => lo = first,
+            _ => hi = mid,
+        }
+    }
+    let key = keys.batch(lo);
+    let kv = loop {
+        match store.get(&key).await {
+            Ok(r) => break r.kv,
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => return Err(LogError::Refused(e.to_string())),
+        }
+    };
+    let Some(kv) = kv else {
+        return Err(LogError::Corrupt(format!("the log's last batch, at {lo}, went away while it was read")));
+    };
+    let batch = RecordBatch::decode(&kv.value).map_err(|e| LogError::Corrupt(format!("the log's last batch: {e}")))?;
+    if batch.first_seq != lo {
+        return Err(LogError::Corrupt(format!("batch of record {} stored as the batch of {lo}", batch.first_seq)));
+    }
+    Ok(batch.last_seq())
+}
+
+/// The first record of the first batch of `keys` that starts at or after `at`, if any.
+async fn first_batch_from(store: &dyn MetaStore, keys: &LogKeys, at: u64) -> Result<Option<u64>, LogError> {
+    let req =
+        RangeRequest { prefix: keys.batches(), start: Some(keys.batch(at)), limit: 1, revision: None, keys_only: true };
+    let page = loop {
+        match store.range(req.clone()).await {
+            Ok(page) => break page,
+            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => return Err(LogError::Refused(e.to_string())),
+        }
+    };
+    match page.kvs.first() {
+        None => Ok(None),
+        Some(kv) => keys
+            .first_seq_of(&kv.key)
+            .map(Some)
+            .ok_or_else(|| LogError::Corrupt(format!("batch key {:?}", String::from_utf8_lossy(&kv.key)))),
+    }
 }
 
 /// The ownership record a group's batches are committed under.
@@ -527,9 +597,10 @@ pub struct OpLogWriter {
 }
 
 impl OpLogWriter {
-    /// Opens the log of `keys` for appending under `fence`: reads its durable prefix and starts
-    /// its commit task on the current tokio runtime, or joins its combiner's
-    /// ([`WriterConfig::combiner`]). Records are numbered from the prefix on.
+    /// Opens the log of `keys` for appending under `fence`: finds where it ends
+    /// ([`read_durable`]), stores its layout record, and starts its commit task on the current
+    /// tokio runtime, or joins its combiner's ([`WriterConfig::combiner`]). Records are numbered
+    /// from the end on.
     pub async fn open(
         store: Arc<dyn MetaStore>,
         keys: LogKeys,
@@ -538,7 +609,8 @@ impl OpLogWriter {
         epoch: u64,
         cfg: WriterConfig,
     ) -> Result<OpLogWriter, LogError> {
-        let (durable, durable_rev) = read_prefix(&*store, &keys).await?;
+        let durable = read_durable(&*store, &keys).await?;
+        store.put(&keys.layout(), &log_layout(), None).await.map_err(|e| LogError::Refused(e.to_string()))?;
         let combiner = cfg.combiner.clone();
         let wake = combiner.as_ref().map_or_else(Default::default, |c| c.wake.clone());
         let shared = Arc::new(Shared {
@@ -550,10 +622,9 @@ impl OpLogWriter {
             cfg,
         });
         shared.cfg.stats.appended(durable);
-        let machine = BatchCommit::new(keys.clone(), fence, group, durable, durable_rev);
+        let machine = BatchCommit::new(keys.clone(), fence, group, durable);
         let committer = Committer {
             store: store.clone(),
-            keys,
             machine,
             group,
             epoch,
@@ -794,27 +865,10 @@ fn end(shared: &Shared, why: LogError) {
     }
 }
 
-/// Reads the durable prefix and its mod revision (0 and 0 for an empty log).
-async fn read_prefix(store: &dyn MetaStore, keys: &LogKeys) -> Result<(u64, Revision), LogError> {
-    loop {
-        match store.get(&keys.durable()).await {
-            Ok(r) => {
-                return match r.kv {
-                    None => Ok((0, 0)),
-                    Some(kv) => Ok((decode_prefix(&kv.value)?, kv.mod_revision)),
-                }
-            }
-            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(e) => return Err(LogError::Refused(e.to_string())),
-        }
-    }
-}
-
 /// One group's log as its commit task holds it: the queue's other end, the fencing machine, and
 /// the batch in hand.
 struct Committer {
     store: Arc<dyn MetaStore>,
-    keys: LogKeys,
     machine: BatchCommit,
     group: u32,
     epoch: u64,
@@ -867,14 +921,10 @@ impl Committer {
                     self.io = Some(send);
                     return;
                 }
-                Some(Io::ReadPrefix { pause }) => {
+                Some(Io::Read { key, pause }) => {
                     if pause {
                         tokio::time::sleep(self.shared.cfg.retry_backoff).await;
                     }
-                    let prefix = read_prefix(&*self.store, &self.keys).await;
-                    self.io = Some(self.machine.on(Reply::Prefix(prefix)));
-                }
-                Some(Io::Read(key)) => {
                     let read = self.read(&key).await;
                     self.io = Some(self.machine.on(Reply::Read(read)));
                 }
@@ -1022,15 +1072,7 @@ pub enum FollowError {
         /// What the log has instead (0: nothing).
         found: u64,
     },
-    /// The durable prefix went back below what the follower applied.
-    #[error("the log's durable prefix went back from {applied} to {durable}")]
-    Regression {
-        /// Records applied.
-        applied: u64,
-        /// The prefix now stored.
-        durable: u64,
-    },
-    /// A batch or the prefix cannot be read (damage, another layout, another group's batch).
+    /// A batch cannot be read (damage, another layout, another group's batch).
     #[error("unreadable OpLog: {0}")]
     Corrupt(String),
     /// A record does not apply to the follower's state.
@@ -1096,122 +1138,115 @@ impl LogFollower {
         self.applied
     }
 
-    /// Applies every record from the one after [`LogFollower::applied`] up to the durable
-    /// prefix, batch by batch, checking each batch's envelope, group and numbering.
+    /// Applies every record from the one after [`LogFollower::applied`] to the log's end,
+    /// batch by batch, checking each batch's envelope, group and numbering. Returns where it
+    /// stands.
     pub async fn catch_up(
         &mut self,
         apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
     ) -> Result<u64, FollowError> {
-        // Pages are read at the revision of this read (not the prefix's own, which may be older
-        // than a compaction of the store's history), so they agree with the prefix read.
-        let read = self.store.get(&self.keys.durable()).await.map_err(store_error)?;
-        let revision = read.revision;
-        let durable = match read.kv {
-            None => 0,
-            Some(kv) => decode_prefix(&kv.value)?,
-        };
-        if durable < self.applied {
-            return Err(FollowError::Regression { applied: self.applied, durable });
-        }
-        if let Some(s) = &self.stats {
-            s.seen(durable, self.applied);
-        }
-        if durable == self.applied {
-            return Ok(durable);
-        }
-        // Every page at the prefix's revision: the batches and the prefix agree. A follower
-        // that may stand inside a batch starts early enough to find the batch that holds its
-        // next record.
+        // A follower that may stand inside a batch starts early enough to find the batch that
+        // holds its next record.
         let from = match self.aligned {
             true => self.applied + 1,
             false => (self.applied + 1).saturating_sub(MAX_BATCH_RECORDS as u64 - 1).max(1),
         };
+        // Every page at the first one's revision: one state of the log.
         let mut req = RangeRequest {
             prefix: self.keys.batches(),
             start: Some(self.keys.batch(from)),
             limit: self.page,
-            revision: Some(revision),
+            revision: None,
             keys_only: false,
         };
         loop {
             let page = self.store.range(req.clone()).await.map_err(store_error)?;
             for kv in &page.kvs {
-                let batch = RecordBatch::decode(&kv.value).map_err(|e| FollowError::Corrupt(e.to_string()))?;
-                if batch.group != self.group || kv.key != self.keys.batch(batch.first_seq) {
-                    return Err(FollowError::Corrupt(format!(
-                        "batch of group {} at {} stored under another key",
-                        batch.group, batch.first_seq
-                    )));
-                }
-                if !self.aligned && batch.last_seq() <= self.applied {
-                    continue;
-                }
-                if batch.first_seq > self.applied + 1 || (self.aligned && batch.first_seq != self.applied + 1) {
-                    return Err(FollowError::Gap { expected: self.applied + 1, found: batch.first_seq });
-                }
-                if batch.last_seq() > durable {
-                    return Err(FollowError::Corrupt(format!(
-                        "batch {}..={} runs past the durable prefix {durable}",
-                        batch.first_seq,
-                        batch.last_seq()
-                    )));
-                }
-                let done = self.applied;
-                for (seq, rec) in (batch.first_seq..).zip(&batch.records).filter(|(seq, _)| *seq > done) {
-                    apply(seq, rec).map_err(|error| FollowError::Diverged { seq, error })?;
-                    self.applied = seq;
-                }
-                self.aligned = true;
+                self.apply_batch(&kv.key, &kv.value, apply)?;
             }
             match req.next_page(&page) {
                 Some(next) => req = next,
                 None => break,
             }
         }
-        if self.applied != durable {
-            return Err(FollowError::Gap { expected: self.applied + 1, found: 0 });
-        }
         if let Some(s) = &self.stats {
-            s.seen(durable, self.applied);
+            s.seen(self.applied, self.applied);
         }
-        Ok(durable)
+        Ok(self.applied)
     }
 
-    /// Catches up, then applies new records as the durable prefix moves (a watch on it, no
-    /// polling), until `stop` completes (`Ok`) or the log cannot be followed (`Err`).
+    /// Applies the records of the batch stored as `key`, `value` that follow
+    /// [`LogFollower::applied`] (none when it ends there or before). Fails on a batch that does
+    /// not continue the log.
+    fn apply_batch(
+        &mut self,
+        key: &[u8],
+        value: &[u8],
+        apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
+    ) -> Result<(), FollowError> {
+        let batch = RecordBatch::decode(value).map_err(|e| FollowError::Corrupt(e.to_string()))?;
+        if batch.group != self.group || key != self.keys.batch(batch.first_seq) {
+            return Err(FollowError::Corrupt(format!(
+                "batch of group {} at {} stored under another key",
+                batch.group, batch.first_seq
+            )));
+        }
+        if batch.last_seq() <= self.applied {
+            return Ok(());
+        }
+        if batch.first_seq > self.applied + 1 || (self.aligned && batch.first_seq != self.applied + 1) {
+            return Err(FollowError::Gap { expected: self.applied + 1, found: batch.first_seq });
+        }
+        let done = self.applied;
+        for (seq, rec) in (batch.first_seq..).zip(&batch.records).filter(|(seq, _)| *seq > done) {
+            apply(seq, rec).map_err(|error| FollowError::Diverged { seq, error })?;
+            self.applied = seq;
+        }
+        self.aligned = true;
+        Ok(())
+    }
+
+    /// Catches up, then applies new batches as they are committed (a watch on the batch keys,
+    /// no polling), until `stop` completes (`Ok`) or the log cannot be followed (`Err`). A
+    /// batch that continues what was applied is applied from the watch's event; after anything
+    /// else (a gap in the events, a watch that fell behind the store's history) the follower
+    /// reads on from the log.
     pub async fn follow(
         &mut self,
         apply: &mut impl FnMut(u64, &Record) -> Result<(), crate::ReplayError>,
         stop: impl std::future::Future<Output = ()>,
     ) -> Result<(), FollowError> {
         tokio::pin!(stop);
-        // The watch starts before the first catch-up, so no move of the prefix is missed.
-        let mut watch =
-            self.store.watch(tycho_meta::WatchRequest::key(self.keys.durable())).await.map_err(store_error)?;
+        let batches = tycho_meta::WatchRequest::prefix(self.keys.batches());
+        // The watch starts before the first catch-up, so no batch is missed.
+        let mut watch = self.store.watch(batches.clone()).await.map_err(store_error)?;
         self.catch_up(apply).await?;
         loop {
             tokio::select! {
                 _ = &mut stop => return Ok(()),
                 event = watch.next() => match event {
-                    Ok(tycho_meta::WatchEvent::Disconnected { .. }) => {}
-                    Ok(e) => {
-                        // The lag shows from the moment the prefix moved, whatever the
-                        // catch-up then takes.
-                        if let (Some(s), tycho_meta::WatchEvent::Put(kv)) = (&self.stats, &e) {
-                            if let Ok(durable) = decode_prefix(&kv.value) {
-                                s.seen(durable, self.applied);
+                    Ok(tycho_meta::WatchEvent::Put(kv)) => {
+                        let next = self.keys.first_seq_of(&kv.key).is_some_and(|f| f <= self.applied + 1);
+                        if next && self.aligned {
+                            self.apply_batch(&kv.key, &kv.value, apply)?;
+                            if let Some(s) = &self.stats {
+                                s.seen(self.applied, self.applied);
                             }
+                        } else {
+                            // The lag shows from the moment the batch is committed, whatever
+                            // the catch-up then takes.
+                            if let (Some(s), Ok(batch)) = (&self.stats, RecordBatch::decode(&kv.value)) {
+                                s.seen(batch.last_seq(), self.applied);
+                            }
+                            self.catch_up(apply).await?;
                         }
-                        self.catch_up(apply).await?;
                     }
+                    // Deletions (compaction below a snapshot) and reconnections change nothing.
+                    Ok(_) => {}
                     Err(MetaError::Compacted { .. }) => {
                         // The watch fell behind the store's history: watch again from now, and
                         // read what was missed from the log itself.
-                        watch = self
-                            .store
-                            .watch(tycho_meta::WatchRequest::key(self.keys.durable()))
-                            .await
-                            .map_err(store_error)?;
+                        watch = self.store.watch(batches.clone()).await.map_err(store_error)?;
                         self.catch_up(apply).await?;
                     }
                     Err(e) => return Err(store_error(e)),

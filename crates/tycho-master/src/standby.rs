@@ -134,7 +134,7 @@ pub async fn promote(
         .map_err(PromoteError::Log)?;
     if log.durable() != durable {
         return Err(PromoteError::Log(LogError::Fenced(format!(
-            "the log moved from {durable} to {} after the group record changed",
+            "the log ends at {} but the replay stopped at {durable}: it moved after the group record changed, or went back",
             log.durable()
         ))));
     }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys, OpLogWriter, WriterConfig};
+use tycho_master::oplog::{read_durable, Fence, LogError, LogKeys, OpLogWriter, WriterConfig};
 use tycho_master::record::{Record, RecordBatch};
 use tycho_meta::faults::{FaultyStore, TxnFault};
 use tycho_meta::{MemStore, MetaStore, RangeRequest};
@@ -38,8 +38,7 @@ async fn batches(store: &Store) -> Vec<RecordBatch> {
 }
 
 async fn durable_prefix(store: &Store) -> u64 {
-    let kv = store.get(&LogKeys::new("test", 0).durable()).await.unwrap().kv.unwrap();
-    decode_prefix(&kv.value).unwrap()
+    read_durable(store, &LogKeys::new("test", 0)).await.unwrap()
 }
 
 /// Waits (bounded) until the store has seen `n` transactions.
@@ -178,11 +177,15 @@ async fn a_log_written_by_another_writer_fences_this_one() {
     let (store, w, fence) = setup(cfg()).await;
     w.append(rec(1)).unwrap();
     w.wait(1).await.unwrap();
-    // A second writer under the same ownership record (a bug or a split brain) commits first.
-    let other = OpLogWriter::open(store.clone(), LogKeys::new("test", 0), fence, 0, 1, cfg()).await.unwrap();
+    // A second writer, opened under the record as another master changed it, commits first:
+    // this writer's transaction fails, and the read-back finds the other's batch at its place.
+    let rev = store.put(OWNER, b"primary: b", None).await.unwrap();
+    let newer = Fence { mod_revision: rev, ..fence };
+    let other = OpLogWriter::open(store.clone(), LogKeys::new("test", 0), newer, 0, 2, cfg()).await.unwrap();
     other.wait(other.append(rec(100)).unwrap()).await.unwrap();
     let s = w.append(rec(2)).unwrap();
-    assert!(matches!(w.wait(s).await, Err(LogError::Fenced(_))));
+    let err = w.wait(s).await.unwrap_err();
+    assert!(matches!(&err, LogError::Fenced(why) if why.contains("another writer")), "{err:?}");
     let all: Vec<Record> = batches(&store).await.into_iter().flat_map(|b| b.records).collect();
     assert_eq!(all, vec![rec(1), rec(100)], "one history, no record of the fenced writer after it");
 }
@@ -211,7 +214,7 @@ async fn an_unknown_outcome_is_read_back_not_repeated_or_skipped() {
 async fn a_transaction_that_lands_after_it_was_read_back_as_lost_is_not_a_fence() {
     let (store, w, _) = setup(cfg()).await;
     // The first attempt goes unanswered and the read-back finds nothing, so the batch is sent
-    // again; the first attempt lands just before the second, which then fails its compare.
+    // again; the first attempt lands just before the second, which writes the same bytes again.
     store.set_txn_fault(TxnFault::LoseThenApplyLate);
     let s = w.append(rec(1)).unwrap();
     w.wait(s).await.unwrap();
@@ -288,7 +291,7 @@ async fn closing_mid_commit_leaves_the_batch_in_flight_unknown_and_the_rest_not_
 
 // ---- the follower (a standby's reader) -----------------------------------------------------
 
-use tycho_master::oplog::{encode_prefix, FollowError, LogFollower};
+use tycho_master::oplog::{FollowError, LogFollower};
 
 /// Applies into a list, so that a test sees what was applied and in which order.
 fn collect(into: &mut Vec<(u64, Record)>) -> impl FnMut(u64, &Record) -> Result<(), tycho_master::ReplayError> + '_ {
@@ -345,35 +348,18 @@ async fn a_follower_applies_every_record_in_order_across_pages() {
 }
 
 #[tokio::test]
-async fn gaps_regressions_and_damage_fail_closed() {
+async fn gaps_and_damage_fail_closed() {
     let keys = LogKeys::new("test", 0);
-    // A missing batch below the prefix.
+    // A missing batch inside the log.
     let (store, _w) = written(10).await;
     let second = batches(&store).await[1].first_seq;
     store.delete(&keys.batch(second)).await.unwrap();
-    // (Batches are read at the prefix's revision, so the prefix is written again after it.)
-    store.put(&keys.durable(), &encode_prefix(10), None).await.unwrap();
     let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
     let mut got = Vec::new();
     let gap = f.catch_up(&mut collect(&mut got)).await;
     assert!(matches!(gap, Err(FollowError::Gap { expected, .. }) if expected == second), "{gap:?}");
     assert_eq!(f.applied(), second - 1, "it applied what came before the gap and nothing after");
     assert_eq!(got.len() as u64, second - 1);
-    // A prefix ahead of the batches.
-    let (store, _w) = written(3).await;
-    store.put(&keys.durable(), &encode_prefix(5), None).await.unwrap();
-    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
-    assert_eq!(f.catch_up(&mut collect(&mut Vec::new())).await, Err(FollowError::Gap { expected: 4, found: 0 }));
-
-    // The prefix going back.
-    let (store, _w) = written(6).await;
-    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
-    f.catch_up(&mut collect(&mut Vec::new())).await.unwrap();
-    store.put(&keys.durable(), &encode_prefix(2), None).await.unwrap();
-    assert_eq!(
-        f.catch_up(&mut collect(&mut Vec::new())).await,
-        Err(FollowError::Regression { applied: 6, durable: 2 })
-    );
 
     // A damaged batch, and a record that does not apply.
     let (store, _w) = written(6).await;
@@ -382,12 +368,10 @@ async fn gaps_regressions_and_damage_fail_closed() {
     let at = bad.len() - 3;
     bad[at] ^= 1;
     store.put(&keys.batch(1), &bad, None).await.unwrap();
-    store.put(&keys.durable(), &encode_prefix(6), None).await.unwrap();
     let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
     assert!(matches!(f.catch_up(&mut collect(&mut Vec::new())).await, Err(FollowError::Corrupt(_))));
     assert_eq!(f.applied(), 0);
     store.put(&keys.batch(1), &first.encode(), None).await.unwrap();
-    store.put(&keys.durable(), &encode_prefix(6), None).await.unwrap();
     let mut refuse = |seq: u64, _: &Record| {
         if seq == 3 {
             Err(tycho_master::ReplayError::NoSuchObject("test"))
@@ -396,6 +380,67 @@ async fn gaps_regressions_and_damage_fail_closed() {
         }
     };
     assert!(matches!(f.catch_up(&mut refuse).await, Err(FollowError::Diverged { seq: 3, .. })));
+
+    // Another group's batch under this log's keys.
+    let (store, _w) = written(2).await;
+    let mut stray = batches(&store).await[0].clone();
+    stray.group = 1;
+    store.put(&keys.batch(1), &stray.encode(), None).await.unwrap();
+    let mut f = LogFollower::new(store.clone(), keys.clone(), 0, 0, 100);
+    assert!(matches!(f.catch_up(&mut collect(&mut Vec::new())).await, Err(FollowError::Corrupt(_))));
+}
+
+#[tokio::test]
+async fn the_log_ends_where_its_last_batch_ends() {
+    let keys = LogKeys::new("test", 0);
+    let store = MemStore::new();
+    assert_eq!(read_durable(&store, &keys).await.unwrap(), 0, "an empty log");
+    // Batches of uneven sizes, the early ones deleted as compaction does, and numbers far
+    // apart: every probe sequence of the search is walked.
+    let mut sizes = vec![1u64, 3, 1, 7, 2, 1, 1, 5];
+    sizes.extend((0..300).map(|i| 1 + i % 4));
+    let mut first = 1u64;
+    let mut ends = Vec::new();
+    for n in sizes {
+        let records = (first..first + n).map(rec).collect();
+        let batch = RecordBatch { group: 0, epoch: 1, first_seq: first, records };
+        store.put(&keys.batch(first), &batch.encode(), None).await.unwrap();
+        first += n;
+        ends.push((batch.first_seq, first - 1));
+    }
+    assert_eq!(read_durable(&store, &keys).await.unwrap(), first - 1);
+    // Compaction keeps the last batch, so the end stays readable however much goes below it;
+    // and with one batch left, it is that batch's end.
+    for &(f, _) in &ends[..ends.len() - 1] {
+        store.delete(&keys.batch(f)).await.unwrap();
+        assert_eq!(read_durable(&store, &keys).await.unwrap(), first - 1, "after deleting {f}");
+    }
+    // A log that starts far out (restored from a snapshot long ago).
+    let store = MemStore::new();
+    for f in [1_000_000_007u64, 1_000_000_009, 1_000_001_000] {
+        let batch = RecordBatch { group: 0, epoch: 1, first_seq: f, records: vec![rec(f), rec(f + 1)] };
+        store.put(&keys.batch(f), &batch.encode(), None).await.unwrap();
+    }
+    assert_eq!(read_durable(&store, &keys).await.unwrap(), 1_000_001_001);
+    // A batch under the wrong key is refused, not trusted.
+    let moved = RecordBatch { group: 0, epoch: 1, first_seq: 5, records: vec![rec(5)] };
+    store.put(&keys.batch(2_000_000_000), &moved.encode(), None).await.unwrap();
+    assert!(matches!(read_durable(&store, &keys).await, Err(LogError::Corrupt(_))));
+}
+
+#[tokio::test]
+async fn a_writer_marks_the_log_with_a_layout_that_earlier_builds_refuse() {
+    let (store, w, _) = setup(cfg()).await;
+    w.wait(w.append(rec(1)).unwrap()).await.unwrap();
+    let kv = store.get(&LogKeys::new("test", 0).layout()).await.unwrap().kv.expect("the layout record");
+    assert_eq!(kv.value, tycho_master::oplog::log_layout());
+    // What a build of layout 1 did with the key: open it as its durable prefix, at most at
+    // version 1.
+    let old = tycho_proto::envelope::open(tycho_proto::envelope::RecordKind::LogPrefix, 1, &kv.value);
+    assert!(
+        matches!(old, Err(tycho_proto::envelope::EnvelopeError::UnknownVersion { found: 2, newest: 1 })),
+        "{old:?}"
+    );
 }
 
 #[tokio::test]

@@ -37,7 +37,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use tycho_master::commit::{BatchCommit, Io, Reply};
 use tycho_master::cvm::{self, Action, GroupView};
-use tycho_master::oplog::{decode_prefix, Fence, LogError, LogKeys};
+use tycho_master::oplog::{read_durable, Fence, LogError, LogKeys};
 use tycho_master::ownership::{self, ClusterKeys, GroupRecord, GroupState, OwnershipError};
 use tycho_master::record::{Record, RecordBatch};
 use tycho_master::reshard::{self, ReshardIntent, FREEZE_LIMIT};
@@ -113,6 +113,10 @@ enum Op {
         epoch: u64,
     },
     Get(Vec<u8>),
+    /// Where group `rank`'s log ends.
+    Tail {
+        rank: u32,
+    },
     /// Every log batch of group `rank` from sequence number `from` on.
     ReadLog {
         rank: u32,
@@ -152,6 +156,8 @@ enum Ans {
     Txn(MetaResult<TxnResponse>),
     Got(Option<KeyValue>),
     Log(Vec<KeyValue>),
+    /// Where a group's log ends ([`read_durable`]).
+    Tail(u64),
     /// A reshard step's outcome (`ended`: it was an [`Op::EndReshard`]).
     Reshard {
         ended: bool,
@@ -186,7 +192,6 @@ enum Msg {
 #[derive(Debug, Clone)]
 enum Pending {
     Send,
-    Prefix,
     Read(Vec<u8>),
 }
 
@@ -758,6 +763,10 @@ impl World {
                 Ok(r) => Ans::Got(r.kv),
                 Err(_) => Ans::Lost,
             },
+            Op::Tail { rank } => match now(read_durable(store, &self.log_keys(rank))) {
+                Ok(durable) => Ans::Tail(durable),
+                Err(e) => panic!("group {rank}'s log has no readable end: {e}"),
+            },
             Op::ReadLog { rank, from } => {
                 let lk = self.log_keys(rank);
                 let mut req = RangeRequest::prefix(lk.batches(), 0);
@@ -1066,7 +1075,6 @@ impl World {
 
     fn group_answer(&mut self, m: usize, rank: u32, ans: Ans) {
         let me = self.masters[m].id.clone();
-        let durable_key = self.log_keys(rank).durable();
         let side = &mut self.masters[m].groups[rank as usize];
         if let GRole::Serving(_) = side.role {
             return self.commit_answer(m, rank, ans);
@@ -1101,24 +1109,19 @@ impl World {
                     side.applied = batch.last_seq();
                 }
                 if matches!(side.role, GRole::CatchingUp { .. }) {
-                    self.send(m, Task::Group(rank), Op::Get(durable_key));
+                    self.send(m, Task::Group(rank), Op::Tail { rank });
                 }
             }
-            Ans::Got(prefix) => {
+            Ans::Tail(durable) => {
                 let GRole::CatchingUp { record, rev } = &side.role else { return };
-                let (durable, durable_rev) = match prefix {
-                    None => (0, 0),
-                    Some(kv) => (decode_prefix(&kv.value).expect("a readable prefix"), kv.mod_revision),
-                };
                 if durable > side.applied {
                     return; // more to read: the next tick reads on
                 }
-                assert_eq!(durable, side.applied, "replayed past the durable prefix");
+                assert_eq!(durable, side.applied, "replayed past the log's end");
                 let fence =
                     Fence { key: self.keys.group(rank), mod_revision: *rev, owner: Some((me.clone(), record.epoch)) };
                 let epoch = record.epoch;
-                let commit =
-                    BatchCommit::new(LogKeys::new(self.keys.cluster(), rank), fence, rank, durable, durable_rev);
+                let commit = BatchCommit::new(LogKeys::new(self.keys.cluster(), rank), fence, rank, durable);
                 side.role = GRole::Serving(Box::new(Serving {
                     commit,
                     epoch,
@@ -1162,13 +1165,11 @@ impl World {
 
     /// Carries out what the commit machine asks.
     fn commit_io(&mut self, m: usize, rank: u32, io: Io) {
-        let durable_key = self.log_keys(rank).durable();
         let side = &mut self.masters[m].groups[rank as usize];
         let GRole::Serving(s) = &mut side.role else { return };
         let (pending, op) = match io {
             Io::Send(txn) => (Pending::Send, Op::Txn { txn, epoch: s.epoch }),
-            Io::ReadPrefix { .. } => (Pending::Prefix, Op::Get(durable_key)),
-            Io::Read(key) => (Pending::Read(key.clone()), Op::Get(key)),
+            Io::Read { key, .. } => (Pending::Read(key.clone()), Op::Get(key)),
             Io::Done(result) => {
                 let batch = s.batch.take().unwrap_or_default();
                 s.pending = None;
@@ -1222,14 +1223,9 @@ impl World {
         let reply = match (pending, ans) {
             (Pending::Send, Ans::Txn(r)) => Reply::Sent(r),
             (Pending::Send, Ans::Lost) => Reply::Sent(Err(unavailable())),
-            (Pending::Prefix, Ans::Got(kv)) => Reply::Prefix(match kv {
-                None => Ok((0, 0)),
-                Some(kv) => decode_prefix(&kv.value).map(|d| (d, kv.mod_revision)),
-            }),
             (Pending::Read(_), Ans::Got(kv)) => Reply::Read(Ok(kv)),
             // A read the store did not answer is sent again.
-            (Pending::Prefix, Ans::Lost) => return self.commit_io(m, rank, Io::ReadPrefix { pause: true }),
-            (Pending::Read(key), Ans::Lost) => return self.commit_io(m, rank, Io::Read(key)),
+            (Pending::Read(key), Ans::Lost) => return self.commit_io(m, rank, Io::Read { key, pause: true }),
             (p, a) => panic!("commit answer {a:?} does not match {p:?}"),
         };
         let io = s.commit.on(reply);
@@ -1335,9 +1331,8 @@ impl World {
                 ops.push(write_id);
             }
         }
-        let prefix = now(self.store.get(&lk.durable())).expect("get").kv;
-        let durable = prefix.map_or(0, |kv| decode_prefix(&kv.value).expect("prefix"));
-        assert_eq!(durable, next - 1, "group {rank}'s durable prefix is not its last record");
+        let durable = now(read_durable(&self.store, &lk)).expect("the log's end");
+        assert_eq!(durable, next - 1, "group {rank}'s log does not end at its last record");
         ops
     }
 

@@ -31,7 +31,8 @@ pub enum RecordKind {
     SnapshotChunk = 2,
     /// A group's ownership record.
     Ownership = 3,
-    /// The durable prefix of a group's OpLog (the last committed sequence number).
+    /// A group's OpLog layout record: at version 1 the log's durable prefix (the last
+    /// committed sequence number), from version 2 on only the layout version.
     LogPrefix = 4,
     /// A group's snapshot pointers (latest, fallback, compaction floor).
     SnapshotPointers = 5,

@@ -108,11 +108,8 @@ impl Cluster {
 
     /// The last record number the group's log holds.
     fn durable_prefix(&self) -> u64 {
-        let key = self.log_keys().durable();
-        self.with_etcd(async |store| match store.get(&key).await.unwrap().kv {
-            Some(kv) => tycho_master::oplog::decode_prefix(&kv.value).unwrap(),
-            None => 0,
-        })
+        let keys = self.log_keys();
+        self.with_etcd(async |store| tycho_master::oplog::read_durable(store, &keys).await.unwrap())
     }
 
     /// Every batch of the group's log, in order.
