@@ -1069,7 +1069,7 @@ pub enum FollowError {
     Gap {
         /// The record the follower needs next.
         expected: u64,
-        /// What the log has instead (0: nothing).
+        /// The first record of the batch the log has instead.
         found: u64,
     },
     /// A batch cannot be read (damage, another layout, another group's batch).
