@@ -444,6 +444,34 @@ async fn a_writer_marks_the_log_with_a_layout_that_earlier_builds_refuse() {
 }
 
 #[tokio::test]
+async fn a_log_of_layout_1_is_continued_where_its_batches_end() {
+    // A log as layout 1 left it: batches, and the durable prefix (record 5) beside them.
+    let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
+    let keys = LogKeys::new("test", 0);
+    for (first, n) in [(1u64, 2u64), (3, 3)] {
+        let batch =
+            RecordBatch { group: 0, epoch: 1, first_seq: first, records: (first..first + n).map(rec).collect() };
+        store.put(&keys.batch(first), &batch.encode(), None).await.unwrap();
+    }
+    let v1 = tycho_proto::envelope::seal(tycho_proto::envelope::RecordKind::LogPrefix, 1, &5u64.to_le_bytes());
+    store.put(&keys.layout(), &v1, None).await.unwrap();
+    // A primary of layout 2 takes it over (a new record revision, the next epoch).
+    let rev = store.put(OWNER, b"primary: b", None).await.unwrap();
+    let fence = Fence { key: OWNER.to_vec(), mod_revision: rev, owner: None };
+    let w = OpLogWriter::open(store.clone(), keys.clone(), fence, 0, 2, cfg()).await.unwrap();
+    assert_eq!(w.durable(), 5, "numbering goes on after the last batch");
+    assert_eq!(w.append(rec(6)).unwrap(), 6);
+    w.wait(6).await.unwrap();
+    let layout = store.get(&keys.layout()).await.unwrap().kv.unwrap();
+    assert_eq!(layout.value, tycho_master::oplog::log_layout(), "the prefix gave way to the layout record");
+    // A standby reads the whole log, old batches and new, as one.
+    let mut f = LogFollower::new(store.clone(), keys, 0, 0, 100);
+    let mut got = Vec::new();
+    assert_eq!(f.catch_up(&mut collect(&mut got)).await.unwrap(), 6);
+    assert_eq!(got, (1..=6).map(|i| (i, rec(i))).collect::<Vec<_>>());
+}
+
+#[tokio::test]
 async fn a_follower_tails_the_log_as_it_grows() {
     let (store, w) = written(3).await;
     let mut f = LogFollower::new(store.clone(), LogKeys::new("test", 0), 0, 0, 100);
