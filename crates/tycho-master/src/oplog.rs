@@ -16,7 +16,7 @@
 //! group costs its transaction one compare and one put. A writer finds the end when it opens
 //! ([`read_durable`]); a follower reads on from where it stands and watches the batch keys.
 //! `oplog/{rank}/durable`, where earlier builds kept the prefix, holds the layout version
-//! instead ([`LOG_LAYOUT`]), written by every writer as it opens: a build that kept the prefix
+//! instead ([`log_layout`]), written by every writer as it opens: a build that kept the prefix
 //! there refuses to follow or write the log rather than misread it.
 //!
 //! A transaction that fails its compares, or whose outcome is unknown (the store did not
@@ -211,7 +211,7 @@ impl LogKeys {
     }
 }
 
-/// The layout record as every writer stores it: sealed at [`LAYOUT_VERSION`] and empty, so
+/// The layout record as every writer stores it: sealed at layout version 2 and empty, so
 /// that a reader of layout 1 (which expects its prefix there) refuses it as a newer version.
 pub fn log_layout() -> Vec<u8> {
     envelope::seal(RecordKind::LogPrefix, LAYOUT_VERSION, &[])
@@ -230,6 +230,7 @@ pub async fn read_durable(store: &dyn MetaStore, keys: &LogKeys) -> Result<u64, 
     let mut hi = loop {
         let at = lo.saturating_add(step);
         match first_batch_from(store, keys, at).await? {
+            // (At the end of the number space the search stops growing.)
             Some(first) if at < u64::MAX => {
                 lo = first;
                 step = step.saturating_mul(2);
@@ -245,14 +246,7 @@ pub async fn read_durable(store: &dyn MetaStore, keys: &LogKeys) -> Result<u64, 
         }
     }
     let key = keys.batch(lo);
-    let kv = loop {
-        match store.get(&key).await {
-            Ok(r) => break r.kv,
-            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(e) => return Err(LogError::Refused(e.to_string())),
-        }
-    };
-    let Some(kv) = kv else {
+    let Some(kv) = patiently(OPEN_RETRY, || store.get(&key)).await?.kv else {
         return Err(LogError::Corrupt(format!("the log's last batch, at {lo}, went away while it was read")));
     };
     let batch = RecordBatch::decode(&kv.value).map_err(|e| LogError::Corrupt(format!("the log's last batch: {e}")))?;
@@ -262,17 +256,29 @@ pub async fn read_durable(store: &dyn MetaStore, keys: &LogKeys) -> Result<u64, 
     Ok(batch.last_seq())
 }
 
+/// How long a writer that opens waits before asking a store that did not answer again.
+const OPEN_RETRY: Duration = Duration::from_millis(50);
+
+/// Asks the store until it answers: after `pause` while it is unavailable; any other error is
+/// the log's refusal.
+async fn patiently<T, F>(pause: Duration, mut ask: impl FnMut() -> F) -> Result<T, LogError>
+where
+    F: std::future::Future<Output = MetaResult<T>>,
+{
+    loop {
+        match ask().await {
+            Ok(answer) => return Ok(answer),
+            Err(e) if e.is_unavailable() => tokio::time::sleep(pause).await,
+            Err(e) => return Err(LogError::Refused(e.to_string())),
+        }
+    }
+}
+
 /// The first record of the first batch of `keys` that starts at or after `at`, if any.
 async fn first_batch_from(store: &dyn MetaStore, keys: &LogKeys, at: u64) -> Result<Option<u64>, LogError> {
     let req =
         RangeRequest { prefix: keys.batches(), start: Some(keys.batch(at)), limit: 1, revision: None, keys_only: true };
-    let page = loop {
-        match store.range(req.clone()).await {
-            Ok(page) => break page,
-            Err(e) if e.is_unavailable() => tokio::time::sleep(Duration::from_millis(50)).await,
-            Err(e) => return Err(LogError::Refused(e.to_string())),
-        }
-    };
+    let page = patiently(OPEN_RETRY, || store.range(req.clone())).await?;
     match page.kvs.first() {
         None => Ok(None),
         Some(kv) => keys
@@ -1049,13 +1055,7 @@ impl Committer {
 
     /// Reads `key`, waiting out a store that does not answer.
     async fn read(&self, key: &[u8]) -> Result<Option<tycho_meta::KeyValue>, LogError> {
-        loop {
-            match self.store.get(key).await {
-                Ok(r) => return Ok(r.kv),
-                Err(e) if e.is_unavailable() => tokio::time::sleep(self.shared.cfg.retry_backoff).await,
-                Err(e) => return Err(LogError::Refused(e.to_string())),
-            }
-        }
+        Ok(patiently(self.shared.cfg.retry_backoff, || self.store.get(key)).await?.kv)
     }
 }
 
@@ -1063,8 +1063,7 @@ impl Committer {
 /// stops serving as one and rebootstraps from a snapshot.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
 pub enum FollowError {
-    /// A record is missing: the next batch does not start where the last one ended, or the
-    /// log ends before its durable prefix.
+    /// A record is missing: the next batch does not start where the last one ended.
     #[error("gap in the log: expected record {expected}, found {found}")]
     Gap {
         /// The record the follower needs next.
