@@ -84,6 +84,22 @@ pub struct BenchMasterArgs {
     /// more), against one master serving every group, in alternating rounds.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub masters: u32,
+    /// Offer calls at this rate (calls per second over all connections) instead of as fast
+    /// as the master answers: each call slot waits for its turn before it calls.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// With `--groups` or `--masters`: after each workload's rounds, as many rounds again at
+    /// one offered rate for both setups, this fraction of the slower one's median throughput,
+    /// so that the two masters' CPU is compared for the same work (0: no such rounds).
+    #[arg(long, default_value_t = 0.7, value_parser = parse_fraction)]
+    pub paced: f64,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction from 0 to 1")),
+    }
 }
 
 const VALUE_SIZE: u64 = 4096;
@@ -455,6 +471,21 @@ async fn one_op(
 /// Latency samples with their completion times.
 type Samples = Vec<(Instant, u32)>;
 
+/// How far behind its turns a paced call slot may fall and still catch up: the timer's
+/// granularity (a millisecond) and then some, so that turns closer together than a tick keep
+/// their rate, while a stall (the load generator descheduled) is not made up in one burst.
+const CATCH_UP: Duration = Duration::from_millis(5);
+
+/// A paced call slot's next turn after the one at `at`, the slot calling again at `now`: one
+/// `interval` on, but never further back than [`CATCH_UP`] (or one interval, if longer).
+fn next_turn(at: Instant, interval: Duration, now: Instant) -> Instant {
+    let next = at + interval;
+    match now.checked_sub(interval.max(CATCH_UP)) {
+        Some(floor) if floor > next => floor,
+        _ => next,
+    }
+}
+
 /// Runs workload `w` against the master at `addr` on `args.connections` connections until
 /// `until`; returns calls, keys, latencies and failed calls.
 pub(crate) async fn drive(
@@ -474,16 +505,28 @@ pub(crate) async fn drive(
         conns.push(MasterClient::connect(addr).await.map_err(|e| format!("connect: {e}"))?);
     }
     let mut tasks = Vec::new();
+    // With a rate: each call slot calls once per `interval`, the slots' turns spread over it.
+    let slots = (args.connections * args.inflight).max(1);
+    let interval = args.rate.filter(|r| *r > 0.0).map(|r| Duration::from_secs_f64(slots as f64 / r));
     for (conn, c) in conns.into_iter().enumerate() {
         for slot in 0..args.inflight {
             let (c, keys, until, w) = (c.clone(), keys.clone(), until.clone(), w.to_string());
             let routing = routing.clone();
             let batch = args.batch;
             let prefix = format!("bench/{w}/{run_id:08x}/{conn}/{slot}");
+            let nth = conn * args.inflight + slot;
             tasks.push(tokio::task::spawn_local(async move {
                 let (mut ops, mut nkeys, mut errs, mut seq) = (0u64, 0u64, 0u64, 0u64);
                 let mut lat: Samples = Vec::with_capacity(1 << 16);
+                let mut turn = interval.map(|i| Instant::now() + i.mul_f64(nth as f64 / slots as f64));
                 while !until() {
+                    if let (Some(i), Some(at)) = (interval, turn.as_mut()) {
+                        tokio::time::sleep_until((*at).into()).await;
+                        *at = next_turn(*at, i, Instant::now());
+                        if until() {
+                            break;
+                        }
+                    }
                     let t0 = Instant::now();
                     match one_op(&c, &w, owner, &keys, batch, &mut seq, &prefix, routing.as_deref()).await {
                         Ok(k) => {
@@ -1024,4 +1067,25 @@ fn probe_compare(args: &BenchMasterArgs) -> Result<(), String> {
     })?;
     alive.store(false, Ordering::Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_paced_slot_keeps_its_rate_and_catches_up_only_so_far() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // On time: one interval on, whenever within the interval it called.
+        assert_eq!(next_turn(t0, ms(10), t0), t0 + ms(10));
+        assert_eq!(next_turn(t0, ms(10), t0 + ms(9)), t0 + ms(10));
+        // Turns closer together than a timer tick: falling a few turns behind is made up.
+        let us = Duration::from_micros;
+        assert_eq!(next_turn(t0, us(200), t0 + ms(2)), t0 + us(200));
+        // A stall is not: the next turn is at most CATCH_UP behind.
+        assert_eq!(next_turn(t0, us(200), t0 + ms(100)), t0 + ms(100) - CATCH_UP);
+        // An interval longer than CATCH_UP: at most one turn behind.
+        assert_eq!(next_turn(t0, ms(10), t0 + ms(100)), t0 + ms(90));
+    }
 }
