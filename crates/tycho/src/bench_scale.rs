@@ -395,7 +395,7 @@ fn compare(args: &BenchMasterArgs, a: &Setup, b: &Setup, etcd: Option<&str>) -> 
             let (ra, rb) = rounds(w, args, a, b, (oa, ob), etcd).await?;
             worst.free = worst.free.min(report(w, &ra, &rb, etcd.is_some()));
             if args.paced > 0.0 && args.rate.is_none() {
-                // The same work for both: a rate the slower of them sustained.
+                // The same work for both: a share of what the slower of them sustained.
                 let slower = median(ra.iter().map(Round::ops_per_sec).collect())
                     .min(median(rb.iter().map(Round::ops_per_sec).collect()));
                 let rate = (args.paced * slower).max(1.0);
