@@ -651,6 +651,50 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         );
     }
     let c = &s.master.counters;
+    family(
+        &mut out,
+        "tycho_master_evictions_total",
+        "counter",
+        "Objects evicted, by why the round ran (watermark, allocation) and the policy's queue the object was in (unread, read, soft_pinned).",
+    );
+    for reason in crate::EvictReason::ALL {
+        for queue in crate::EvictQueue::ALL {
+            let n = c.evicted_by[reason as usize][queue as usize].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "tycho_master_evictions_total{{reason=\"{}\",queue=\"{}\"}} {n}",
+                reason.name(),
+                queue.name()
+            );
+        }
+    }
+    family(
+        &mut out,
+        "tycho_master_lookups_total",
+        "counter",
+        "Keys looked up by ExistKey and GetReplicaList (and their batch forms), by call (exist, get) and answer (hit: found, miss: not).",
+    );
+    for (i, (op, result)) in [("exist", "hit"), ("exist", "miss"), ("get", "hit"), ("get", "miss")].iter().enumerate() {
+        let n = c.lookups[i].load(Ordering::Relaxed);
+        let _ = writeln!(out, "tycho_master_lookups_total{{op=\"{op}\",result=\"{result}\"}} {n}");
+    }
+    simple(
+        &mut out,
+        "tycho_master_eviction_policy_bytes",
+        "gauge",
+        "Memory the eviction policy keeps: a use mark per object and each group's counters.",
+        gauges.policy_bytes as f64,
+    );
+    family(
+        &mut out,
+        "tycho_master_eviction_lifetime_uses",
+        "gauge",
+        "Per group: how many uses an unread object outlived its last use by when the last eviction round took it (the reuse policy's credit).",
+    );
+    for g in s.master.groups() {
+        let _ =
+            writeln!(out, "tycho_master_eviction_lifetime_uses{{group=\"{}\"}} {}", g.rank(), g.eviction_lifetime());
+    }
     for (name, help, v) in [
         ("tycho_master_eviction_rounds_total", "Eviction rounds run.", &c.eviction_rounds),
         ("tycho_master_evicted_objects_total", "Objects evicted.", &c.evicted_objects),

@@ -39,6 +39,8 @@ pub struct MasterConfig {
     pub eviction_high_watermark_ratio: f64,
     /// Fraction of evictable objects one eviction round removes.
     pub eviction_ratio: f64,
+    /// Which objects eviction takes first.
+    pub eviction_policy: crate::policy::EvictionPolicy,
     /// Pre-emption age of an unfinished write, ms.
     pub put_start_discard_timeout_ms: u64,
     /// Reclaim age of an unfinished write, ms.
@@ -132,6 +134,7 @@ impl Default for MasterConfig {
             client_ttl_ms: DEFAULT_CLIENT_TTL_MS,
             eviction_high_watermark_ratio: 0.90,
             eviction_ratio: 0.05,
+            eviction_policy: crate::policy::EvictionPolicy::default(),
             put_start_discard_timeout_ms: DEFAULT_PUT_START_DISCARD_MS,
             put_start_release_timeout_ms: DEFAULT_PUT_START_RELEASE_MS,
             max_kv_soft_pin_ttl_ms: MAX_SOFT_PIN_TTL_MS,

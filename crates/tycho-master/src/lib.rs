@@ -19,6 +19,7 @@ mod metrics;
 mod object;
 pub mod oplog;
 pub mod ownership;
+pub mod policy;
 pub mod record;
 pub mod reshard;
 mod rpc;
@@ -40,8 +41,8 @@ pub use config::*;
 pub use evict::{RoundRequest, EVICTION_WAIT};
 pub use health::HEALTH_CHECK_BUDGET;
 pub use master::{
-    Counters, FanoutCounters, Group, KeyCursor, Master, ObjectGauges, ReplayError, Suppressed, WriteMode,
-    MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS, STALL_MS,
+    Counters, EvictQueue, EvictReason, FanoutCounters, Group, KeyCursor, Master, ObjectGauges, ReplayError, Suppressed,
+    WriteMode, MAX_LIST_BYTES, MAX_LIST_KEYS, MAX_REGEX_LEN, RESPONSIVE_INTERVAL_MS, STALL_MS,
 };
 pub use metrics::{RpcMetrics, RpcSnapshot, LATENCY_BUCKETS};
 pub use object::SHARD_COUNT;

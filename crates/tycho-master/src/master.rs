@@ -57,6 +57,12 @@ pub struct Counters {
     pub evicted_objects: AtomicU64,
     /// Bytes evicted.
     pub evicted_bytes: AtomicU64,
+    /// Objects evicted, by why the round ran ([`EvictReason`]) and by the policy's queue the
+    /// object was in ([`EvictQueue`]).
+    pub evicted_by: [[AtomicU64; EvictQueue::ALL.len()]; EvictReason::ALL.len()],
+    /// Keys looked up by ExistKey and GetReplicaList (and their batch forms), by answer:
+    /// `[exist found, exist not found, get found, get not found]`.
+    pub lookups: [AtomicU64; 4],
     /// Unfinished writes pre-empted after the discard timeout.
     pub writes_discarded: AtomicU64,
     /// Unfinished writes reclaimed after the release timeout.
@@ -68,6 +74,65 @@ pub struct Counters {
     pub expiry_pauses: AtomicU64,
     /// Copy and move tasks this master decided on, by kind (copy, move).
     pub tasks: [TaskCounters; 2],
+}
+
+impl Counters {
+    /// Counts keys looked up by GetReplicaList (`get`) or ExistKey: `found` found, `missing` not.
+    fn looked_up(&self, get: bool, found: u64, missing: u64) {
+        let i = 2 * get as usize;
+        for (j, n) in [(i, found), (i + 1, missing)] {
+            if n > 0 {
+                self.lookups[j].fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Why an eviction round ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictReason {
+    /// The group's use crossed the high watermark.
+    Watermark,
+    /// A write found no room (the round was asked for bytes).
+    Allocation,
+}
+
+impl EvictReason {
+    /// Every reason, in the order of [`Counters::evicted_by`].
+    pub const ALL: [EvictReason; 2] = [EvictReason::Watermark, EvictReason::Allocation];
+
+    /// Its label in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictReason::Watermark => "watermark",
+            EvictReason::Allocation => "allocation",
+        }
+    }
+}
+
+/// Which of the policy's queues an evicted object was taken from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictQueue {
+    /// Not read since its value was written.
+    Unread,
+    /// Read since its value was written.
+    Read,
+    /// Soft-pinned (taken only when the others were too few).
+    SoftPinned,
+}
+
+impl EvictQueue {
+    /// Every queue, in the order of [`Counters::evicted_by`].
+    pub const ALL: [EvictQueue; 3] = [EvictQueue::Unread, EvictQueue::Read, EvictQueue::SoftPinned];
+
+    /// Its label in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictQueue::Unread => "unread",
+            EvictQueue::Read => "read",
+            EvictQueue::SoftPinned => "soft_pinned",
+        }
+    }
 }
 
 /// What became of the copy or move tasks of one kind that a master created and ended.
@@ -237,11 +302,6 @@ impl Master {
     fn indexed_shards(&self) -> impl Iterator<Item = (usize, &RwLock<ShardMap>)> {
         self.serving()
             .flat_map(|g| g.shards.iter().enumerate().map(move |(i, s)| (g.rank() as usize * SHARD_COUNT + i, s)))
-    }
-
-    /// The shard with index `i` across groups (see [`Master::indexed_shards`]).
-    fn indexed_shard(&self, i: usize) -> Option<&RwLock<ShardMap>> {
-        self.group((i / SHARD_COUNT) as u32).and_then(|g| g.shards.get(i % SHARD_COUNT))
     }
 
     /// Every metadata shard of every group served, group by group: what housekeeping, scans
@@ -856,6 +916,7 @@ impl Master {
         client: ClientId,
         write_id: u64,
         now: u64,
+        used: u64,
     ) -> WireResult<Vec<ReplicaDesc>> {
         let obj = map.get(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let ours =
@@ -881,7 +942,7 @@ impl Master {
             at_ms: self.unix_time(now),
             dropped: dropped.clone(),
         });
-        let (old, old_size) = self.apply_write_end(map, key, now, &dropped)?;
+        let (old, old_size) = self.apply_write_end(map, key, now, &dropped, used)?;
         // Readers still copying the old value find its generations changed once the space is
         // reused (or retired by the writer), and read again: the old value's space is free at
         // once.
@@ -926,9 +987,10 @@ impl Master {
     pub fn write_finish(&self, req: &WriteFinish, end: bool) -> WireResult<Vec<ReplicaDesc>> {
         let r = self.route(&req.tenant, &req.key)?;
         let now = self.now();
-        let mut map = self.routed(&r).shards.shard(r.shard).write();
+        let group = self.routed(&r);
+        let mut map = group.shards.shard(r.shard).write();
         if end {
-            self.commit(&mut map, &r.key, req.client, req.write_id, now)
+            self.commit(&mut map, &r.key, req.client, req.write_id, now, group.uses.next())
         } else {
             self.revoke(&mut map, &r.key, req.client, req.write_id).map(|()| Vec::new())
         }
@@ -940,10 +1002,10 @@ impl Master {
         if req.write_ids.len() != req.keys.len() {
             return vec![Err(ErrorCode::INVALID_PARAMS); req.keys.len()];
         }
-        self.batch_write(&req.tenant, &req.keys, false, |map, i, key| {
+        self.batch_write(&req.tenant, &req.keys, false, |map, i, key, used| {
             let id = req.write_ids[i];
             if end {
-                self.commit(map, key, req.client, id, now)
+                self.commit(map, key, req.client, id, now, used)
             } else {
                 self.revoke(map, key, req.client, id).map(|()| Vec::new())
             }
@@ -951,37 +1013,43 @@ impl Master {
     }
 
     /// Applies `f` to each key's object under its shard's write lock; `new` writes are refused
-    /// in a frozen group (the ends of admitted writes are not).
+    /// in a frozen group (the ends of admitted writes are not). `f` is given the shard, the key's
+    /// index in the batch, the key and its use number ([`BatchUses`]).
     fn batch_write<T: Default, F>(&self, tenant: &str, keys: &[KeyRef], new: bool, mut f: F) -> Vec<WireResult<T>>
     where
-        F: FnMut(&mut ShardMap, usize, &ObjectKey) -> WireResult<T>,
+        F: FnMut(&mut ShardMap, usize, &ObjectKey, u64) -> WireResult<T>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<WireResult<T>> = errors.into_iter().map(|e| e.map_or(Ok(T::default()), Err)).collect();
+        let mut uses = BatchUses::new(keys.len());
         for run in routed.chunk_by(|a, b| (a.1.group, a.1.shard) == (b.1.group, b.1.shard)) {
-            if new && self.routed(&run[0].1).is_frozen() {
+            let group = self.routed(&run[0].1);
+            if new && group.is_frozen() {
                 run.iter().for_each(|(i, _)| out[*i] = Err(ErrorCode::KVPT_MIGRATING));
                 continue;
             }
-            let mut map = self.routed(&run[0].1).shards.shard(run[0].1.shard).write();
+            let mut map = group.shards.shard(run[0].1.shard).write();
             for (i, r) in run {
-                out[*i] = f(&mut map, *i, &r.key);
+                out[*i] = f(&mut map, *i, &r.key, uses.of(group, *i));
             }
         }
         out
     }
 
+    /// Applies `f` to each key's object under its shard's read lock; `f` is given the key's
+    /// group, the shard, the key and its use number ([`BatchUses`]).
     fn batch_read<T, F>(&self, tenant: &str, keys: &[KeyRef], mut f: F) -> Vec<WireResult<T>>
     where
-        F: FnMut(&Group, &ShardMap, &ObjectKey) -> WireResult<T>,
+        F: FnMut(&Group, &ShardMap, &ObjectKey, u64) -> WireResult<T>,
     {
         let (errors, routed) = self.route_batch(tenant, keys.iter());
         let mut out: Vec<Option<WireResult<T>>> = errors.into_iter().map(|e| e.map(Err)).collect();
+        let mut uses = BatchUses::new(keys.len());
         for run in routed.chunk_by(|a, b| (a.1.group, a.1.shard) == (b.1.group, b.1.shard)) {
             let group = self.routed(&run[0].1);
             let map = group.shards.shard(run[0].1.shard).read();
             for (i, r) in run {
-                out[*i] = Some(f(group, &map, &r.key));
+                out[*i] = Some(f(group, &map, &r.key, uses.of(group, *i)));
             }
         }
         out.into_iter().map(|o| o.expect("every key has a result")).collect()
@@ -1015,6 +1083,7 @@ impl Master {
         key: &ObjectKey,
         now: u64,
         (epoch, fresh_until): (u64, u64),
+        used: u64,
     ) -> WireResult<ReplicaList> {
         let obj = map.get(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
         if !obj.is_complete() {
@@ -1032,6 +1101,7 @@ impl Master {
             return Err(ErrorCode::OBJECT_NOT_FOUND);
         }
         obj.extend_lease(now + ttl);
+        obj.used.read(used);
         self.note_read(key, now);
         Ok(ReplicaList { size: obj.size, replicas, lease_ttl_ms: ttl })
     }
@@ -1042,22 +1112,28 @@ impl Master {
         let now = self.now();
         let group = self.routed(&r);
         let floor = self.read_grant_floor(group, self.read_grant_until());
-        self.replica_list(&group.shards.shard(r.shard).read(), &r.key, now, floor)
+        let got = self.replica_list(&group.shards.shard(r.shard).read(), &r.key, now, floor, group.uses.next());
+        self.counters.looked_up(true, got.is_ok() as u64, got.is_err() as u64);
+        got
     }
 
     /// BatchGetReplicaList.
     pub fn batch_get_replica_list(&self, q: &BatchKeyQuery) -> Vec<WireResult<ReplicaList>> {
         let now = self.now();
         let until = self.read_grant_until();
-        self.batch_read(&q.tenant, &q.keys, |group, map, key| {
-            self.replica_list(map, key, now, self.read_grant_floor(group, until))
-        })
+        let got = self.batch_read(&q.tenant, &q.keys, |group, map, key, used| {
+            self.replica_list(map, key, now, self.read_grant_floor(group, until), used)
+        });
+        let found = got.iter().filter(|g| g.is_ok()).count() as u64;
+        self.counters.looked_up(true, found, got.len() as u64 - found);
+        got
     }
 
-    fn exists(&self, map: &ShardMap, key: &ObjectKey, now: u64) -> bool {
+    fn exists(&self, map: &ShardMap, key: &ObjectKey, now: u64, used: u64) -> bool {
         match map.get(key) {
             Some(o) if o.replicas.iter().any(|r| r.seg.is_alive()) => {
                 o.extend_lease(now + self.cfg.default_kv_lease_ttl_ms);
+                o.used.touch(used);
                 true
             }
             _ => false,
@@ -1068,13 +1144,19 @@ impl Master {
     pub fn exist_key(&self, q: &KeyQuery) -> WireResult<bool> {
         let r = self.route(&q.tenant, &q.key)?;
         let now = self.now();
-        Ok(self.exists(&self.routed(&r).shards.shard(r.shard).read(), &r.key, now))
+        let group = self.routed(&r);
+        let found = self.exists(&group.shards.shard(r.shard).read(), &r.key, now, group.uses.next());
+        self.counters.looked_up(false, found as u64, !found as u64);
+        Ok(found)
     }
 
     /// BatchExistKey.
     pub fn batch_exist_key(&self, q: &BatchKeyQuery) -> Vec<WireResult<bool>> {
         let now = self.now();
-        self.batch_read(&q.tenant, &q.keys, |_, map, key| Ok(self.exists(map, key, now)))
+        let found = self.batch_read(&q.tenant, &q.keys, |_, map, key, used| Ok(self.exists(map, key, now, used)));
+        let n = found.iter().filter(|f| matches!(f, Ok(true))).count() as u64;
+        self.counters.looked_up(false, n, found.len() as u64 - n);
+        found
     }
 
     // ---- removal -------------------------------------------------------------------------
@@ -1366,7 +1448,7 @@ impl Master {
     /// BatchRemove.
     pub fn batch_remove(&self, req: &BatchRemoveKeys) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, true, |map, _, key| self.remove_one(map, key, req.force, now))
+        self.batch_write(&req.tenant, &req.keys, true, |map, _, key, _| self.remove_one(map, key, req.force, now))
     }
 
     /// BatchReplicaClear: drops the replicas of objects whose current value `req.client` wrote,
@@ -1374,7 +1456,7 @@ impl Master {
     /// segment (the object goes when none is left). Objects with a write in progress stay.
     pub fn batch_replica_clear(&self, req: &ReplicaClear) -> Vec<WireResult<()>> {
         let now = self.now();
-        self.batch_write(&req.tenant, &req.keys, true, |map, _, key| {
+        self.batch_write(&req.tenant, &req.keys, true, |map, _, key, _| {
             let obj = map.get_mut(key).ok_or(ErrorCode::OBJECT_NOT_FOUND)?;
             if obj.writer != req.client {
                 return Err(ErrorCode::ILLEGAL_CLIENT);
@@ -1774,102 +1856,134 @@ impl Master {
         self.evict_round(RoundRequest { bytes: 0, watermark: true, group: None })
     }
 
-    /// One eviction round: removes evictable objects (complete, not leased, not being
-    /// rewritten, not hard-pinned), oldest lease first; soft-pinned objects only in a second
+    /// One eviction round: in each group it is for (`req.group`, or every group served), removes
+    /// evictable objects (complete, not leased, not being rewritten, not hard-pinned) in the
+    /// order of the eviction policy ([`crate::policy`]); soft-pinned objects only in a second
     /// pass when the first found too few. Before any object, it drops the dynamic replicas
     /// fan-out added (of objects not leased nor being rewritten, which keep a replica that is
     /// not dynamic), each object's at once, and fan-out then leaves the object be for its
     /// cooldown. Pins do not hold dynamic replicas: they keep the object, which stays. A
-    /// watermark round takes `eviction_ratio` of them; a round asked for bytes takes objects
-    /// until they add up to the bytes (at least 1 % of the capacity, so that a stream of misses
-    /// does not run a round per write). Returns (objects, bytes) evicted;
-    /// the objects do not count those that only lost dynamic replicas.
+    /// watermark round takes `eviction_ratio` of a group's evictable objects; a round asked for
+    /// bytes takes objects until they add up to the bytes (at least 1 % of the group's capacity,
+    /// so that a stream of misses does not run a round per write). Returns (objects, bytes)
+    /// evicted; the objects do not count those that only lost dynamic replicas.
     pub fn evict_round(&self, req: RoundRequest) -> (u64, u64) {
         if !self.is_serving() {
             return (0, 0);
         }
         let now = self.now();
-        let mut dynamic: Vec<Candidate> = Vec::new();
-        let mut plain: Vec<Candidate> = Vec::new();
-        let mut pinned: Vec<Candidate> = Vec::new();
-        for (si, shard) in self.indexed_shards() {
-            if req.group.is_some_and(|g| g as usize != si / SHARD_COUNT) {
-                continue;
-            }
-            let map = shard.read();
-            for (k, o) in map.iter() {
-                if !o.is_complete() || o.pending.is_some() || o.is_leased(now) {
-                    continue;
-                }
-                if shrinks(o) {
-                    // (A replica on a dead segment frees nothing.)
-                    let n = o.replicas.iter().filter(|r| r.is_dynamic() && r.seg.is_alive()).count() as u64;
-                    dynamic.push((o.lease(), si, k.clone(), o.size * n, true));
-                    continue;
-                }
-                if o.hard_pin {
-                    continue;
-                }
-                let list = if o.is_soft_pinned(now) { &mut pinned } else { &mut plain };
-                list.push((o.lease(), si, k.clone(), o.size * o.replicas.len() as u64, false));
+        let (mut objects, mut bytes, mut ran) = (0, 0, false);
+        for group in self.serving().filter(|g| req.group.is_none_or(|r| r == g.rank())) {
+            if let Some((o, b)) = self.evict_group(group, req, now) {
+                objects += o;
+                bytes += b;
+                ran = true;
             }
         }
-        let evictable = dynamic.len() + plain.len() + pinned.len();
-        if evictable == 0 {
+        if !ran {
+            // Nothing was evictable anywhere: no round.
             return (0, 0);
-        }
-        let by_ratio =
-            if req.watermark { ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1) } else { 0 };
-        let (capacity, _) = match req.group.and_then(|g| self.group(g)) {
-            Some(g) => g.segments.usage(),
-            None => Self::sum_usage(self.serving()),
-        };
-        let bytes_goal = if req.bytes > 0 { req.bytes.max(capacity / 100) } else { 0 };
-        if !self.cfg.allow_evict_soft_pinned_objects {
-            pinned.clear();
-        }
-        dynamic.sort_unstable_by_key(|c| c.0);
-        plain.sort_unstable_by_key(|c| c.0);
-        pinned.sort_unstable_by_key(|c| c.0);
-        let mut victims = Vec::new();
-        let mut goal_bytes = 0u64;
-        for c in dynamic.into_iter().chain(plain).chain(pinned) {
-            if victims.len() >= by_ratio && goal_bytes >= bytes_goal {
-                break;
-            }
-            goal_bytes += c.3;
-            victims.push(c);
-        }
-        victims.sort_by_key(|c| c.1);
-        let (mut objects, mut bytes) = (0, 0);
-        for run in victims.chunk_by(|a, b| a.1 == b.1) {
-            for chunk in run.chunks(SWEEP_BATCH) {
-                let Some(shard) = self.indexed_shard(chunk[0].1) else { continue };
-                let mut map = shard.write();
-                for (_, _, k, _, shrink) in chunk {
-                    if *shrink {
-                        bytes += self.shrink(&mut map, k, now);
-                        continue;
-                    }
-                    // Re-check: a reader or writer may have arrived since the scan.
-                    let ok = map
-                        .get(k)
-                        .is_some_and(|o| o.is_complete() && o.pending.is_none() && !o.hard_pin && !o.is_leased(now));
-                    if ok {
-                        self.log(|| Record::Remove { key: k.to_vec(), at_ms: self.unix_time(now), evicted: true });
-                        if let Some((size, replicas)) = self.apply_remove(&mut map, k, now) {
-                            bytes += size * replicas as u64;
-                            objects += 1;
-                        }
-                    }
-                }
-            }
         }
         self.counters.eviction_rounds.fetch_add(1, Ordering::Relaxed);
         // (Dynamic replicas dropped are counted by `shrink`.)
         self.counters.evicted_objects.fetch_add(objects, Ordering::Relaxed);
         self.counters.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
         (objects, bytes)
+    }
+
+    /// [`Master::evict_round`]'s work in one group: use numbers and lifetimes are the group's own.
+    /// `None` when nothing in it was evictable.
+    fn evict_group(&self, group: &Group, req: RoundRequest, now: u64) -> Option<(u64, u64)> {
+        let policy = self.cfg.eviction_policy;
+        let lifetime = group.uses.lifetime();
+        let mut dynamic: Vec<Candidate> = Vec::new();
+        let mut plain: Vec<Candidate> = Vec::new();
+        let mut pinned: Vec<Candidate> = Vec::new();
+        for (shard, map) in group.shards.iter().enumerate() {
+            let map = map.read();
+            for (k, o) in map.iter() {
+                if !o.is_complete() || o.pending.is_some() || o.is_leased(now) {
+                    continue;
+                }
+                let mark = o.used.get();
+                // Use numbers are unique in a group: with them ties of rank break the same way
+                // every time.
+                let rank = (policy.rank(mark, lifetime), mark.seq);
+                if shrinks(o) {
+                    // (A replica on a dead segment frees nothing.)
+                    let n = o.replicas.iter().filter(|r| r.is_dynamic() && r.seg.is_alive()).count() as u64;
+                    dynamic.push(Candidate { rank, shard, key: k.clone(), bytes: o.size * n, shrink: true });
+                    continue;
+                }
+                if o.hard_pin {
+                    continue;
+                }
+                let list = if o.is_soft_pinned(now) { &mut pinned } else { &mut plain };
+                let bytes = o.size * o.replicas.len() as u64;
+                list.push(Candidate { rank, shard, key: k.clone(), bytes, shrink: false });
+            }
+        }
+        let evictable = dynamic.len() + plain.len() + pinned.len();
+        if evictable == 0 {
+            return None;
+        }
+        let by_ratio =
+            if req.watermark { ((evictable as f64 * self.cfg.eviction_ratio).ceil() as usize).max(1) } else { 0 };
+        let (capacity, _) = group.segments.usage();
+        let bytes_goal = if req.bytes > 0 { req.bytes.max(capacity / 100) } else { 0 };
+        if !self.cfg.allow_evict_soft_pinned_objects {
+            pinned.clear();
+        }
+        dynamic.sort_unstable_by_key(|c| c.rank);
+        plain.sort_unstable_by_key(|c| c.rank);
+        pinned.sort_unstable_by_key(|c| c.rank);
+        let mut victims = Vec::new();
+        let mut goal_bytes = 0u64;
+        let reason = if req.bytes > 0 { EvictReason::Allocation } else { EvictReason::Watermark };
+        let by_queue = &self.counters.evicted_by[reason as usize];
+        for c in dynamic.into_iter().chain(plain).chain(pinned) {
+            if victims.len() >= by_ratio && goal_bytes >= bytes_goal {
+                break;
+            }
+            goal_bytes += c.bytes;
+            victims.push(c);
+        }
+        victims.sort_by_key(|c| c.shard);
+        let (mut objects, mut bytes) = (0, 0);
+        let mut gone = Vec::new();
+        for run in victims.chunk_by(|a, b| a.shard == b.shard) {
+            for chunk in run.chunks(SWEEP_BATCH) {
+                let mut map = group.shards.shard(chunk[0].shard).write();
+                for c in chunk {
+                    if c.shrink {
+                        bytes += self.shrink(&mut map, &c.key, now);
+                        continue;
+                    }
+                    // Re-check: a reader or writer may have arrived since the scan.
+                    let mark = map
+                        .get(&c.key)
+                        .filter(|o| o.is_complete() && o.pending.is_none() && !o.hard_pin && !o.is_leased(now))
+                        .map(|o| (o.used.get(), o.is_soft_pinned(now)));
+                    if let Some((mark, soft_pinned)) = mark {
+                        let k = &c.key;
+                        self.log(|| Record::Remove { key: k.to_vec(), at_ms: self.unix_time(now), evicted: true });
+                        if let Some((size, replicas)) = self.apply_remove(&mut map, k, now) {
+                            bytes += size * replicas as u64;
+                            objects += 1;
+                            gone.push(mark);
+                            let queue = match (soft_pinned, mark.reads) {
+                                (true, _) => EvictQueue::SoftPinned,
+                                (false, 0) => EvictQueue::Unread,
+                                (false, _) => EvictQueue::Read,
+                            };
+                            by_queue[queue as usize].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        }
+        group.uses.evicted(gone);
+        Some((objects, bytes))
     }
 }
 
@@ -1980,10 +2094,46 @@ fn whole_key_regex(pattern: &str) -> WireResult<regex::Regex> {
     build(&format!("^(?:{pattern})$"))
 }
 
-/// An eviction candidate: lease deadline, shard, key, bytes.
-/// An eviction candidate: its lease deadline, shard index, key, bytes it frees, and whether
-/// only its dynamic replicas go.
-type Candidate = (u64, usize, ObjectKey, u64, bool);
+/// The use numbers of a batch's keys: each group's are taken in one step when the batch first
+/// meets the group, and given out back to front (the batch's last key gets the lowest), so that
+/// eviction takes the end of a prefix chain before its start (see [`crate::policy`]).
+struct BatchUses {
+    len: usize,
+    /// The group whose numbers were taken last, and the first of them.
+    taken: Option<(u32, u64)>,
+}
+
+impl BatchUses {
+    fn new(len: usize) -> BatchUses {
+        BatchUses { len, taken: None }
+    }
+
+    /// The use number of the batch's key `i`, of `group`. Keys come group by group.
+    fn of(&mut self, group: &Group, i: usize) -> u64 {
+        let base = match self.taken {
+            Some((rank, base)) if rank == group.rank() => base,
+            _ => {
+                let base = group.uses.reserve(self.len);
+                self.taken = Some((group.rank(), base));
+                base
+            }
+        };
+        base + (self.len - 1 - i) as u64
+    }
+}
+
+/// An eviction candidate of one group.
+struct Candidate {
+    /// Its place in the policy's order (lowest first), then its use number.
+    rank: (u64, u64),
+    /// Its shard in the group.
+    shard: usize,
+    key: ObjectKey,
+    /// Bytes evicting it frees.
+    bytes: u64,
+    /// Whether only its dynamic replicas go.
+    shrink: bool,
+}
 
 /// Whether eviction would drop only `o`'s dynamic replicas: it has some, and a replica that is
 /// not dynamic stays.
@@ -2032,6 +2182,8 @@ pub struct ObjectGauges {
     pub hard_pinned: u64,
     /// Shards skipped because a writer held them.
     pub shards_skipped: u64,
+    /// Bytes the eviction policy keeps: a use mark per object and each group's counters.
+    pub policy_bytes: u64,
 }
 
 impl Master {
@@ -2053,6 +2205,9 @@ impl Master {
                 g.hard_pinned += u64::from(o.hard_pin);
             }
         }
+        let mark = std::mem::size_of::<crate::policy::UseMark>() as u64;
+        let group = std::mem::size_of::<crate::policy::Uses>() as u64;
+        g.policy_bytes = g.keys * mark + self.groups().count() as u64 * group;
         g
     }
 

@@ -157,6 +157,8 @@ pub struct ObjectMeta {
     /// Read lease: the object may not be removed or evicted before this time (ms).
     /// Atomic so that readers extend it under the shard's read lock.
     pub lease_until: AtomicU64,
+    /// Its place in the group's use order, which eviction ranks by (see [`crate::policy`]).
+    pub used: crate::policy::UseMark,
     /// Soft pin in force until this time (ms); 0 for none.
     pub soft_pin_until: u64,
     /// Never evicted.

@@ -5,10 +5,11 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use tycho_master::policy::EvictionPolicy;
 use tycho_master::{
-    Clock, ManualClock, Master, MasterConfig, WriteMode, DEFAULT_CLIENT_TTL_MS, DEFAULT_KV_LEASE_TTL_MS,
-    DEFAULT_PUT_START_DISCARD_MS, DEFAULT_PUT_START_RELEASE_MS, DEFAULT_SOFT_PIN_TTL_MS, HELD_PAST_EXPIRY_MS,
-    MAX_SOFT_PIN_TTL_MS,
+    Clock, EvictQueue, EvictReason, ManualClock, Master, MasterConfig, WriteMode, DEFAULT_CLIENT_TTL_MS,
+    DEFAULT_KV_LEASE_TTL_MS, DEFAULT_PUT_START_DISCARD_MS, DEFAULT_PUT_START_RELEASE_MS, DEFAULT_SOFT_PIN_TTL_MS,
+    HELD_PAST_EXPIRY_MS, MAX_SOFT_PIN_TTL_MS,
 };
 use tycho_proto::*;
 use tycho_routing::route_for;
@@ -829,6 +830,140 @@ fn tick_evicts_above_high_watermark() {
     e.tick_alive(&[A]);
     assert_eq!(m.counters.eviction_rounds.load(Ordering::Relaxed), 1);
     assert_eq!(objects(m), 14);
+}
+
+/// PutStart + PutEnd of `names` in one batch of each.
+fn batch_put(m: &Master, client: ClientId, names: &[&str], size: u64) {
+    let start = bws(BatchWriteStart {
+        client,
+        tenant: T.into(),
+        items: names.iter().map(|k| (kref(k), size)).collect(),
+        config: ReplicateConfig::default(),
+        write_ids: Vec::new(),
+    });
+    assert!(m.batch_write_start(WriteMode::Put, &start).iter().all(|r| r.is_ok()));
+    let end = bwf(BatchWriteFinish {
+        client,
+        tenant: T.into(),
+        keys: names.iter().map(|k| kref(k)).collect(),
+        write_ids: Vec::new(),
+    });
+    assert!(m.batch_write_finish(&end, true).iter().all(|r| r.is_ok()));
+}
+
+fn batch_q(names: &[&str]) -> BatchKeyQuery {
+    BatchKeyQuery { tenant: T.into(), keys: names.iter().map(|k| kref(k)).collect() }
+}
+
+/// Runs watermark rounds of one object each (fewer than 20 evictable objects) until `n` objects
+/// went, and returns them in the order they went.
+fn evicted_in_order(m: &Master, n: usize) -> Vec<String> {
+    let mut order = Vec::new();
+    for _ in 0..n {
+        let before = keys(m);
+        assert_eq!(m.evict().0, 1);
+        order.extend(before.difference(&keys(m)).cloned());
+    }
+    order
+}
+
+fn with_policy(policy: EvictionPolicy) -> Env {
+    Env::with(MasterConfig { eviction_policy: policy, ..MasterConfig::default() })
+}
+
+/// Issue 44: a stream of puts is evicted in the order it was written, a batch from its last key
+/// back (the end of a prefix chain before its start), whatever the clock says: here it never
+/// moves, so every object was written in the same millisecond.
+#[test]
+fn puts_are_evicted_in_write_order_and_a_batch_from_its_end_at_one_instant() {
+    for policy in EvictionPolicy::ALL {
+        let e = with_policy(policy);
+        let m = &e.m;
+        mount(m, A, 1, MIB);
+        put(m, A, "p0", OBJ);
+        batch_put(m, A, &["c0", "c1", "c2"], OBJ);
+        put(m, A, "p1", OBJ);
+        batch_put(m, A, &["d0", "d1"], OBJ);
+        assert_eq!(evicted_in_order(m, 7), ["p0", "c2", "c1", "c0", "p1", "d1", "d0"], "{policy}");
+    }
+}
+
+/// Issue 44: reads and existence checks are uses: the least recently used object goes first,
+/// and a batch's uses are numbered from its end too. Leases end before each round.
+#[test]
+fn reads_and_existence_checks_move_an_object_to_the_back() {
+    for policy in EvictionPolicy::ALL {
+        let e = with_policy(policy);
+        let m = &e.m;
+        mount(m, A, 1, MIB);
+        batch_put(m, A, &["a", "b", "c", "d", "e"], OBJ);
+        // Written order is e, d, c, b, a (oldest first). Then: a read of d, an existence check
+        // of e, a batch check of [b, c] (numbered c, then b), a batch read of [a].
+        get(m, "d").unwrap();
+        assert_eq!(exists(m, "e"), Ok(true));
+        assert!(m.batch_exist_key(&batch_q(&["b", "c"])).iter().all(|r| *r == Ok(true)));
+        assert!(m.batch_get_replica_list(&batch_q(&["a"])).iter().all(|r| r.is_ok()));
+        e.advance(LEASE + 1);
+        // Every object was used since the last round: no lifetime is measured yet, so both
+        // policies are least recently used first.
+        assert_eq!(evicted_in_order(m, 5), ["d", "e", "c", "b", "a"], "{policy}");
+        let by_queue = &m.counters.evicted_by[EvictReason::Watermark as usize];
+        let count = |q: EvictQueue| by_queue[q as usize].load(Ordering::Relaxed);
+        assert_eq!((count(EvictQueue::Unread), count(EvictQueue::Read), count(EvictQueue::SoftPinned)), (3, 2, 0));
+    }
+}
+
+/// Issue 44: once a round has measured how long unread objects last, the reuse policy keeps an
+/// object that was read longer than objects written after it that nobody read; LRU does not.
+/// An existence check is no read: it moves an object back, without the credit.
+#[test]
+fn the_reuse_policy_keeps_read_objects_past_later_unread_ones() {
+    let run = |policy| {
+        let e = with_policy(policy);
+        let m = &e.m;
+        mount(m, A, 1, MIB);
+        put(m, A, "old", OBJ);
+        put(m, A, "read", OBJ);
+        put(m, A, "checked", OBJ);
+        get(m, "read").unwrap();
+        assert_eq!(exists(m, "checked"), Ok(true));
+        for k in ["n0", "n1", "n2", "n3"] {
+            put(m, A, k, OBJ);
+        }
+        e.advance(LEASE + 1);
+        let order = evicted_in_order(m, 3);
+        assert!(keys(m).contains("n3"));
+        order
+    };
+    assert_eq!(run(EvictionPolicy::Lru), ["old", "read", "checked"]);
+    // Uses: old 1, read 2, checked 3, the read 4, the check 5, n0..n3 6..9. The first round
+    // takes "old", unread, 9 uses before the next one (10): "read" then ranks as use 4 + 9,
+    // behind every later object, until rounds with no new uses shrink the measured lifetime.
+    assert_eq!(run(EvictionPolicy::Reuse), ["old", "checked", "n0"]);
+}
+
+/// Issue 44: each KVPT group numbers its own uses and is evicted by its own order: a watermark
+/// round takes the least recently used objects of every group.
+#[test]
+fn with_several_groups_each_is_evicted_in_its_own_order() {
+    let e = Env::with(MasterConfig { group_count: 2, ..MasterConfig::default() });
+    let m = &e.m;
+    mount(m, A, 1, 64 * MIB);
+    let names: Vec<String> = (0..24).map(|i| format!("k{i:02}")).collect();
+    for k in &names {
+        put(m, A, k, 1000);
+    }
+    let rank = |k: &str| tycho_routing::kvpt_to_rank(kref(k).route.partition_id, 2);
+    let in_group = |g: u32| names.iter().filter(|k| rank(k) == g).cloned().collect::<Vec<_>>();
+    let (g0, g1) = (in_group(0), in_group(1));
+    // (At most 20 in a group, so that 5 % of it rounds up to one object.)
+    assert!((2..=20).contains(&g0.len()) && (2..=20).contains(&g1.len()), "{} and {}", g0.len(), g1.len());
+    // The first-written object of each group is read: in each, the second goes first.
+    get(m, &g0[0]).unwrap();
+    get(m, &g1[0]).unwrap();
+    e.advance(LEASE + 1);
+    assert_eq!(m.evict().0, 2, "one object (5 % of at most 20, rounded up) from each group");
+    assert_eq!(keys(m), names.iter().filter(|k| **k != g0[1] && **k != g1[1]).cloned().collect());
 }
 
 // ---- 7. abandoned writes -------------------------------------------------------------------

@@ -5,6 +5,7 @@ mod bench_e2e;
 mod bench_fill;
 mod bench_hot;
 mod bench_master;
+mod bench_policy;
 mod bench_reshard;
 mod bench_scale;
 mod fuzz;
@@ -89,6 +90,10 @@ enum BenchCmd {
     /// What hot-replica fan-out buys the readers of one hot object: their aggregate throughput
     /// with fan-out off and enforce, each node's serving rate capped.
     Hot(bench_hot::BenchHotArgs),
+    /// The hit ratio each eviction policy gives a trace of prefix blocks (Mooncake's FAST'25
+    /// format), replayed offline against the master's own policies, beside FIFO, LRU and
+    /// Belady's optimum.
+    Policy(bench_policy::BenchPolicyArgs),
 }
 
 fn main() {
@@ -122,6 +127,7 @@ fn main() {
         Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Reshard(a)), .. }) => bench_reshard::run(a),
         Command::Bench(BenchTop { sub: Some(BenchCmd::Hot(a)), .. }) => bench_hot::run(a),
+        Command::Bench(BenchTop { sub: Some(BenchCmd::Policy(a)), .. }) => bench_policy::run(a),
         Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),

@@ -42,6 +42,10 @@ pub struct MasterArgs {
     /// Fraction of evictable objects one eviction round removes.
     #[arg(long = "eviction-ratio", alias = "eviction_ratio", default_value_t = 0.05)]
     pub eviction_ratio: f64,
+    /// Which objects eviction takes first: `reuse` (least recently used, with objects read again
+    /// since their write kept longer) or `lru` (least recently used).
+    #[arg(long = "eviction-policy", default_value_t = tycho_master::policy::EvictionPolicy::default())]
+    pub eviction_policy: tycho_master::policy::EvictionPolicy,
     /// Whether eviction may take soft-pinned objects when too few unpinned ones are left.
     #[arg(long = "allow-evict-soft-pinned-objects", alias = "allow_evict_soft_pinned_objects", default_value_t = true, action = clap::ArgAction::Set)]
     pub allow_evict_soft_pinned_objects: bool,
@@ -323,6 +327,7 @@ impl MasterArgs {
             client_ttl_ms: self.client_ttl,
             eviction_high_watermark_ratio: self.eviction_high_watermark_ratio,
             eviction_ratio: self.eviction_ratio,
+            eviction_policy: self.eviction_policy,
             put_start_discard_timeout_ms: self.put_start_discard_timeout,
             put_start_release_timeout_ms: self.put_start_release_timeout,
             default_strategy: self.allocation_strategy,

@@ -192,6 +192,27 @@ fn metrics_parse_and_counters_move_with_rpcs() {
     assert!(value(&after, "tycho_master_allocated_bytes", None) >= 500.0);
     assert_eq!(value(&after, "tycho_master_segment_capacity_bytes", Some(("segment", "seg-a"))), (1u64 << 20) as f64);
     assert_eq!(value(&after, "tycho_master_active_clients", None), 1.0);
+    // Lookups by answer: five single gets and the batch's two found keys, its one missing; no
+    // existence check. The policy keeps 8 bytes per object and 16 per group.
+    let lookups = |op: &str, result: &str| {
+        after
+            .samples
+            .iter()
+            .find(|x| {
+                x.metric == "tycho_master_lookups_total"
+                    && x.labels.get("op") == Some(op)
+                    && x.labels.get("result") == Some(result)
+            })
+            .map(|x| match x.value {
+                prometheus_parse::Value::Counter(v) => v,
+                ref other => panic!("not a counter: {other:?}"),
+            })
+            .unwrap_or_else(|| panic!("no lookups sample for {op} {result}"))
+    };
+    assert_eq!((lookups("get", "hit"), lookups("get", "miss")), (7.0, 1.0));
+    assert_eq!((lookups("exist", "hit"), lookups("exist", "miss")), (0.0, 0.0));
+    assert_eq!(value(&after, "tycho_master_eviction_policy_bytes", None), (5 * 8 + 16) as f64);
+    assert_eq!(value(&after, "tycho_master_eviction_lifetime_uses", Some(("group", "0"))), 0.0);
     // The latency histogram counted every put_start.
     let hist = after
         .samples

@@ -241,12 +241,15 @@ impl Master {
     /// none left the write is gone (and so is the object, if it had no value), answered as
     /// REPLICA_IS_GONE. Returns the replaced value's replicas and size, for the caller to
     /// describe and release.
+    /// The commit is use number `used` of its group (see [`crate::policy`]): a new object starts
+    /// unread, a new value of one keeps its reads.
     pub(super) fn apply_write_end(
         &self,
         map: &mut ShardMap,
         key: &[u8],
         at_ms: u64,
         dropped: &[SegmentId],
+        used: u64,
     ) -> Result<(Vec<Replica>, u64), ErrorCode> {
         let obj = map.get_mut(key).ok_or(ErrorCode::WRITE_DROPPED)?;
         let p = obj.pending.take().ok_or(ErrorCode::WRITE_DROPPED)?;
@@ -259,6 +262,7 @@ impl Master {
             return Err(ErrorCode::REPLICA_IS_GONE);
         }
         let old = std::mem::replace(&mut obj.replicas, replicas);
+        obj.used.set(crate::policy::Mark { seq: used, reads: obj.used.get().reads });
         obj.writer = p.writer;
         obj.version = p.write_id;
         obj.hard_pin = p.pins.hard_pin;
@@ -449,11 +453,12 @@ impl Master {
                 Ok(())
             }
             Record::WriteEnd { key, writer, write_id, at_ms, dropped } => {
-                let mut map = shard_of(key)?.write();
+                let group = group(key)?;
+                let mut map = group.shard_of(key).write();
                 check_pending(&map, key, *writer, *write_id, "WriteEnd")?;
                 // An error: every segment it wrote to had died, and the write is gone.
                 let at = self.local_time(*at_ms);
-                if let Ok((old, _)) = self.apply_write_end(&mut map, key, at, dropped) {
+                if let Ok((old, _)) = self.apply_write_end(&mut map, key, at, dropped, group.uses.next()) {
                     old.into_iter().for_each(Replica::release);
                 }
                 Ok(())
@@ -654,6 +659,7 @@ fn put_pending<K: AsRef<[u8]> + Into<ObjectKey>>(map: &mut ShardMap, key: K, pen
         replicas: Vec::new(),
         pending: Some(pending),
         lease_until: Default::default(),
+        used: Default::default(),
         soft_pin_until: 0,
         hard_pin: false,
         writer,

@@ -42,6 +42,8 @@ pub struct Group {
     sink: RwLock<Option<Arc<dyn RecordSink>>>,
     /// The group's copy and move tasks.
     pub(super) tasks: Mutex<crate::task::Tasks>,
+    /// The group's use sequence and eviction state (not logged; see [`crate::policy`]).
+    pub(super) uses: crate::policy::Uses,
 }
 
 impl Group {
@@ -62,12 +64,19 @@ impl Group {
             tombstones: (0..shards.len()).map(|_| Mutex::new(HashMap::new())).collect(),
             shards,
             tasks: Mutex::default(),
+            uses: Default::default(),
         }
     }
 
     /// The group's rank.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The lifetime the group's last eviction round measured, in uses (see
+    /// [`crate::policy::Uses::lifetime`]).
+    pub fn eviction_lifetime(&self) -> u64 {
+        self.uses.lifetime()
     }
 
     /// The ownership epoch this master serves the group under.
