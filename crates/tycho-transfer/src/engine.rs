@@ -16,8 +16,10 @@ use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
 
+use crate::error::TransferError;
+use crate::registry::SegmentRegistry;
+use crate::segment::Mapping;
 use crate::wire::{decode_answer, send_all_more, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
-use crate::{Mapping, SegmentRegistry, TransferError};
 
 /// TCP transfers above this size are split into slices of this size.
 pub const SLICE_BYTES: usize = 4 << 20;
@@ -139,11 +141,11 @@ impl TransferEngine {
     }
 
     /// Runs every part; succeeds only if all of them do. Parts run in parallel when the batch
-    /// is large enough to gain from it. A batch larger than [`streaming_threshold`](crate::streaming_threshold) in total copies
+    /// is large enough to gain from it. A batch larger than [`streaming_threshold`](crate::copy::streaming_threshold) in total copies
     /// with streaming stores, as one part of that size does.
     pub fn run(&self, parts: Vec<Part<'_>>) -> Result<(), TransferError> {
         let total: usize = parts.iter().map(Part::len).sum();
-        let streaming = total >= crate::streaming_threshold();
+        let streaming = total >= crate::copy::streaming_threshold();
         if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
             return parts.into_iter().try_for_each(|p| self.run_part(p, streaming));
         }
@@ -154,7 +156,7 @@ impl TransferEngine {
     /// a batch read can retry only the objects whose parts failed.
     pub fn run_each(&self, parts: Vec<Part<'_>>) -> Vec<Result<(), TransferError>> {
         let total: usize = parts.iter().map(Part::len).sum();
-        let streaming = total >= crate::streaming_threshold();
+        let streaming = total >= crate::copy::streaming_threshold();
         if parts.len() <= 1 || total < PARALLEL_THRESHOLD {
             return parts.into_iter().map(|p| self.run_part(p, streaming)).collect();
         }
@@ -163,13 +165,13 @@ impl TransferEngine {
 
     /// Reads `dst.len()` bytes of `replica` starting at object offset `at`.
     pub fn read(&self, replica: &ReplicaDesc, at: u64, dst: &mut [u8]) -> Result<(), TransferError> {
-        let streaming = dst.len() >= crate::streaming_threshold();
+        let streaming = dst.len() >= crate::copy::streaming_threshold();
         self.run_part(Part::Read { replica, at, dst }, streaming)
     }
 
     /// Writes `src` into `replica` at object offset `at`.
     pub fn write(&self, replica: &ReplicaDesc, at: u64, src: &[u8]) -> Result<(), TransferError> {
-        self.run_part(Part::Write { replica, at, src }, src.len() >= crate::streaming_threshold())
+        self.run_part(Part::Write { replica, at, src }, src.len() >= crate::copy::streaming_threshold())
     }
 
     /// Retires the range of `replica` (its value was replaced): readers holding its descriptor

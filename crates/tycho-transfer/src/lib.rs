@@ -9,6 +9,7 @@
 mod copy;
 mod engine;
 mod error;
+mod guard;
 pub mod local;
 mod registry;
 mod segment;

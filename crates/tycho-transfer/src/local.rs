@@ -27,9 +27,11 @@ use std::time::Duration;
 use tycho_proto::auth::files;
 use tycho_proto::{ErrorCode, ReplicaDesc};
 
-use crate::server::Guard;
+use crate::error::TransferError;
+use crate::guard::Guard;
+use crate::registry::SegmentRegistry;
+use crate::segment::Mapping;
 use crate::wire::{decode_answer, encode_answer, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN};
-use crate::{Mapping, SegmentRegistry, TransferError};
 
 /// How long either side waits on the other before giving up on one exchange.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);

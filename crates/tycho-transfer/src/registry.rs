@@ -6,7 +6,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use tycho_proto::SegmentId;
 
-use crate::Mapping;
+use crate::segment::Mapping;
 
 /// Segments registered for serving, by id. The transfer server serves only ranges inside
 /// these; an unregistered segment is refused.

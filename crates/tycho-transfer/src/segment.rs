@@ -43,7 +43,7 @@ use std::sync::atomic::{fence, AtomicU32, Ordering};
 
 use tycho_proto::{segment_block_size, ErrorCode};
 
-use crate::TransferError;
+use crate::error::TransferError;
 
 const PAGE: usize = 4096;
 /// First word of a segment's generation header.

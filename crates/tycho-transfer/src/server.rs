@@ -13,12 +13,12 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use parking_lot::Mutex;
-use tycho_proto::auth::capability::{unix_ms, SegmentKey, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE};
+use tycho_proto::auth::capability::unix_ms;
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::Secret;
-use tycho_proto::{ErrorCode, SegmentId};
+use tycho_proto::ErrorCode;
 
+use crate::guard::Guard;
 use crate::local::UnixServer;
 use crate::wire::{encode_answer, send_all_more, send_more, XferOp, XferRequest, REQUEST_LEN};
 
@@ -28,7 +28,8 @@ pub const MAX_CONNECTIONS: usize = 256;
 
 /// How long a new connection has to complete its greeting.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-use crate::{SegmentRegistry, TransferError};
+use crate::error::TransferError;
+use crate::registry::SegmentRegistry;
 
 /// A running transfer server.
 pub struct TransferServer {
@@ -58,7 +59,7 @@ impl TransferServer {
         registry: Arc<SegmentRegistry>,
         secret: Option<Arc<Secret>>,
     ) -> std::io::Result<TransferServer> {
-        let guard = Arc::new(Guard { secret, epochs: Mutex::new(HashMap::new()) });
+        let guard = Arc::new(Guard::new(secret));
         let addr = listener.local_addr()?;
         let local = match UnixServer::mappings(addr.port(), registry.clone(), guard.clone()) {
             Ok(l) => Some(l),
@@ -260,50 +261,6 @@ fn read_head(stream: &mut TcpStream, head: &mut [u8; REQUEST_LEN], stop: &Atomic
     Ok(true)
 }
 
-/// What every connection of one server checks requests against.
-pub(crate) struct Guard {
-    secret: Option<Arc<Secret>>,
-    /// Highest group epoch seen on a write capability, per group: a write granted under an
-    /// older epoch comes from a master that no longer owns the group.
-    epochs: Mutex<HashMap<u16, u64>>,
-}
-
-impl Guard {
-    /// Whether `req` carries a valid capability for what it does; `keys` caches segment keys
-    /// for the connection.
-    pub(crate) fn authorize(
-        &self,
-        req: &XferRequest,
-        keys: &mut HashMap<(SegmentId, u32), SegmentKey>,
-    ) -> Result<(), ErrorCode> {
-        let Some(secret) = &self.secret else { return Ok(()) };
-        if !req.within_grant() {
-            return Err(ErrorCode::CAPABILITY_INVALID);
-        }
-        let rights = match req.op {
-            XferOp::Read => RIGHT_READ,
-            XferOp::Write => RIGHT_WRITE,
-            XferOp::Retire => RIGHT_RETIRE,
-        };
-        if keys.len() > 1024 {
-            keys.clear();
-        }
-        let key = keys
-            .entry((req.segment, req.incarnation))
-            .or_insert_with(|| SegmentKey::new(secret, req.segment, req.incarnation));
-        key.check(req.grant_offset, req.grant_len, req.gen, &req.cap, rights, unix_ms())?;
-        if rights == RIGHT_WRITE {
-            let mut epochs = self.epochs.lock();
-            let seen = epochs.entry(req.cap.group).or_insert(0);
-            if req.cap.epoch < *seen {
-                return Err(ErrorCode::STALE_EPOCH);
-            }
-            *seen = req.cap.epoch;
-        }
-        Ok(())
-    }
-}
-
 fn serve_connection(
     mut stream: TcpStream,
     registry: &SegmentRegistry,
@@ -315,7 +272,7 @@ fn serve_connection(
     // does not keep this thread.
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    handshake::serve(&mut stream, Service::Transfer, guard.secret.clone())?;
+    handshake::serve(&mut stream, Service::Transfer, guard.secret().cloned())?;
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
     let mut keys = HashMap::new();
@@ -352,7 +309,7 @@ fn serve_connection(
         };
         let len = req.len as usize;
         // With a secret, the bytes move before the capability's deadline or not at all.
-        let deadline = guard.secret.as_ref().map(|_| req.cap.deadline_ms());
+        let deadline = guard.secret().map(|_| req.cap.deadline_ms());
         match req.op {
             XferOp::Read => {
                 // A range already given to a later allocation (its generation moved on) sends

@@ -17,12 +17,12 @@
 //! `offset` and `len` name the bytes this request moves; the grant fields and the MAC are the
 //! master's capability for the whole replica range, which must contain them. The server stamps
 //! a write's generation on the range before it receives the first byte (see
-//! [`Mapping`](crate::Mapping)).
+//! [`Mapping`](crate::segment::Mapping)).
 
 use tycho_proto::auth::capability::Capability;
 use tycho_proto::{ErrorCode, SegmentId};
 
-use crate::TransferError;
+use crate::error::TransferError;
 
 /// First bytes of every transfer request.
 pub const XFER_MAGIC: u32 = u32::from_le_bytes(*b"TYXF");

@@ -1,19 +1,14 @@
 //! The `tycho` binary: every role and tool behind one command.
 
 mod admin;
-mod bench_e2e;
-mod bench_fill;
-mod bench_hot;
-mod bench_master;
-mod bench_policy;
-mod bench_reshard;
-mod bench_scale;
+mod bench;
 mod fuzz;
 mod master_client;
 mod master_cmd;
 mod mooncake_flags;
 mod node;
 mod objects;
+mod security;
 
 use clap::{Parser, Subcommand};
 
@@ -48,7 +43,7 @@ enum Command {
     /// Show a copy or move task.
     Task(objects::TaskArgs),
     /// End-to-end benchmark of the data path; `tycho bench master` for the metadata plane.
-    Bench(BenchTop),
+    Bench(bench::BenchTop),
     /// Whole-master figures: capacity, used, objects, clients, segments.
     Stat(admin::Target),
     /// List keys.
@@ -67,33 +62,6 @@ enum Command {
     Reshard(admin::ReshardArgs),
     /// Feed mutated bytes to every network decoder (see docs/security.md).
     Fuzz(fuzz::FuzzArgs),
-}
-
-#[derive(clap::Args)]
-#[command(args_conflicts_with_subcommands = true)]
-struct BenchTop {
-    #[command(subcommand)]
-    sub: Option<BenchCmd>,
-    #[command(flatten)]
-    e2e: bench_e2e::BenchArgs,
-}
-
-#[derive(Subcommand)]
-enum BenchCmd {
-    /// Metadata-only load against a master (fake segments, no data moved).
-    Master(bench_master::BenchMasterArgs),
-    /// How much of a segment holds user bytes before the first eviction.
-    Fill(bench_fill::BenchFillArgs),
-    /// What moving a KVPT group costs its clients: the write freeze, the reshard's total time,
-    /// and read latency during it next to without one (two masters on an etcd it starts).
-    Reshard(bench_reshard::BenchReshardArgs),
-    /// What hot-replica fan-out buys the readers of one hot object: their aggregate throughput
-    /// with fan-out off and enforce, each node's serving rate capped.
-    Hot(bench_hot::BenchHotArgs),
-    /// The hit ratio each eviction policy gives a trace of prefix blocks (Mooncake's FAST'25
-    /// format), replayed offline against the master's own policies, beside FIFO, LRU and
-    /// Belady's optimum.
-    Policy(bench_policy::BenchPolicyArgs),
 }
 
 fn main() {
@@ -123,12 +91,7 @@ fn main() {
         Command::Copy(a) => objects::copy(a),
         Command::Move(a) => objects::move_replica(a),
         Command::Task(a) => objects::task(a),
-        Command::Bench(BenchTop { sub: Some(BenchCmd::Master(a)), .. }) => bench_master::run(a),
-        Command::Bench(BenchTop { sub: Some(BenchCmd::Fill(a)), .. }) => bench_fill::run(a),
-        Command::Bench(BenchTop { sub: Some(BenchCmd::Reshard(a)), .. }) => bench_reshard::run(a),
-        Command::Bench(BenchTop { sub: Some(BenchCmd::Hot(a)), .. }) => bench_hot::run(a),
-        Command::Bench(BenchTop { sub: Some(BenchCmd::Policy(a)), .. }) => bench_policy::run(a),
-        Command::Bench(BenchTop { sub: None, e2e }) => bench_e2e::run(e2e),
+        Command::Bench(b) => bench::run(b),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),
         Command::Exist(a) => admin::exist(a),

@@ -43,7 +43,7 @@ pub struct NodeArgs {
     pub threads: Option<u32>,
     /// Cluster secret and authentication.
     #[command(flatten)]
-    pub security: crate::master_cmd::SecurityArgs,
+    pub security: crate::security::SecurityArgs,
 }
 
 impl NodeArgs {
