@@ -11,7 +11,7 @@ use tycho_proto::auth::handshake::Identity;
 use tycho_proto::*;
 use tycho_routing::RouteCache;
 use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
-use tycho_transfer::{Mapping, Part, SegmentRegistry, TransferEngine, TransferServer, Transport};
+use tycho_transfer::{Mapping, Part, SegmentRegistry, ServerLimits, TransferEngine, TransferServer, Transport};
 
 use crate::config::{ClientAuth, ClientConfig, Protocol};
 use crate::retry::{call_noting, call_with_retry};
@@ -340,8 +340,9 @@ impl Client {
             registry.register(desc.id, memory.clone());
             segments.push(Segment { desc, memory });
         }
-        let server =
-            TransferServer::serve(listener, registry.clone(), secret).map_err(|_| ErrorCode::INTERNAL_ERROR)?;
+        let limits = ServerLimits { idle_timeout: cfg.transfer_idle_timeout, ..ServerLimits::default() };
+        let server = TransferServer::serve_with(listener, registry.clone(), secret, limits)
+            .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
         let inner = Arc::new(Inner {
             cfg,
             id,

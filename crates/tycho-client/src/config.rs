@@ -73,6 +73,9 @@ pub struct ClientConfig {
     /// Most bytes per second this client's transfer server sends for reads (`None`: no cap).
     /// For benchmarks that need a node to be the bottleneck (`tycho node --max-serve-rate`).
     pub serve_rate: Option<u64>,
+    /// How long this client's transfer server keeps a peer's connection that sends no request
+    /// (`tycho node --transfer-idle-timeout`; peers pool idle connections for less).
+    pub transfer_idle_timeout: Duration,
 }
 
 impl ClientConfig {
@@ -110,6 +113,7 @@ impl ClientConfig {
             auth: ClientAuth::Discover,
             task_poll_interval: Duration::from_secs(1),
             serve_rate: None,
+            transfer_idle_timeout: tycho_transfer::DEFAULT_IDLE_TIMEOUT,
         }
     }
 }

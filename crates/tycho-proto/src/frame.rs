@@ -18,7 +18,7 @@ use thiserror::Error;
 /// First two bytes of every frame: "TY".
 pub const FRAME_MAGIC: u16 = 0x5954;
 /// Version of the frame layout and of the message encoding inside it.
-pub const FRAME_VERSION: u8 = 5;
+pub const FRAME_VERSION: u8 = 6;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Default limit on one frame's payload; large enough for a batch of thousands of keys.
@@ -69,6 +69,10 @@ pub enum FrameError {
     /// The payload is not a valid message.
     #[error("malformed message: {0}")]
     Malformed(String),
+    /// A frame after the greeting does not carry the tag the connection's key gives it: it was
+    /// injected, altered, replayed or reordered on the way ([`crate::auth::session`]).
+    #[error("a frame failed its integrity check (injected, altered, replayed or reordered); the connection closes")]
+    BadTag,
 }
 
 impl FrameHeader {

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::session::Session;
 use tycho_proto::auth::ResolvedAuth;
 use tycho_proto::frame::{decode_payload, encode_frame, FrameHeader, FrameKind, HEADER_LEN};
 
@@ -41,6 +42,8 @@ pub struct BlockingClient {
 
 struct Conn {
     stream: TcpStream,
+    /// The keys that tag this connection's frames (with a secret).
+    session: Option<Session>,
     next_id: u64,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
@@ -110,20 +113,16 @@ impl BlockingClient {
         // The greeting runs blocking, bounded by the connect timeout.
         stream.set_read_timeout(Some(self.config.connect_timeout)).map_err(err)?;
         stream.set_write_timeout(Some(self.config.connect_timeout)).map_err(err)?;
-        let authenticated = handshake::connect(&mut stream, Service::Rpc, &auth, self.config.identity.as_ref())
+        let session = handshake::connect_session(&mut stream, Service::Rpc, &auth, self.config.identity.as_ref())
             .map_err(|source| RpcError::Handshake { addr: self.addr.clone(), source })?;
+        let authenticated = session.is_some();
         self.authenticated.store(authenticated, std::sync::atomic::Ordering::Relaxed);
-        self.settled.lock().get_or_insert_with(|| {
-            if authenticated {
-                ResolvedAuth { strict: true, ..auth }
-            } else {
-                ResolvedAuth { secret: None, strict: false, origin: "the server asks for no secret".into() }
-            }
-        });
+        // Later connections prove the same secret (or none, where none was found).
+        self.settled.lock().get_or_insert(auth);
         stream.set_read_timeout(None).map_err(err)?;
         stream.set_write_timeout(None).map_err(err)?;
         stream.set_nonblocking(true).map_err(err)?;
-        Ok(Conn { stream, next_id: 1, rbuf: Vec::with_capacity(4096), wbuf: Vec::with_capacity(4096) })
+        Ok(Conn { stream, session, next_id: 1, rbuf: Vec::with_capacity(4096), wbuf: Vec::with_capacity(4096) })
     }
 
     /// Sends `req` and waits up to `deadline` for the answer.
@@ -167,6 +166,9 @@ impl BlockingClient {
         conn.next_id += 1;
         conn.wbuf.clear();
         encode_frame(&mut conn.wbuf, FrameKind::Request, id, req)?;
+        if let Some(s) = &mut conn.session {
+            s.send.seal(&mut conn.wbuf, 0)?;
+        }
         let end = Instant::now() + deadline;
         write_until(&mut conn.stream, &conn.wbuf, end).map_err(io)?;
         // The answer is read in as few reads as it arrived in: up to the buffer's size until the
@@ -198,7 +200,13 @@ impl BlockingClient {
                 header = Some(FrameHeader::decode(head, self.config.max_frame)?);
             }
         };
-        let payload = &conn.rbuf[HEADER_LEN..HEADER_LEN + header.len as usize];
+        let head: &[u8; HEADER_LEN] = conn.rbuf[..HEADER_LEN].try_into().expect("header length");
+        let body = &conn.rbuf[HEADER_LEN..HEADER_LEN + header.len as usize];
+        // A frame that does not check ends the connection (the caller drops it on an error).
+        let payload = match &mut conn.session {
+            Some(s) => s.recv.open(head, body)?,
+            None => body,
+        };
         // One call at a time per connection, and a connection whose call failed is dropped,
         // so the next frame must be this call's answer.
         if header.kind != FrameKind::Response || header.request_id != id {

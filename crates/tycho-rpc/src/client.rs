@@ -13,8 +13,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tycho_proto::auth::handshake::{admin_credential, Identity, Service};
+use tycho_proto::auth::session::FrameMac;
 use tycho_proto::auth::{ClientAuth, ResolvedAuth};
-use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
+use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 use crate::RpcError;
 
@@ -72,7 +73,8 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
 type Waiter = oneshot::Sender<Result<Vec<u8>, RpcError>>;
 
 struct Shared {
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// The write half, and the key that tags what it sends (with a secret).
+    writer: tokio::sync::Mutex<(OwnedWriteHalf, Option<FrameMac>)>,
     pending: Mutex<HashMap<u64, Waiter>>,
     next_id: AtomicU64,
     closed: AtomicBool,
@@ -133,18 +135,20 @@ impl RpcClient {
         let peer = stream.peer_addr().map_err(|source| RpcError::Connect { addr: addr.to_string(), source })?;
         let auth = config.resolve(addr)?;
         let mut stream = stream;
-        crate::greet::connect(&mut stream, Service::Rpc, &auth, config.identity.as_ref(), config.connect_timeout)
-            .await
-            .map_err(|source| RpcError::Handshake { addr: addr.to_string(), source })?;
+        let session =
+            crate::greet::connect(&mut stream, Service::Rpc, &auth, config.identity.as_ref(), config.connect_timeout)
+                .await
+                .map_err(|source| RpcError::Handshake { addr: addr.to_string(), source })?;
+        let (seal, check) = session.map(|s| (s.send, s.recv)).unzip();
         let (rd, wr) = stream.into_split();
         let shared = Arc::new(Shared {
-            writer: tokio::sync::Mutex::new(wr),
+            writer: tokio::sync::Mutex::new((wr, seal)),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             peer,
         });
-        let reader = tokio::spawn(read_responses(rd, shared.clone(), config.max_frame));
+        let reader = tokio::spawn(read_responses(rd, shared.clone(), config.max_frame, check));
         Ok(RpcClient { shared, _reader: Arc::new(ReaderTask(reader)) })
     }
 
@@ -181,6 +185,12 @@ impl RpcClient {
         let exchange = async move {
             {
                 let mut w = shared.writer.lock().await;
+                let (w, seal) = &mut *w;
+                // Tagged under the lock: frames go out in the order of their sequence numbers.
+                let mut frame = frame;
+                if let Some(mac) = seal {
+                    mac.seal(&mut frame, 0)?;
+                }
                 let mut guard = WriteGuard { shared, done: false };
                 let res = w.write_all(&frame).await;
                 guard.done = true;
@@ -203,13 +213,24 @@ impl RpcClient {
     }
 }
 
-async fn read_responses(mut rd: OwnedReadHalf, shared: Arc<Shared>, max_frame: u32) {
+async fn read_responses(mut rd: OwnedReadHalf, shared: Arc<Shared>, max_frame: u32, mut check: Option<FrameMac>) {
     let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
     let why = loop {
         let mut used = 0;
         loop {
             match split_frame(&buf[used..], max_frame) {
-                Ok(Some((header, payload, n))) => {
+                Ok(Some((header, body, n))) => {
+                    let head: &[u8; HEADER_LEN] = buf[used..used + HEADER_LEN].try_into().expect("header length");
+                    let payload = match &mut check {
+                        Some(mac) => match mac.open(head, body) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                shared.fail_all(&e.to_string());
+                                return;
+                            }
+                        },
+                        None => body,
+                    };
                     if header.kind != FrameKind::Response {
                         // A server never sends requests: the stream is not what we think.
                         shared.fail_all("server sent a request frame");

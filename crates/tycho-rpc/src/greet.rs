@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tycho_proto::auth::handshake::{self, ClientSide, HandshakeError, Identity, Peer, ServerSide, Service};
+use tycho_proto::auth::session::Session;
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::frame::{FrameHeader, FrameKind, HEADER_LEN};
 
@@ -28,31 +29,34 @@ fn timed_out() -> HandshakeError {
     HandshakeError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "the greeting did not complete in time"))
 }
 
-/// The server side of the greeting.
+/// The server side of the greeting: the peer, and the keys that tag the connection's frames
+/// after it (`None` without a secret).
 pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     service: Service,
     secret: Option<Arc<Secret>>,
-) -> Result<Peer, HandshakeError> {
+) -> Result<(Peer, Option<Session>), HandshakeError> {
     let run = async {
         let (side, hello) = ServerSide::start(service, secret)?;
         s.write_all(&hello).await?;
         let payload = read_hello(s).await?;
         let (answer, verdict) = side.finish(&payload);
         s.write_all(&answer).await?;
-        verdict
+        let peer = verdict?;
+        Ok((peer, side.session(&payload)))
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, run).await.unwrap_or_else(|_| Err(timed_out()))
 }
 
-/// The client side of the greeting; true when the connection is authenticated.
+/// The client side of the greeting: the keys that tag the connection's frames after it, when
+/// it is authenticated.
 pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     service: Service,
     auth: &ResolvedAuth,
     identity: Option<&Identity>,
     timeout: Duration,
-) -> Result<bool, HandshakeError> {
+) -> Result<Option<Session>, HandshakeError> {
     let run = async {
         let hello = match read_hello(s).await {
             Err(HandshakeError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -62,7 +66,8 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
         };
         let (side, reply) = ClientSide::answer(service, &hello, auth, identity)?;
         s.write_all(&reply).await?;
-        side.finish(&read_hello(s).await?)
+        let authenticated = side.finish(&read_hello(s).await?)?;
+        Ok(if authenticated { side.session() } else { None })
     };
     tokio::time::timeout(timeout, run).await.unwrap_or_else(|_| Err(timed_out()))
 }

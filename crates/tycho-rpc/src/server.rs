@@ -12,8 +12,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tycho_proto::auth::handshake::{Peer, Service as Protocol};
+use tycho_proto::auth::session::FrameMac;
 use tycho_proto::auth::Secret;
-use tycho_proto::frame::{decode_payload, encode_frame, split_frame, FrameError, FrameKind, DEFAULT_MAX_FRAME};
+use tycho_proto::frame::{
+    decode_payload, encode_frame, split_frame, FrameError, FrameHeader, FrameKind, DEFAULT_MAX_FRAME, HEADER_LEN,
+};
 
 /// A handler's answer: ready now, or a future to be driven off the connection's task.
 pub enum Reply<R> {
@@ -191,7 +194,9 @@ async fn serve_connection<S: Service>(
 ) -> Result<(), ConnError> {
     stream.set_nodelay(true)?;
     let mut stream = stream;
-    let peer = crate::greet::serve(&mut stream, Protocol::Rpc, config.secret.clone()).await?;
+    let (peer, session) = crate::greet::serve(&mut stream, Protocol::Rpc, config.secret.clone()).await?;
+    // With a secret, every frame after the greeting is tagged, each way.
+    let (mut seal, mut check): (Option<FrameMac>, Option<FrameMac>) = session.map(|s| (s.send, s.recv)).unzip();
     let (mut rd, mut wr) = stream.into_split();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u64, S::Response)>();
     let mut rbuf: Vec<u8> = Vec::with_capacity(64 * 1024);
@@ -203,7 +208,13 @@ async fn serve_connection<S: Service>(
     loop {
         // Handle every whole frame already buffered, then write all their answers at once.
         let mut used = 0;
-        while let Some((header, payload, n)) = split_frame(&rbuf[used..], config.max_frame)? {
+        while let Some((header, body, n)) = split_frame(&rbuf[used..], config.max_frame)? {
+            let head: &[u8; HEADER_LEN] = rbuf[used..used + HEADER_LEN].try_into().expect("header length");
+            // A frame that does not check closes the connection before anything acts on it.
+            let payload = match &mut check {
+                Some(mac) => mac.open(head, body)?,
+                None => body,
+            };
             used += n;
             if header.kind != FrameKind::Request {
                 return Err(FrameError::BadKind(header.kind as u8).into());
@@ -214,14 +225,19 @@ async fn serve_connection<S: Service>(
                 Err(e) => Reply::Ready(service.malformed(&e)),
             };
             match reply {
-                Reply::Ready(resp) => encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?,
+                Reply::Ready(resp) => respond(&mut wbuf, id, &resp, &mut seal)?,
                 Reply::Later(fut) => match poll_once(fut, &done_tx, id) {
-                    Some(resp) => encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?,
+                    Some(resp) => respond(&mut wbuf, id, &resp, &mut seal)?,
                     None => pending += 1,
                 },
             }
         }
         rbuf.drain(..used);
+        // A large frame grew the buffer: once it is handled, the memory goes back, so that an
+        // idle connection holds 64 KiB whatever it once sent.
+        if rbuf.capacity() > 1 << 20 && rbuf.len() <= 64 * 1024 {
+            rbuf.shrink_to(64 * 1024);
+        }
         partial_since = match (rbuf.is_empty(), used > 0) {
             (true, _) => None,
             (false, true) => Some(tokio::time::Instant::now()),
@@ -229,7 +245,7 @@ async fn serve_connection<S: Service>(
         };
         while let Ok((id, resp)) = done_rx.try_recv() {
             pending -= 1;
-            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+            respond(&mut wbuf, id, &resp, &mut seal)?;
         }
         if !wbuf.is_empty() {
             wr.write_all(&wbuf).await?;
@@ -241,6 +257,15 @@ async fn serve_connection<S: Service>(
         if rbuf.capacity() - rbuf.len() < 16 * 1024 {
             rbuf.reserve(64 * 1024);
         }
+        // A frame larger than the buffer is read into one allocation of its size (its header
+        // passed the frame limit), not grown to it by doubling: what a large frame costs is
+        // its size once, given back when it is handled.
+        if let Some(Ok(h)) = rbuf.first_chunk::<HEADER_LEN>().map(|head| FrameHeader::decode(head, config.max_frame)) {
+            let total = HEADER_LEN + h.len as usize;
+            if total > rbuf.capacity() {
+                rbuf.reserve_exact(total - rbuf.len());
+            }
+        }
         tokio::select! {
             biased;
             // First, so that a busy connection cannot starve it.
@@ -251,7 +276,7 @@ async fn serve_connection<S: Service>(
                     match tokio::time::timeout_at(grace, done_rx.recv()).await {
                         Ok(Some((id, resp))) => {
                             pending -= 1;
-                            encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+                            respond(&mut wbuf, id, &resp, &mut seal)?;
                             if tokio::time::timeout_at(grace, wr.write_all(&wbuf)).await.is_err() {
                                 break;
                             }
@@ -269,13 +294,28 @@ async fn serve_connection<S: Service>(
             }
             Some((id, resp)) = done_rx.recv() => {
                 pending -= 1;
-                encode_frame(&mut wbuf, FrameKind::Response, id, &resp)?;
+                respond(&mut wbuf, id, &resp, &mut seal)?;
             }
             _ = tokio::time::sleep_until(partial_since.map_or_else(tokio::time::Instant::now, |t| t + FRAME_DEADLINE)), if partial_since.is_some() => {
                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "a frame did not complete in time").into());
             }
         }
     }
+}
+
+/// Appends the answer `resp` to request `id` to `wbuf`, tagged when the connection is.
+fn respond<R: serde::Serialize>(
+    wbuf: &mut Vec<u8>,
+    id: u64,
+    resp: &R,
+    seal: &mut Option<FrameMac>,
+) -> Result<(), FrameError> {
+    let start = wbuf.len();
+    encode_frame(wbuf, FrameKind::Response, id, resp)?;
+    if let Some(mac) = seal {
+        mac.seal(wbuf, start)?;
+    }
+    Ok(())
 }
 
 /// Polls a handler future once on the connection's task; if it is not ready, spawns it and

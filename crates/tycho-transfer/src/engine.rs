@@ -34,6 +34,10 @@ const RETIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 const GREETING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Idle connections kept per peer.
 const MAX_IDLE_PER_PEER: usize = 16;
+/// How long an idle connection stays in the pool: well within a server's idle timeout
+/// ([`crate::server::DEFAULT_IDLE_TIMEOUT`]), so that a pooled connection is seldom one the
+/// server has closed (and one that was is replaced transparently).
+pub const POOL_IDLE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// How bytes reach a replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +101,7 @@ pub struct TransferEngine {
     force_tcp: bool,
     auth: ResolvedAuth,
     local: Arc<SegmentRegistry>,
-    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    idle: Mutex<HashMap<String, Vec<(TcpStream, std::time::Instant)>>>,
     mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
     /// Same-host endpoints whose holder has no local socket this process can reach (another
     /// user's process): their replicas go over TCP.
@@ -115,11 +119,10 @@ impl TransferEngine {
         local: Arc<SegmentRegistry>,
         secret: Option<Arc<Secret>>,
     ) -> TransferEngine {
-        let strict = secret.is_some();
         TransferEngine {
             host: host.to_string(),
             force_tcp,
-            auth: ResolvedAuth { secret, strict, origin: "the client's cluster secret".into() },
+            auth: ResolvedAuth { secret, origin: "the client's cluster secret".into() },
             local,
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
@@ -189,18 +192,27 @@ impl TransferEngine {
         if let Some(m) = mapped {
             return m.retire(replica.offset, len, replica.incarnation, replica.gen);
         }
-        let mut s = self.connection(&replica.endpoint)?;
-        let head = request(XferOp::Retire, replica, replica.offset, replica.len);
+        let head = request(XferOp::Retire, replica, replica.offset, replica.len).encode();
         // A holder that does not answer (paused, partitioned) must not hold up the write that
         // retires: give up after a while; the connection is then dropped.
-        s.set_read_timeout(Some(RETIRE_TIMEOUT))?;
-        s.write_all(&head.encode())?;
-        let mut answer = [0u8; ANSWER_LEN];
-        s.read_exact(&mut answer)?;
-        s.set_read_timeout(None)?;
-        let r = decode_answer(&answer).map(drop);
-        self.release(&replica.endpoint, s);
-        r
+        let retire = |mut s: TcpStream| -> Result<(), Failure> {
+            let unanswered = |e: std::io::Error| Failure::Unanswered(TransferError::Io(e));
+            s.set_read_timeout(Some(RETIRE_TIMEOUT)).map_err(unanswered)?;
+            s.write_all(&head).map_err(unanswered)?;
+            let mut answer = [0u8; ANSWER_LEN];
+            s.read_exact(&mut answer).map_err(unanswered)?;
+            s.set_read_timeout(None).map_err(answered)?;
+            let r = decode_answer(&answer).map(drop);
+            self.release(&replica.endpoint, s);
+            r.map_err(Failure::Answered)
+        };
+        let (s, pooled) = self.connection(&replica.endpoint)?;
+        match retire(s) {
+            // The peer closed the pooled connection while it sat idle: once more, on a new one.
+            Err(Failure::Unanswered(_)) if pooled => retire(self.connect(&replica.endpoint)?),
+            other => other,
+        }
+        .map_err(Failure::into_inner)
     }
 
     fn run_part(&self, part: Part<'_>, streaming: bool) -> Result<(), TransferError> {
@@ -300,10 +312,23 @@ impl TransferEngine {
         in_parallel(slices, |(off, p)| self.tcp_one(r, off, p))
     }
 
-    fn connection(&self, endpoint: &str) -> Result<TcpStream, TransferError> {
-        if let Some(s) = self.idle.lock().get_mut(endpoint).and_then(Vec::pop) {
-            return Ok(s);
+    /// A connection to `endpoint`: the most recently used idle one that has not been idle for
+    /// [`POOL_IDLE`] (the flag: it was pooled), else a new one.
+    fn connection(&self, endpoint: &str) -> Result<(TcpStream, bool), TransferError> {
+        {
+            let mut idle = self.idle.lock();
+            if let Some(list) = idle.get_mut(endpoint) {
+                // Oldest first: those past the pool's limit go.
+                list.retain(|(_, since)| since.elapsed() < POOL_IDLE);
+                if let Some((s, _)) = list.pop() {
+                    return Ok((s, true));
+                }
+            }
         }
+        Ok((self.connect(endpoint)?, false))
+    }
+
+    fn connect(&self, endpoint: &str) -> Result<TcpStream, TransferError> {
         let mut s = TcpStream::connect(endpoint)?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(GREETING_TIMEOUT))?;
@@ -318,55 +343,92 @@ impl TransferEngine {
         let mut idle = self.idle.lock();
         let list = idle.entry(endpoint.to_string()).or_default();
         if list.len() < MAX_IDLE_PER_PEER {
-            list.push(s);
+            list.push((s, std::time::Instant::now()));
         }
     }
 
-    /// One request on one connection; `offset` is inside the segment.
-    fn tcp_one(&self, r: &ReplicaDesc, offset: u64, part: Part<'_>) -> Result<(), TransferError> {
+    /// One request on one connection; `offset` is inside the segment. A pooled connection the
+    /// peer closed while it sat idle fails before any answer comes: the request goes again, once,
+    /// on a new connection (a read or write of the same range under the same grant does the same
+    /// thing twice).
+    fn tcp_one(&self, r: &ReplicaDesc, offset: u64, mut part: Part<'_>) -> Result<(), TransferError> {
+        let (s, pooled) = self.connection(&r.endpoint)?;
+        match self.exchange(s, r, offset, &mut part) {
+            Err(Failure::Unanswered(e)) if pooled => {
+                tracing::debug!(peer = %r.endpoint, error = %e, "a pooled transfer connection was closed; reconnecting");
+                let s = self.connect(&r.endpoint)?;
+                self.exchange(s, r, offset, &mut part).map_err(Failure::into_inner)
+            }
+            other => other.map_err(Failure::into_inner),
+        }
+    }
+
+    fn exchange(&self, mut s: TcpStream, r: &ReplicaDesc, offset: u64, part: &mut Part<'_>) -> Result<(), Failure> {
         let len = part.len() as u64;
         debug_assert!(len <= MAX_REQUEST_BYTES);
-        let mut s = self.connection(&r.endpoint)?;
         let op = if matches!(part, Part::Read { .. }) { XferOp::Read } else { XferOp::Write };
         let head = request(op, r, offset, len).encode();
         let mut answer = [0u8; ANSWER_LEN];
+        let unanswered = |e: std::io::Error| Unanswered(TransferError::Io(e));
         match part {
             Part::Read { dst, .. } => {
-                s.write_all(&head)?;
-                s.read_exact(&mut answer)?;
+                s.write_all(&head).map_err(unanswered)?;
+                s.read_exact(&mut answer).map_err(unanswered)?;
                 let n = decode_answer(&answer);
                 match n {
                     Ok(n) if n == len => {
-                        s.read_exact(dst)?;
-                        s.read_exact(&mut answer)?;
+                        s.read_exact(dst).map_err(answered)?;
+                        s.read_exact(&mut answer).map_err(answered)?;
                         if let Err(e) = decode_answer(&answer) {
                             // The bytes are not the object's; the connection stays in step.
                             self.release(&r.endpoint, s);
-                            return Err(e);
+                            return Err(Answered(e));
                         }
                     }
-                    Ok(n) => return Err(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))),
+                    Ok(n) => {
+                        return Err(Answered(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))))
+                    }
                     // A refusal leaves the connection in step: keep it.
                     Err(e) => {
                         self.release(&r.endpoint, s);
-                        return Err(e);
+                        return Err(Answered(e));
                     }
                 }
             }
             Part::Write { src, .. } => {
                 // The head goes with the bytes, so the node wakes once for both.
-                send_all_more(&s, &head)?;
-                s.write_all(src)?;
-                s.read_exact(&mut answer)?;
+                send_all_more(&s, &head).map_err(unanswered)?;
+                s.write_all(src).map_err(unanswered)?;
+                s.read_exact(&mut answer).map_err(unanswered)?;
                 if let Err(e) = decode_answer(&answer) {
                     self.release(&r.endpoint, s);
-                    return Err(e);
+                    return Err(Answered(e));
                 }
             }
         }
         self.release(&r.endpoint, s);
         Ok(())
     }
+}
+
+/// How one exchange failed: before the peer answered anything (the connection may have been
+/// closed while it sat in the pool), or after.
+enum Failure {
+    Unanswered(TransferError),
+    Answered(TransferError),
+}
+use Failure::{Answered, Unanswered};
+
+impl Failure {
+    fn into_inner(self) -> TransferError {
+        match self {
+            Unanswered(e) | Answered(e) => e,
+        }
+    }
+}
+
+fn answered(e: std::io::Error) -> Failure {
+    Answered(TransferError::Io(e))
 }
 
 /// The request header moving `len` bytes at segment offset `offset` of replica `r`, with the

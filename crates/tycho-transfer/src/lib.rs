@@ -22,4 +22,6 @@ pub use error::TransferError;
 pub use local::socket_path;
 pub use registry::SegmentRegistry;
 pub use segment::Mapping;
-pub use server::{TransferServer, MAX_CONNECTIONS};
+pub use server::{
+    ServerLimits, TransferServer, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_GREETING, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+};

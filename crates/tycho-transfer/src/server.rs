@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
@@ -26,8 +27,39 @@ use crate::wire::{encode_answer, send_all_more, send_more, XferOp, XferRequest, 
 /// client engine keeps at most 16 idle connections per peer.
 pub const MAX_CONNECTIONS: usize = 256;
 
-/// How long a new connection has to complete its greeting.
-pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a new connection has to complete its whole greeting, however it sends it.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default for how long an authenticated connection may sit between requests before the
+/// server closes it ([`ServerLimits::idle_timeout`]).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Most connections still in their greeting at once ([`ServerLimits::max_greeting`]).
+pub const DEFAULT_MAX_GREETING: usize = 32;
+
+/// What a transfer server lets its peers hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// A connection whose greeting is not complete this long after it was accepted is closed.
+    pub greeting_timeout: Duration,
+    /// Connections in their greeting at once; more are closed as they arrive, so that peers
+    /// that never prove the secret hold at most this many threads (for at most
+    /// `greeting_timeout`) and the rest of [`MAX_CONNECTIONS`] stays for those that do.
+    pub max_greeting: usize,
+    /// A connection that sends no byte of a next request for this long is closed (clients
+    /// keep their idle connections for less and reconnect when one was closed).
+    pub idle_timeout: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> ServerLimits {
+        ServerLimits {
+            greeting_timeout: HANDSHAKE_TIMEOUT,
+            max_greeting: DEFAULT_MAX_GREETING,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
 use crate::error::TransferError;
 use crate::registry::SegmentRegistry;
 
@@ -59,6 +91,16 @@ impl TransferServer {
         registry: Arc<SegmentRegistry>,
         secret: Option<Arc<Secret>>,
     ) -> std::io::Result<TransferServer> {
+        Self::serve_with(listener, registry, secret, ServerLimits::default())
+    }
+
+    /// [`serve`](Self::serve) under `limits`.
+    pub fn serve_with(
+        listener: TcpListener,
+        registry: Arc<SegmentRegistry>,
+        secret: Option<Arc<Secret>>,
+        limits: ServerLimits,
+    ) -> std::io::Result<TransferServer> {
         let guard = Arc::new(Guard::new(secret));
         let addr = listener.local_addr()?;
         let local = match UnixServer::mappings(addr.port(), registry.clone(), guard.clone()) {
@@ -72,6 +114,7 @@ impl TransferServer {
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let active = Arc::new(AtomicUsize::new(0));
+        let greeting = Arc::new(AtomicUsize::new(0));
         let accept = std::thread::Builder::new().name("tycho-xfer-accept".into()).spawn(move || {
             let mut refused = 0u64;
             for conn in listener.incoming() {
@@ -94,13 +137,26 @@ impl TransferServer {
                     }
                     continue;
                 }
+                if greeting.load(Ordering::Acquire) >= limits.max_greeting {
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        tracing::warn!(
+                            limit = limits.max_greeting,
+                            refused,
+                            "too many transfer connections in their greeting; closing new ones"
+                        );
+                    }
+                    continue;
+                }
                 active.fetch_add(1, Ordering::AcqRel);
+                greeting.fetch_add(1, Ordering::AcqRel);
                 let registry = registry.clone();
                 let stop = stop2.clone();
                 let guard = guard.clone();
                 let count = active.clone();
+                let greeting = Counted(greeting.clone());
                 let spawned = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
-                    if let Err(e) = serve_connection(stream, &registry, &guard, &stop) {
+                    if let Err(e) = serve_connection(stream, &registry, &guard, &stop, &limits, greeting) {
                         tracing::debug!(error = %e, "transfer connection closed");
                     }
                     count.fetch_sub(1, Ordering::AcqRel);
@@ -160,27 +216,32 @@ fn waited(e: &std::io::Error) -> bool {
 /// before the deadline, with a socket timeout no longer than the time left, so it returns by
 /// the deadline; the transfer is then cut off and the connection closed. Timeouts are set with
 /// room to spare (half the time left) so that most calls need no extra system call.
-#[derive(Default)]
 struct Cutoff {
-    send: Option<std::time::Duration>,
-    recv: Option<std::time::Duration>,
+    send: Option<Duration>,
+    recv: Option<Duration>,
+    /// How long a receive without a deadline may go without a byte.
+    idle: Duration,
 }
 
+/// The receive timeout a connection waits for its next request in: each one that passes
+/// checks whether the server stops and how long the connection has been idle.
+const IDLE_POLL: Duration = Duration::from_secs(1);
+
 /// Shortest socket timeout left in place while a connection waits for its next request: a
-/// shorter one, left by a transfer near its deadline, is cleared first.
-const IDLE_TIMEOUT_FLOOR: std::time::Duration = std::time::Duration::from_secs(1);
+/// shorter one, left by a transfer near its deadline, is replaced first.
+const IDLE_TIMEOUT_FLOOR: Duration = Duration::from_millis(500);
 
 impl Cutoff {
-    /// Clears timeouts shorter than [`IDLE_TIMEOUT_FLOOR`] before the connection waits for its
-    /// next request (a system call only after a transfer that ran close to its deadline).
+    /// Replaces timeouts shorter than [`IDLE_TIMEOUT_FLOOR`] before the connection waits for
+    /// its next request (a system call only after a transfer that ran close to its deadline).
     fn relax(&mut self, stream: &TcpStream) -> std::io::Result<()> {
         if self.send.is_some_and(|t| t < IDLE_TIMEOUT_FLOOR) {
             stream.set_write_timeout(None)?;
             self.send = None;
         }
-        if self.recv.is_some_and(|t| t < IDLE_TIMEOUT_FLOOR) {
-            stream.set_read_timeout(None)?;
-            self.recv = None;
+        if self.recv.is_none_or(|t| t < IDLE_TIMEOUT_FLOOR) {
+            stream.set_read_timeout(Some(IDLE_POLL))?;
+            self.recv = Some(IDLE_POLL);
         }
         Ok(())
     }
@@ -225,14 +286,29 @@ impl Cutoff {
         Ok(())
     }
 
-    /// Fills `buf`, each call armed against `deadline` (none: no limit).
+    /// Fills `buf`, each call armed against `deadline` (none: only a peer that sends nothing
+    /// for the idle timeout is cut off).
     fn recv(&mut self, stream: &mut TcpStream, mut buf: &mut [u8], deadline: Option<u64>) -> std::io::Result<()> {
-        let Some(deadline) = deadline else { return stream.read_exact(buf) };
+        let mut moved = Instant::now();
         while !buf.is_empty() {
-            Self::arm(&mut self.recv, deadline, |t| stream.set_read_timeout(t))?;
+            match deadline {
+                Some(deadline) => Self::arm(&mut self.recv, deadline, |t| stream.set_read_timeout(t))?,
+                None if moved.elapsed() >= self.idle => {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the peer stopped sending"));
+                }
+                None => {
+                    if self.recv.is_none() {
+                        stream.set_read_timeout(Some(IDLE_POLL))?;
+                        self.recv = Some(IDLE_POLL);
+                    }
+                }
+            }
             match stream.read(buf) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => buf = &mut buf[n..],
+                Ok(n) => {
+                    buf = &mut buf[n..];
+                    moved = Instant::now();
+                }
                 Err(e) if waited(&e) => {}
                 Err(e) => return Err(e),
             }
@@ -242,17 +318,34 @@ impl Cutoff {
 }
 
 /// Reads the next request's header. `Ok(false)` when the peer closed the connection between
-/// requests. A receive timeout left by an earlier transfer only makes it wait again.
-fn read_head(stream: &mut TcpStream, head: &mut [u8; REQUEST_LEN], stop: &AtomicBool) -> std::io::Result<bool> {
+/// requests, when the server stops, or when no byte of a request came for `idle` (the peer
+/// keeps an idle connection for less, and opens a new one when this one was closed). A peer
+/// that stops halfway through a header for `idle` is cut off.
+fn read_head(
+    stream: &mut TcpStream,
+    head: &mut [u8; REQUEST_LEN],
+    stop: &AtomicBool,
+    idle: Duration,
+) -> std::io::Result<bool> {
     let mut got = 0;
+    let mut moved = Instant::now();
     while got < REQUEST_LEN {
         match stream.read(&mut head[got..]) {
             Ok(0) if got == 0 => return Ok(false),
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
+            Ok(n) => {
+                got += n;
+                moved = Instant::now();
+            }
             Err(e) if waited(&e) => {
                 if stop.load(Ordering::Relaxed) {
                     return Ok(false);
+                }
+                if moved.elapsed() >= idle {
+                    if got == 0 {
+                        return Ok(false);
+                    }
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "a request header stalled"));
                 }
             }
             Err(e) => return Err(e),
@@ -261,26 +354,74 @@ fn read_head(stream: &mut TcpStream, head: &mut [u8; REQUEST_LEN], stop: &Atomic
     Ok(true)
 }
 
+/// One in a shared count while it lives.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A stream whose reads and writes all end by one instant: a peer that trickles its greeting a
+/// byte at a time cannot stretch it past the deadline, as a timeout per read would let it.
+struct ByDeadline<'a> {
+    stream: &'a TcpStream,
+    end: Instant,
+}
+
+impl ByDeadline<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the greeting did not complete in time"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for ByDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for ByDeadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn serve_connection(
     mut stream: TcpStream,
     registry: &SegmentRegistry,
     guard: &Guard,
     stop: &AtomicBool,
+    limits: &ServerLimits,
+    greeting: Counted,
 ) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
-    // The greeting must complete within the timeout: a peer that connects and says nothing
-    // does not keep this thread.
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    handshake::serve(&mut stream, Service::Transfer, guard.secret().cloned())?;
-    stream.set_read_timeout(None)?;
+    // The whole greeting must complete by its deadline: a peer that connects and says nothing,
+    // or says it slowly, does not keep this thread.
+    let end = Instant::now() + limits.greeting_timeout;
+    handshake::serve(&mut ByDeadline { stream: &stream, end }, Service::Transfer, guard.secret().cloned())?;
+    drop(greeting);
+    // Between requests the connection waits in short timeouts, so that it sees the server stop
+    // and notices when it has been idle too long.
+    stream.set_read_timeout(Some(IDLE_POLL))?;
     stream.set_write_timeout(None)?;
     let mut keys = HashMap::new();
     let mut head = [0u8; REQUEST_LEN];
-    let mut cutoff = Cutoff::default();
+    let mut cutoff = Cutoff { send: None, recv: Some(IDLE_POLL), idle: limits.idle_timeout };
     loop {
         cutoff.relax(&stream)?;
-        if !read_head(&mut stream, &mut head, stop)? {
+        if !read_head(&mut stream, &mut head, stop, limits.idle_timeout)? {
             return Ok(());
         }
         if stop.load(Ordering::Relaxed) {

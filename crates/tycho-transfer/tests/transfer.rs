@@ -52,7 +52,7 @@ fn grant_gen(
 /// A raw connection that has passed the greeting with the cluster secret.
 fn raw(p: &Peer) -> TcpStream {
     let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
-    let auth = ResolvedAuth { secret: Some(secret()), strict: true, origin: "test".into() };
+    let auth = ResolvedAuth { secret: Some(secret()), origin: "test".into() };
     assert!(handshake::connect(&mut s, Service::Transfer, &auth, None).unwrap());
     s
 }
@@ -543,4 +543,151 @@ fn a_segment_over_a_file_is_reached_over_tcp_on_the_same_host() {
     e.write(&on_memfd, 0, &pattern(4096, 3)).unwrap();
     assert_eq!(e.local_mappings(), 1);
     assert_eq!(e.transport_for(&on_memfd), Transport::SharedMemory);
+}
+
+/// A peer on `limits`, holding a segment of `size` bytes.
+fn peer_with(size: usize, limits: ServerLimits) -> Peer {
+    let registry = Arc::new(SegmentRegistry::default());
+    let mapping = Arc::new(Mapping::create("test", size).unwrap());
+    registry.register(SegmentId(1), mapping.clone());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let server = TransferServer::serve_with(listener, registry.clone(), Some(secret()), limits).unwrap();
+    Peer { registry, server, mapping }
+}
+
+/// Reads from `s` until the peer closes it; how long that took (`None`: still open after
+/// `limit`).
+fn closed_within(s: &mut TcpStream, limit: std::time::Duration) -> Option<std::time::Duration> {
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 256];
+    loop {
+        let left = limit.checked_sub(started.elapsed())?;
+        s.set_read_timeout(Some(left.max(std::time::Duration::from_millis(1)))).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return Some(started.elapsed()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Some(started.elapsed()),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                if started.elapsed() >= limit {
+                    return None;
+                }
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Issue 45, finding 2: the greeting's deadline is for the whole greeting. Peers that trickle
+/// it a byte at a time are cut when it passes, however often they send; a client that greets is
+/// served meanwhile; past the cap on connections in their greeting, new ones are closed at once,
+/// so that such peers never hold more than the cap of the server's threads.
+#[test]
+fn trickled_greetings_are_cut_at_the_deadline_and_capped_while_clients_are_served() {
+    let limits = ServerLimits {
+        greeting_timeout: std::time::Duration::from_secs(2),
+        max_greeting: 8,
+        ..ServerLimits::default()
+    };
+    let p = peer_with(1 << 20, limits);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Each sends a plausible greeting header one byte every 200 ms: with a timeout per read it
+    // would be kept for as long as it went on.
+    let trickle = || {
+        let s = TcpStream::connect(p.server.local_addr()).unwrap();
+        let (mut w, stop) = (s.try_clone().unwrap(), stop.clone());
+        std::thread::spawn(move || {
+            let head = [0x54u8, 0x59, 5, 2, 200, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+            for b in head.iter().cycle() {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) || w.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        s
+    };
+    let mut tricklers: Vec<TcpStream> = (0..6).map(|_| trickle()).collect();
+    // A client that greets is served while they trickle.
+    let client = engine("there", true);
+    let r = replica(&p, 0, 4096, "there");
+    let data = pattern(4096, 3);
+    client.write(&r, 0, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    client.read(&r, 0, &mut back).unwrap();
+    assert!(back == data);
+    // Two more fill the cap (the client's connection finished its greeting and does not
+    // count); the next is closed at once.
+    tricklers.extend((0..2).map(|_| trickle()));
+    let wait = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut ninth = loop {
+        // The accept loop counts a connection once its thread starts: until the eighth has,
+        // a new one may still be taken.
+        let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
+        if closed_within(&mut s, std::time::Duration::from_millis(300)).is_some() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < wait, "connections past the greeting cap were kept");
+    };
+    assert!(closed_within(&mut ninth, std::time::Duration::from_millis(1)).is_some());
+    for mut s in tricklers {
+        let took = closed_within(&mut s, std::time::Duration::from_secs(10)).expect("a trickler was kept");
+        assert!(took < std::time::Duration::from_secs(6), "a trickler was kept {took:?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    client.read(&r, 0, &mut back).unwrap();
+    assert!(back == data);
+}
+
+/// Issue 45, finding 3: an authenticated connection that sends no request for the idle
+/// timeout is closed by the server, and a client whose pooled connection was closed that way
+/// reconnects without its caller seeing anything.
+#[test]
+fn idle_connections_are_closed_and_clients_reconnect_transparently() {
+    let limits = ServerLimits { idle_timeout: std::time::Duration::from_secs(1), ..ServerLimits::default() };
+    let p = peer_with(1 << 20, limits);
+    let mut idle = raw(&p);
+    let took = closed_within(&mut idle, std::time::Duration::from_secs(10)).expect("an idle connection was kept");
+    assert!(took >= std::time::Duration::from_millis(900), "closed after {took:?}, before the idle timeout");
+    let client = engine("there", true);
+    let r = replica(&p, 0, 4096, "there");
+    let data = pattern(4096, 5);
+    client.write(&r, 0, &data).unwrap();
+    // The connection the write left in the pool is closed while it waits there.
+    let mut probe = raw(&p);
+    assert!(closed_within(&mut probe, std::time::Duration::from_secs(10)).is_some());
+    let mut back = vec![0u8; data.len()];
+    client.read(&r, 0, &mut back).unwrap();
+    assert!(back == data);
+    client.write(&r, 0, &pattern(4096, 6)).unwrap();
+    client.read(&r, 0, &mut back).unwrap();
+    assert!(back == pattern(4096, 6));
+}
+
+/// Issue 45, finding 4: a process holding the secret never talks to a peer that asks for none
+/// (an impostor on a node's port): the write fails in the greeting and no byte of it reaches
+/// the impostor's segment.
+#[test]
+fn an_impostor_node_that_asks_for_no_secret_gets_no_bytes() {
+    let registry = Arc::new(SegmentRegistry::default());
+    let mapping = Arc::new(Mapping::create("impostor", 1 << 20).unwrap());
+    registry.register(SegmentId(1), mapping.clone());
+    let server = TransferServer::start("127.0.0.1:0", registry, None).unwrap();
+    let inc = mapping.incarnation();
+    let r = ReplicaDesc {
+        cap: grant(inc, 0, 4096, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1),
+        segment: SegmentId(1),
+        offset: 0,
+        len: 4096,
+        endpoint: server.local_addr().to_string(),
+        host: "there".into(),
+        incarnation: inc,
+        gen: 1,
+    };
+    let err = engine("here", true).write(&r, 0, &pattern(4096, 1)).unwrap_err();
+    assert!(matches!(err, TransferError::Handshake(handshake::HandshakeError::ServerInsecure { .. })), "{err}");
+    assert_eq!(err.code(), ErrorCode::AUTH_FAILED);
+    let mut seen = vec![0xffu8; 4096];
+    // SAFETY: nothing writes the mapping now.
+    seen.copy_from_slice(unsafe { mapping.slice(0, 4096) }.unwrap());
+    assert!(seen.iter().all(|&b| b == 0), "bytes reached the impostor");
 }

@@ -94,7 +94,7 @@ fn run_one(target: &str, input: &[u8]) {
             let s = secret();
             let (server, _) = ServerSide::start(Service::Rpc, Some(s.clone())).expect("random nonce");
             let _ = server.finish(payload);
-            let auth = ResolvedAuth { secret: Some(s.clone()), strict: true, origin: "fuzz".into() };
+            let auth = ResolvedAuth { secret: Some(s.clone()), origin: "fuzz".into() };
             let id = Identity::Client { client: 7, tenant: "t".into(), credential: handshake::credential(&s, 7, "t") };
             if let Ok((client, _)) = ClientSide::answer(Service::Rpc, payload, &auth, Some(&id)) {
                 let _ = client.finish(payload);
@@ -299,7 +299,7 @@ fn write_seeds(dir: &Path) -> std::io::Result<usize> {
     let s = secret();
     let (server, hello) = ServerSide::start(Service::Rpc, Some(s.clone())).expect("nonce");
     put("handshake", "server-hello", &hello)?;
-    let auth = ResolvedAuth { secret: Some(s.clone()), strict: true, origin: "seed".into() };
+    let auth = ResolvedAuth { secret: Some(s.clone()), origin: "seed".into() };
     let id = Identity::Client { client: 7, tenant: "t".into(), credential: handshake::credential(&s, 7, "t") };
     let (_, reply) = ClientSide::answer(Service::Rpc, handshake::split_hello(&hello).expect("hello"), &auth, Some(&id))
         .expect("answer");

@@ -25,6 +25,10 @@ pub struct NodeArgs {
     /// For benchmarks that need one node to be the bottleneck (`tycho bench hot`).
     #[arg(long = "max-serve-rate", value_parser = parse_size)]
     pub max_serve_rate: Option<u64>,
+    /// Seconds a peer's transfer connection may sit without a request before the node closes
+    /// it (clients keep idle connections for 20 s and reconnect transparently).
+    #[arg(long = "transfer-idle-timeout", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub transfer_idle_timeout: u64,
     /// Where Python processes of this user on this host attach to the node with
     /// `setup_dummy(..., server_address="127.0.0.1:PORT")` (Mooncake's real-client port): a
     /// Unix socket named after the port in the runtime directory, not a TCP port. 0: none.
@@ -59,6 +63,7 @@ impl NodeArgs {
         cfg.protocol = self.protocol;
         cfg.staging_buffer_size = 0;
         cfg.serve_rate = self.max_serve_rate;
+        cfg.transfer_idle_timeout = std::time::Duration::from_secs(self.transfer_idle_timeout);
         Ok(cfg)
     }
 }

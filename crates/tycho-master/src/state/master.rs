@@ -618,6 +618,11 @@ impl Master {
         if cfg.replica_num == 0 || cfg.replica_num > MAX_REPLICA_NUM {
             return Err(ErrorCode::INVALID_PARAMS);
         }
+        // Placement compares every preferred name with the group's segments, per key: more
+        // names than a value can have replicas are refused before any is looked at.
+        if cfg.preferred_segments.len() > MAX_REPLICA_NUM as usize {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
         Ok(Pins {
             soft_pin_ttl_ms,
             preserve_soft_pin: cfg.soft_pin_action == SoftPinAction::Preserve,

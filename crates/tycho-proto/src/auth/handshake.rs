@@ -19,6 +19,7 @@
 use std::io::{Read, Write};
 use std::sync::Arc;
 
+use super::session::Session;
 use super::{mac32, random_bytes, same_mac, ResolvedAuth, Secret, SECRET_FILE_ENV};
 use crate::frame::{FrameError, FrameHeader, FrameKind, FRAME_VERSION, HEADER_LEN};
 use crate::ErrorCode;
@@ -164,10 +165,10 @@ pub enum HandshakeError {
         /// Where the client's secret came from.
         origin: String,
     },
-    /// A client given a secret explicitly reached a server that asks for none.
+    /// A client holding a secret (given or found) reached a server that asks for none.
     #[error(
-        "the server runs without authentication (--insecure) but this client was given a cluster secret ({origin}); \
-         set TYCHO_INSECURE=1 to talk to it anyway"
+        "the server asks for no cluster secret (an --insecure server, or an impostor on its port) but this client \
+         holds one ({origin}), so it sends nothing there; set TYCHO_INSECURE=1 to talk to an --insecure cluster"
     )]
     ServerInsecure {
         /// Where the client's secret came from.
@@ -276,6 +277,14 @@ impl ServerSide {
         (hello_frame(&p), verdict)
     }
 
+    /// The keys of the connection whose client greeted with `client_hello` (`None`: this
+    /// server asks for no secret, and frames go untagged).
+    pub fn session(&self, client_hello: &[u8]) -> Option<Session> {
+        let secret = self.secret.as_ref()?;
+        let cn = client_hello.get(8..24)?;
+        Some(Session::derive(secret, self.service as u8, cn, &self.nonce, false))
+    }
+
     fn check(&self, payload: &[u8]) -> Result<Peer, HandshakeError> {
         let bad = || HandshakeError::NotTycho(format!("client greeting of {} bytes", payload.len()));
         let p: &[u8; CLIENT_HELLO_LEN] =
@@ -352,11 +361,12 @@ impl ClientSide {
         let sn = &h[8..24];
         let secret = match (&auth.secret, required) {
             (None, true) => return Err(HandshakeError::SecretRequired),
-            (Some(_), false) if auth.strict => {
-                return Err(HandshakeError::ServerInsecure { origin: auth.origin.clone() });
-            }
+            // A client that holds a secret, however it found it, talks only to a server that
+            // proves it: one that asks for none may be an impostor on the port, and would get
+            // the client's keys and values (TYCHO_INSECURE=1 is how to reach an --insecure one).
+            (Some(_), false) => return Err(HandshakeError::ServerInsecure { origin: auth.origin.clone() }),
             (Some(s), true) => Some(s.clone()),
-            _ => None,
+            (None, false) => None,
         };
         let mut nonce = [0u8; 16];
         random_bytes(&mut nonce).map_err(|e| HandshakeError::Io(std::io::Error::other(e.to_string())))?;
@@ -407,6 +417,12 @@ impl ClientSide {
         }
         Ok(true)
     }
+
+    /// The keys of the connection (`None` without a secret: frames go untagged).
+    pub fn session(&self) -> Option<Session> {
+        let secret = self.secret.as_ref()?;
+        Some(Session::derive(secret, self.service as u8, &self.nonce, &self.server_nonce, true))
+    }
 }
 
 /// Runs the server side of a greeting on a blocking stream.
@@ -415,21 +431,44 @@ pub fn serve<S: Read + Write>(
     service: Service,
     secret: Option<Arc<Secret>>,
 ) -> Result<Peer, HandshakeError> {
+    serve_session(s, service, secret).map(|(peer, _)| peer)
+}
+
+/// [`serve`], with the keys that tag the connection's frames after the greeting (`None`
+/// without a secret).
+pub fn serve_session<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    secret: Option<Arc<Secret>>,
+) -> Result<(Peer, Option<Session>), HandshakeError> {
     let (side, hello) = ServerSide::start(service, secret)?;
     s.write_all(&hello)?;
     let payload = read_hello(s)?;
     let (answer, verdict) = side.finish(&payload);
     s.write_all(&answer)?;
-    verdict
+    let peer = verdict?;
+    Ok((peer, side.session(&payload)))
 }
 
-/// Runs the client side of a greeting on a blocking stream; true when authenticated.
+/// Runs the client side of a greeting on a blocking stream; true when the connection is
+/// authenticated.
 pub fn connect<S: Read + Write>(
     s: &mut S,
     service: Service,
     auth: &ResolvedAuth,
     identity: Option<&Identity>,
 ) -> Result<bool, HandshakeError> {
+    connect_session(s, service, auth, identity).map(|session| session.is_some())
+}
+
+/// [`connect`], with the keys that tag the connection's frames after the greeting (`None`
+/// when it is not authenticated).
+pub fn connect_session<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    auth: &ResolvedAuth,
+    identity: Option<&Identity>,
+) -> Result<Option<Session>, HandshakeError> {
     let hello = match read_hello(s) {
         Err(HandshakeError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
             return Err(HandshakeError::ClosedEarly);
@@ -438,7 +477,8 @@ pub fn connect<S: Read + Write>(
     };
     let (side, reply) = ClientSide::answer(service, &hello, auth, identity)?;
     s.write_all(&reply)?;
-    side.finish(&read_hello(s)?)
+    let authenticated = side.finish(&read_hello(s)?)?;
+    Ok(if authenticated { side.session() } else { None })
 }
 
 #[cfg(test)]
@@ -449,8 +489,8 @@ mod tests {
         Some(Arc::new(Secret::from_text(t.as_bytes()).unwrap()))
     }
 
-    fn auth(s: Option<Arc<Secret>>, strict: bool) -> ResolvedAuth {
-        ResolvedAuth { secret: s, strict, origin: "test".into() }
+    fn auth(s: Option<Arc<Secret>>) -> ResolvedAuth {
+        ResolvedAuth { secret: s, origin: "test".into() }
     }
 
     /// Runs both sides in memory; the server's verdict and the client's.
@@ -471,12 +511,12 @@ mod tests {
     #[test]
     fn matching_secrets_authenticate_both_ways() {
         let s = secret("the-cluster-secret");
-        let (peer, client) = run(s.clone(), auth(s.clone(), true), None);
+        let (peer, client) = run(s.clone(), auth(s.clone()), None);
         assert_eq!(peer.unwrap(), Peer { authenticated: true, ..Peer::default() });
         assert!(client.unwrap());
         let cred = credential(s.as_ref().unwrap(), 42, "team-a");
         let id = Identity::Client { client: 42, tenant: "team-a".into(), credential: cred };
-        let (peer, _) = run(s.clone(), auth(s.clone(), true), Some(&id));
+        let (peer, _) = run(s.clone(), auth(s.clone()), Some(&id));
         assert_eq!(peer.unwrap(), Peer { authenticated: true, client: Some((42, "team-a".into())), admin: false });
         // Another id, or another tenant, with the same credential: refused.
         for forged in [
@@ -484,29 +524,32 @@ mod tests {
             Identity::Client { client: 42, tenant: "team-b".into(), credential: cred },
             Identity::Admin { credential: cred },
         ] {
-            let (peer, client) = run(s.clone(), auth(s.clone(), true), Some(&forged));
+            let (peer, client) = run(s.clone(), auth(s.clone()), Some(&forged));
             assert!(matches!(peer, Err(HandshakeError::BadCredential)), "{forged:?}");
             assert!(matches!(client, Err(HandshakeError::Refused(ErrorCode::AUTH_FAILED))));
         }
         let admin = Identity::Admin { credential: admin_credential(s.as_ref().unwrap()) };
-        let (peer, _) = run(s.clone(), auth(s, true), Some(&admin));
+        let (peer, _) = run(s.clone(), auth(s), Some(&admin));
         assert!(peer.unwrap().admin);
     }
 
     #[test]
     fn a_missing_or_wrong_secret_is_refused_with_its_reason() {
         let s = secret("the-cluster-secret");
-        let (_, client) = run(s.clone(), auth(None, false), None);
+        let (_, client) = run(s.clone(), auth(None), None);
         let e = client.unwrap_err();
         assert!(matches!(e, HandshakeError::SecretRequired));
         assert!(e.to_string().contains("TYCHO_SECRET_FILE"), "{e}");
-        let (peer, client) = run(s.clone(), auth(secret("another-cluster-secret"), true), None);
+        let (peer, client) = run(s.clone(), auth(secret("another-cluster-secret")), None);
         assert!(matches!(peer, Err(HandshakeError::BadClientProof)));
         assert_eq!(client.unwrap_err().code(), ErrorCode::AUTH_FAILED);
-        // A strict client refuses a server without authentication; a lenient one accepts it.
-        let (_, client) = run(None, auth(s.clone(), true), None);
-        assert!(matches!(client, Err(HandshakeError::ServerInsecure { .. })));
-        let (peer, client) = run(None, auth(s, false), None);
+        // A client holding a secret, given or found, refuses a server without authentication;
+        // one without a secret (TYCHO_INSECURE=1, or none found) talks to it.
+        let (_, client) = run(None, auth(s), None);
+        let e = client.unwrap_err();
+        assert!(matches!(e, HandshakeError::ServerInsecure { .. }));
+        assert!(e.to_string().contains("TYCHO_INSECURE=1"), "{e}");
+        let (peer, client) = run(None, auth(None), None);
         assert_eq!(peer.unwrap(), Peer::default());
         assert!(!client.unwrap());
     }
@@ -515,8 +558,7 @@ mod tests {
     fn an_impostor_server_is_found_out() {
         let s = secret("the-cluster-secret");
         let (srv, hello) = ServerSide::start(Service::Rpc, secret("impostors-own-secret")).unwrap();
-        let (cli, reply) =
-            ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s, true), None).unwrap();
+        let (cli, reply) = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s), None).unwrap();
         // The impostor accepts anything and answers status 0 with a proof under its own key.
         let (mut answer, _) = srv.finish(split_hello(&reply).unwrap());
         answer[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&0i32.to_le_bytes());
@@ -526,7 +568,7 @@ mod tests {
     #[test]
     fn other_versions_and_services_are_named() {
         let (_, mut hello) = ServerSide::start(Service::Transfer, None).unwrap();
-        let r = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(None, false), None);
+        let r = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(None), None);
         assert!(matches!(r, Err(HandshakeError::WrongService { .. })));
         hello[2] = FRAME_VERSION - 1;
         let e = split_hello(&hello).unwrap_err();
@@ -544,7 +586,7 @@ mod tests {
             assert!(v.is_err(), "{len} bytes");
         }
         for len in [0, 23, 25] {
-            assert!(ClientSide::answer(Service::Rpc, &vec![1; len], &auth(s.clone(), true), None).is_err());
+            assert!(ClientSide::answer(Service::Rpc, &vec![1; len], &auth(s.clone()), None).is_err());
         }
         assert!(split_hello(&[0u8; 5]).is_err());
     }

@@ -13,6 +13,7 @@
 pub mod capability;
 pub mod files;
 pub mod handshake;
+pub mod session;
 
 use std::fmt;
 use std::sync::Arc;
@@ -168,10 +169,6 @@ pub enum ClientAuth {
 pub struct ResolvedAuth {
     /// The secret to prove, if any.
     pub secret: Option<Arc<Secret>>,
-    /// Whether a server that does not ask for authentication is refused. True when the secret
-    /// was given explicitly; false when it was found by looking around, since the file of a
-    /// port may be left over from an earlier master there.
-    pub strict: bool,
     /// Where the secret came from, for error messages.
     pub origin: String,
 }
@@ -181,26 +178,22 @@ impl ClientAuth {
     pub fn resolve(&self, addr: &str) -> Result<ResolvedAuth, AuthError> {
         match self {
             ClientAuth::Secret(s) => {
-                Ok(ResolvedAuth { secret: Some(s.clone()), strict: true, origin: "the configured secret".into() })
+                Ok(ResolvedAuth { secret: Some(s.clone()), origin: "the configured secret".into() })
             }
-            ClientAuth::Insecure => Ok(ResolvedAuth { secret: None, strict: false, origin: "insecure mode".into() }),
+            ClientAuth::Insecure => Ok(ResolvedAuth { secret: None, origin: "insecure mode".into() }),
             ClientAuth::Discover => {
                 if let Some((secret, origin)) = files::from_env()? {
-                    return Ok(ResolvedAuth { secret: Some(Arc::new(secret)), strict: true, origin });
+                    return Ok(ResolvedAuth { secret: Some(Arc::new(secret)), origin });
                 }
                 if files::insecure_from_env() {
-                    return Ok(ResolvedAuth { secret: None, strict: false, origin: format!("{INSECURE_ENV}=1") });
+                    return Ok(ResolvedAuth { secret: None, origin: format!("{INSECURE_ENV}=1") });
                 }
                 let port = addr.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
                 if let Some(found) = port.and_then(|p| files::find_local(&files::port_name(p))) {
                     let (secret, path) = found?;
-                    return Ok(ResolvedAuth {
-                        secret: Some(Arc::new(secret)),
-                        strict: false,
-                        origin: path.display().to_string(),
-                    });
+                    return Ok(ResolvedAuth { secret: Some(Arc::new(secret)), origin: path.display().to_string() });
                 }
-                Ok(ResolvedAuth { secret: None, strict: false, origin: "no secret found".into() })
+                Ok(ResolvedAuth { secret: None, origin: "no secret found".into() })
             }
         }
     }

@@ -167,6 +167,10 @@ impl Master {
     pub(super) fn create_task_with(&self, req: &CreateTask, lease_ms: Option<u64>) -> WireResult<u128> {
         let r = self.route(&req.tenant, &req.key)?;
         self.admit_write(&r)?;
+        // More targets than a value can have replicas: refused before they are sorted.
+        if req.targets.len() > crate::state::config::MAX_REPLICA_NUM as usize {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
         let mut targets = req.targets.clone();
         targets.sort_unstable();
         targets.dedup();
