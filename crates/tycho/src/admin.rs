@@ -100,21 +100,56 @@ pub struct ReshardArgs {
     /// is.
     #[arg(long, default_value_t = 120.0)]
     deadline: f64,
-    /// The cluster secret's file, sent to the admin server (else `TYCHO_SECRET_FILE` or
-    /// `TYCHO_SECRET`; none for an `--insecure` cluster).
+    /// The cluster secret's file, from which the admin token sent to the admin server is
+    /// derived (else `TYCHO_SECRET_FILE` or `TYCHO_SECRET`; none for an `--insecure` cluster).
     #[arg(long)]
     secret_file: Option<std::path::PathBuf>,
 }
 
-/// The text of the cluster secret as an operator gave it, if any.
-fn secret_text(file: Option<&std::path::Path>) -> Result<Option<String>, String> {
-    use tycho_proto::auth::{SECRET_ENV, SECRET_FILE_ENV};
+/// The cluster secret as an operator gave it (`--secret-file`, else `TYCHO_SECRET_FILE`, else
+/// `TYCHO_SECRET`), if any.
+fn given_secret(file: Option<&std::path::Path>) -> Result<Option<tycho_proto::auth::Secret>, String> {
+    use tycho_proto::auth::{files, Secret, SECRET_ENV, SECRET_FILE_ENV};
     let file = file.map(|f| f.to_path_buf()).or_else(|| std::env::var_os(SECRET_FILE_ENV).map(Into::into));
     if let Some(f) = file.filter(|f| !f.as_os_str().is_empty()) {
-        let text = std::fs::read_to_string(&f).map_err(|e| format!("cannot read {}: {e}", f.display()))?;
-        return Ok(Some(text.trim().to_string()));
+        return files::load(&f).map(Some).map_err(|e| format!("cluster secret: {e}"));
     }
-    Ok(std::env::var(SECRET_ENV).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()))
+    match std::env::var(SECRET_ENV).ok().filter(|t| !t.trim().is_empty()) {
+        Some(t) => Secret::from_text(t.as_bytes()).map(Some).map_err(|e| format!("{SECRET_ENV}: {e}")),
+        None => Ok(None),
+    }
+}
+
+/// The admin token derived from the secret an operator gave, if any.
+fn admin_bearer(file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    Ok(given_secret(file)?.map(|s| tycho_proto::auth::admin_http_token(&s)))
+}
+
+/// `tycho admin-token`.
+#[derive(Args, Debug)]
+pub struct TokenArgs {
+    /// The cluster secret's file (else `TYCHO_SECRET_FILE` or `TYCHO_SECRET`).
+    #[arg(long)]
+    secret_file: Option<std::path::PathBuf>,
+}
+
+/// `tycho admin-token`: prints the admin token of the cluster secret, what the admin HTTP
+/// server's listings and reshard requests ask for as `Authorization: Bearer <token>`.
+pub fn admin_token(a: TokenArgs) -> i32 {
+    match given_secret(a.secret_file.as_deref()) {
+        Ok(Some(s)) => {
+            println!("{}", tycho_proto::auth::admin_http_token(&s));
+            0
+        }
+        Ok(None) => {
+            eprintln!("error: no cluster secret given: pass --secret-file PATH or set TYCHO_SECRET_FILE");
+            1
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
 }
 
 /// `tycho reshard`: asks a master to move a group, then follows the move (the target carries
@@ -134,7 +169,7 @@ pub fn reshard(a: ReshardArgs) -> i32 {
 fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
     use std::time::{Duration, Instant};
     let admin = &a.target.admin;
-    let bearer = secret_text(a.secret_file.as_deref())?;
+    let bearer = admin_bearer(a.secret_file.as_deref())?;
     let deadline_ms = (a.deadline * 1000.0) as u64;
     let path = format!("/reshard?rank={}&target={}&deadline_ms={deadline_ms}", a.rank, a.to);
     let intent: serde_json::Value = serde_json::from_str(&http_call(admin, "POST", &path, bearer.as_deref())?)

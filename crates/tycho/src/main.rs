@@ -60,6 +60,8 @@ enum Command {
     Masters(admin::HttpTarget),
     /// Move a KVPT group to another master, and follow the move (docs/cluster.md).
     Reshard(admin::ReshardArgs),
+    /// Print the admin token of the cluster secret, for the admin HTTP server's listings.
+    AdminToken(admin::TokenArgs),
     /// Feed mutated bytes to every network decoder (see docs/security.md).
     Fuzz(fuzz::FuzzArgs),
 }
@@ -92,6 +94,7 @@ fn main() {
         Command::Move(a) => objects::move_replica(a),
         Command::Task(a) => objects::task(a),
         Command::Bench(b) => bench::run(b),
+        Command::AdminToken(a) => admin::admin_token(a),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),
         Command::Exist(a) => admin::exist(a),

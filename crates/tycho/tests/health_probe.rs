@@ -170,8 +170,10 @@ fn metrics_parse_and_counters_move_with_rpcs() {
     assert!(matches!(batch.unwrap(), Response::BatchReplicas(r) if r.iter().filter(|x| x.is_err()).count() == 1));
     // The admin key lookup goes straight to the key's shard; it needs the master's secret.
     let file = tycho_proto::auth::files::runtime_dir().join(tycho_proto::auth::files::port_name(m.port()));
-    let secret = std::fs::read_to_string(file).expect("the master's secret file");
-    let secret = Some(secret.trim());
+    let text = std::fs::read_to_string(file).expect("the master's secret file");
+    let token =
+        tycho_proto::auth::admin_http_token(&tycho_proto::auth::Secret::from_text(text.trim().as_bytes()).unwrap());
+    let secret = Some(token.as_str());
     assert_eq!(http(&m.http, "GET", "/query_key?key=k0", "").0, 401);
     let (status, body) = http_as(&m.http, "GET", "/query_key?key=k0", "", secret);
     assert_eq!(status, 200, "{body}");

@@ -14,7 +14,7 @@ use tycho_proto::auth::handshake;
 use tycho_proto::auth::session::Session;
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::*;
-use tycho_testkit::{run_cli, text, MasterProc, NodeProc, TempDir};
+use tycho_testkit::{run_cli, text, text as text_of, MasterProc, NodeProc, TempDir};
 use tycho_transfer::{SegmentRegistry, TransferEngine};
 
 mod common;
@@ -420,11 +420,21 @@ fn admin_http_listings_need_the_secret_and_come_in_pages() {
         let (status, _) = http_get(&m.http, open, None);
         assert!(status == 200 || (open == "/readyz" && status == 503), "{open}: {status}");
     }
+    // The credential is a token derived from the secret (`tycho admin-token`), never the
+    // secret itself: the secret is refused as a token.
+    let token = common::admin_token(text);
+    let printed = Command::new(TYCHO).args(["admin-token", "--secret-file", f]).output().unwrap();
+    assert!(printed.status.success(), "{}", text_of(&printed.stderr));
+    assert_eq!(text_of(&printed.stdout).trim(), token);
     for closed in ["/get_all_segments", "/get_all_keys", "/query_key?key=a"] {
         assert_eq!(http_get(&m.http, closed, None).0, 401, "{closed}");
         assert_eq!(http_get(&m.http, closed, Some("not-the-cluster-secret")).0, 401, "{closed}");
+        let (status, body) = http_get(&m.http, closed, Some(text));
+        assert_eq!(status, 401, "{closed}: the secret itself");
+        assert!(body.contains("tycho admin-token"), "{body}");
     }
-    assert_eq!(http_get(&m.http, "/get_all_segments", Some(text)).0, 200);
+    assert_eq!(http_get(&m.http, "/get_all_segments", Some(&token)).0, 200);
+    let text = token.as_str();
 
     let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);
     let secret = Arc::new(tycho_proto::auth::files::load(&file).unwrap());

@@ -10,7 +10,7 @@
 //! | `/livez`, `/health` | 200 while the process lives |
 //! | `/readyz` | 200 when serving and the last probe succeeded, else 503 |
 //! | `/metrics` | Prometheus text |
-//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON; with a cluster secret, only to a request that sends it (`Authorization: Bearer <secret>`) |
+//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON; with a cluster secret, only to a request that sends the admin token derived from it (`Authorization: Bearer <token>`, `tycho admin-token`) |
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -60,8 +60,9 @@ pub struct AdminConfig {
     pub probe: Option<ProbeConfig>,
     /// How the probe authenticates to the RPC server (the master's own secret).
     pub probe_auth: tycho_proto::auth::ClientAuth,
-    /// The cluster secret the listing endpoints require (`Authorization: Bearer <secret>`);
-    /// `None` leaves them open (`--insecure`). Health and metrics endpoints are always open.
+    /// The cluster secret from which the admin token the listing endpoints require is derived
+    /// (`Authorization: Bearer <tycho admin-token>`); `None` leaves them open (`--insecure`).
+    /// Health and metrics endpoints are always open.
     pub http_secret: Option<Arc<Secret>>,
     /// The coordination store the master's cluster lives in, for `/kvpt_groups` and `/masters`;
     /// `None` for a master alone.
@@ -134,26 +135,58 @@ struct AdminState {
     metrics: Arc<RpcMetrics>,
     probe: Arc<ProbeState>,
     probe_enabled: bool,
-    secret: Option<Arc<Secret>>,
+    /// The admin token requests must show (with a cluster secret).
+    token: Option<String>,
     cluster: Option<ClusterView>,
+    /// The object walk behind `/metrics`, shared by scrapes that arrive while one runs.
+    gauges: Shared<crate::state::master::ObjectGauges>,
+    /// The group records behind `/kvpt_groups`, shared likewise.
+    groups: Shared<Result<Vec<GroupRow>, String>>,
 }
 
 impl AdminState {
-    /// `None` when `headers` carry the cluster secret (or none is required), else the refusal.
+    /// `None` when `headers` carry the admin token (or none is required), else the refusal.
     fn refuse(&self, headers: &HeaderMap) -> Option<HttpResponse> {
-        let secret = self.secret.as_ref()?;
+        let token = self.token.as_ref()?;
         let given = headers
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            .and_then(|t| Secret::from_text(t.as_bytes()).ok());
-        let ok = given.is_some_and(|g| same_mac(&g.derive("admin http", &[]), &secret.derive("admin http", &[])));
-        if ok {
+            .map(str::trim);
+        if given.is_some_and(|g| same_mac(g.as_bytes(), token.as_bytes())) {
             return None;
         }
-        let why = "this endpoint needs the cluster secret: send `Authorization: Bearer <contents of the secret file>` \
-                   (docs/security.md)\n";
+        let why = "this endpoint needs the admin token: send `Authorization: Bearer <token>`, where the token is what \
+                   `tycho admin-token` prints for the cluster secret (never the secret itself; docs/security.md)\n";
         Some((StatusCode::UNAUTHORIZED, why).into_response())
+    }
+}
+
+/// A value that takes a walk to compute (every object, every group record in etcd) and that
+/// many requests may ask for at once. A request takes the result of a walk that began after it
+/// arrived, or runs one itself; walks run one at a time. So a flood of requests costs about one
+/// walk per walk's duration, not one per request, and no answer is older than its request.
+struct Shared<T> {
+    last: tokio::sync::Mutex<Option<(std::time::Instant, T)>>,
+}
+
+impl<T: Clone> Shared<T> {
+    fn new() -> Shared<T> {
+        Shared { last: tokio::sync::Mutex::new(None) }
+    }
+
+    async fn get<F: std::future::Future<Output = T>>(&self, walk: impl FnOnce() -> F) -> T {
+        let arrived = std::time::Instant::now();
+        let mut last = self.last.lock().await;
+        if let Some((began, v)) = &*last {
+            if *began >= arrived {
+                return v.clone();
+            }
+        }
+        let began = std::time::Instant::now();
+        let v = walk().await;
+        *last = Some((began, v.clone()));
+        v
     }
 }
 
@@ -214,8 +247,10 @@ pub fn start_admin(cfg: AdminConfig, master: Arc<Master>, metrics: Arc<RpcMetric
         metrics,
         probe: probe.clone(),
         probe_enabled: cfg.probe.is_some(),
-        secret: cfg.http_secret.clone(),
+        token: cfg.http_secret.as_deref().map(tycho_proto::auth::admin_http_token),
         cluster: cfg.cluster.clone(),
+        gauges: Shared::new(),
+        groups: Shared::new(),
     });
     let (stop, stop_rx) = watch::channel(false);
     let target = probe_target(cfg.rpc_addr);
@@ -346,7 +381,7 @@ async fn require_secret(
 }
 
 /// One group as `/kvpt_groups` lists it.
-#[derive(serde::Serialize)]
+#[derive(Clone, serde::Serialize)]
 struct GroupRow {
     rank: u32,
     primary: String,
@@ -376,23 +411,34 @@ async fn kvpt_groups(State(s): State<Arc<AdminState>>) -> HttpResponse {
             .collect();
         return json(&rows);
     };
-    let mut rows = Vec::new();
-    for rank in 0..s.master.config().group_count.max(1) {
-        match crate::cluster::ownership::read_group(&*c.store, &c.keys, rank).await {
-            Ok(Some((g, _))) => rows.push(GroupRow {
-                rank: g.rank,
-                primary: g.primary,
-                standbys: g.standbys,
-                state: g.state,
-                migrating_to: g.migrating_to,
-                epoch: g.epoch,
-                caretaken: g.caretaken,
-            }),
-            Ok(None) => {}
-            Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
-        }
+    // One walk of the group records at a time, shared by the requests that arrive while it
+    // runs: a flood of requests does not become a flood of reads on the etcd of the OpLog.
+    let rows = s
+        .groups
+        .get(|| async {
+            let mut rows = Vec::new();
+            for rank in 0..s.master.config().group_count.max(1) {
+                match crate::cluster::ownership::read_group(&*c.store, &c.keys, rank).await {
+                    Ok(Some((g, _))) => rows.push(GroupRow {
+                        rank: g.rank,
+                        primary: g.primary,
+                        standbys: g.standbys,
+                        state: g.state,
+                        migrating_to: g.migrating_to,
+                        epoch: g.epoch,
+                        caretaken: g.caretaken,
+                    }),
+                    Ok(None) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            Ok(rows)
+        })
+        .await;
+    match rows {
+        Ok(rows) => json(&rows),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("coordination store: {e}\n")).into_response(),
     }
-    json(&rows)
 }
 
 /// One master as `/masters` lists it.
@@ -560,9 +606,15 @@ fn escape_label(v: &str) -> String {
 }
 
 async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
-    let m = s.master.clone();
-    // Walking the shards takes a few milliseconds with many objects: off the admin thread.
-    let gauges = tokio::task::spawn_blocking(move || m.object_gauges()).await.unwrap_or_default();
+    // Walking the shards takes a few milliseconds with many objects: off the admin thread, and
+    // once for the scrapes that arrive while it runs.
+    let gauges = s
+        .gauges
+        .get(|| {
+            let m = s.master.clone();
+            async move { tokio::task::spawn_blocking(move || m.object_gauges()).await.unwrap_or_default() }
+        })
+        .await;
     let mut out = String::with_capacity(16 * 1024);
     let p = &s.probe;
     let simple = |out: &mut String, name: &str, kind: &str, help: &str, v: f64| {

@@ -129,6 +129,13 @@ pub fn random_bytes(out: &mut [u8]) -> Result<(), AuthError> {
     Ok(())
 }
 
+/// The credential an operator's tools show the master's admin HTTP server (`Authorization:
+/// Bearer <it>`): derived from the secret, so that the secret itself never travels over HTTP,
+/// and good for nothing but the admin HTTP server (`tycho admin-token` prints it).
+pub fn admin_http_token(secret: &Secret) -> String {
+    hex(&secret.derive("admin http token v1", &[]))
+}
+
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;

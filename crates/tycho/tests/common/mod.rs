@@ -45,3 +45,10 @@ pub fn secret_file(dir: &Path) -> PathBuf {
     f.write_all(b"test-cluster-secret-of-enough-length").unwrap();
     p
 }
+
+/// The admin token of the secret whose text is `text` (what `tycho admin-token` prints): the
+/// admin HTTP server's credential.
+#[allow(dead_code)]
+pub fn admin_token(text: &str) -> String {
+    tycho_proto::auth::admin_http_token(&Secret::from_text(text.trim().as_bytes()).unwrap())
+}
