@@ -9,6 +9,7 @@
 //!   oversized, truncated and malformed input with an error.
 
 pub mod auth;
+pub mod bounded;
 pub mod cluster;
 pub mod envelope;
 mod error;

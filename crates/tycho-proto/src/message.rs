@@ -39,10 +39,12 @@ pub struct BatchWriteStart {
     /// Tenant namespace of the keys.
     pub tenant: String,
     /// Keys with their sizes.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub items: Vec<(KeyRef, u64)>,
     /// Placement and pinning for every key.
     pub config: ReplicateConfig,
     /// One write id per item (see [`WriteStart::write_id`]).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub write_ids: Vec<u64>,
 }
 
@@ -69,8 +71,10 @@ pub struct BatchWriteFinish {
     /// Tenant namespace of the keys.
     pub tenant: String,
     /// Keys and routes.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub keys: Vec<KeyRef>,
     /// One write id per key.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub write_ids: Vec<u64>,
 }
 
@@ -91,6 +95,7 @@ pub struct BatchKeyQuery {
     /// Tenant namespace of the keys.
     pub tenant: String,
     /// Keys and routes.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub keys: Vec<KeyRef>,
 }
 
@@ -113,6 +118,7 @@ pub struct BatchRemoveKeys {
     /// Tenant namespace of the keys.
     pub tenant: String,
     /// Keys and routes.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub keys: Vec<KeyRef>,
     /// Remove even while read leases are held.
     pub force: bool,
@@ -127,6 +133,7 @@ pub struct ReplicaClear {
     /// Tenant namespace of the keys.
     pub tenant: String,
     /// Keys and routes.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_BATCH }>")]
     pub keys: Vec<KeyRef>,
     /// Segment name: clear only replicas on it (the object goes when none is left);
     /// empty clears the whole object.
@@ -148,6 +155,7 @@ pub struct CreateTask {
     /// complete replica).
     pub source: String,
     /// The segments (by name) to put a replica on: one for a move.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_NAMES }>")]
     pub targets: Vec<String>,
 }
 

@@ -151,6 +151,7 @@ pub struct ReplicateConfig {
     /// Never evict this object.
     pub hard_pin: bool,
     /// Segment names to place replicas on first, in order.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, { crate::bounded::DECODE_MAX_NAMES }>")]
     pub preferred_segments: Vec<String>,
     /// Place the first replica on the writer's host when possible.
     pub prefer_alloc_in_same_node: bool,
