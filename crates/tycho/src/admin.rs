@@ -20,6 +20,19 @@ pub struct HttpTarget {
     /// The master's admin HTTP address (its `--metrics-port`).
     #[arg(long, default_value = "127.0.0.1:9003", env = "TYCHO_ADMIN")]
     pub admin: String,
+    /// The cluster secret's file, from which the admin token the admin server asks for is
+    /// derived (else `TYCHO_SECRET_FILE`, `TYCHO_SECRET`, or the secret the masters on this
+    /// host keep in the runtime directory when they all keep the same one; none for an
+    /// `--insecure` cluster).
+    #[arg(long)]
+    pub secret_file: Option<std::path::PathBuf>,
+}
+
+impl HttpTarget {
+    /// The admin token to show, if a secret is to be had.
+    fn bearer(&self) -> Result<Option<String>, String> {
+        admin_bearer(self.secret_file.as_deref())
+    }
 }
 
 /// The body of `GET path` from the HTTP server at `addr` (a master's admin server, etcd's
@@ -54,15 +67,15 @@ pub(crate) fn http_call(addr: &str, method: &str, path: &str, bearer: Option<&st
     Ok(body.to_string())
 }
 
-/// The JSON body of `GET path` on the admin server at `addr`.
-fn http_json(addr: &str, path: &str) -> Result<serde_json::Value, String> {
-    let body = http_get(addr, path)?;
+/// The JSON body of `GET path` on the admin server at `addr`, showing `bearer`.
+fn http_json(addr: &str, path: &str, bearer: Option<&str>) -> Result<serde_json::Value, String> {
+    let body = http_call(addr, "GET", path, bearer)?;
     serde_json::from_str(&body).map_err(|e| format!("{addr}{path}: not JSON: {e}"))
 }
 
 /// `tycho groups`.
 pub fn groups(t: HttpTarget) -> i32 {
-    let rows = match http_json(&t.admin, "/kvpt_groups") {
+    let rows = match t.bearer().and_then(|b| http_json(&t.admin, "/kvpt_groups", b.as_deref())) {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: {e}");
@@ -100,10 +113,6 @@ pub struct ReshardArgs {
     /// is.
     #[arg(long, default_value_t = 120.0)]
     deadline: f64,
-    /// The cluster secret's file, from which the admin token sent to the admin server is
-    /// derived (else `TYCHO_SECRET_FILE` or `TYCHO_SECRET`; none for an `--insecure` cluster).
-    #[arg(long)]
-    secret_file: Option<std::path::PathBuf>,
 }
 
 /// The cluster secret as an operator gave it (`--secret-file`, else `TYCHO_SECRET_FILE`, else
@@ -114,10 +123,32 @@ fn given_secret(file: Option<&std::path::Path>) -> Result<Option<tycho_proto::au
     if let Some(f) = file.filter(|f| !f.as_os_str().is_empty()) {
         return files::load(&f).map(Some).map_err(|e| format!("cluster secret: {e}"));
     }
-    match std::env::var(SECRET_ENV).ok().filter(|t| !t.trim().is_empty()) {
-        Some(t) => Secret::from_text(t.as_bytes()).map(Some).map_err(|e| format!("{SECRET_ENV}: {e}")),
-        None => Ok(None),
+    if let Some(t) = std::env::var(SECRET_ENV).ok().filter(|t| !t.trim().is_empty()) {
+        return Secret::from_text(t.as_bytes()).map(Some).map_err(|e| format!("{SECRET_ENV}: {e}"));
     }
+    Ok(local_secret())
+}
+
+/// The secret the masters of this user on this host keep in the runtime directory, when they
+/// all keep the same one (`tycho up`, or masters of one cluster); else none (an operator then
+/// names it with `--secret-file`).
+fn local_secret() -> Option<tycho_proto::auth::Secret> {
+    let dir = tycho_proto::auth::files::runtime_dir();
+    let mut found: Option<tycho_proto::auth::Secret> = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("master-") && name.ends_with(".secret")) {
+            continue;
+        }
+        let secret = tycho_proto::auth::files::load(&entry.path()).ok()?;
+        match &found {
+            Some(f) if f.key() != secret.key() => return None,
+            Some(_) => {}
+            None => found = Some(secret),
+        }
+    }
+    found
 }
 
 /// The admin token derived from the secret an operator gave, if any.
@@ -169,7 +200,7 @@ pub fn reshard(a: ReshardArgs) -> i32 {
 fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
     use std::time::{Duration, Instant};
     let admin = &a.target.admin;
-    let bearer = admin_bearer(a.secret_file.as_deref())?;
+    let bearer = a.target.bearer()?;
     let deadline_ms = (a.deadline * 1000.0) as u64;
     let path = format!("/reshard?rank={}&target={}&deadline_ms={deadline_ms}", a.rank, a.to);
     let intent: serde_json::Value = serde_json::from_str(&http_call(admin, "POST", &path, bearer.as_deref())?)
@@ -195,8 +226,8 @@ fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
         }
         // The request first: the record changes before the request goes, so a move that ends
         // between the two reads is seen switched, never abandoned.
-        let intents = http_json(admin, "/reshard")?;
-        let groups = http_json(admin, "/kvpt_groups")?;
+        let intents = http_json(admin, "/reshard", bearer.as_deref())?;
+        let groups = http_json(admin, "/kvpt_groups", bearer.as_deref())?;
         let record = groups.as_array().into_iter().flatten().find(|g| g["rank"].as_u64() == Some(a.rank as u64));
         let intent = intents.as_array().into_iter().flatten().find(|i| i["rank"].as_u64() == Some(a.rank as u64));
         let Some(record) = record else { return Err(format!("group {} has no record", a.rank)) };
@@ -223,7 +254,7 @@ fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
 
 /// `tycho masters`.
 pub fn masters(t: HttpTarget) -> i32 {
-    let rows = match http_json(&t.admin, "/masters") {
+    let rows = match t.bearer().and_then(|b| http_json(&t.admin, "/masters", b.as_deref())) {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: {e}");

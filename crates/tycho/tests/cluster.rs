@@ -85,8 +85,13 @@ impl Cluster {
     /// Four masters of a G = 4 cluster, each the primary of one group.
     fn four_primaries(&self) -> Vec<MasterProc> {
         let mut masters = vec![self.master("primary of groups 0", &["--kvpt-groups", "4"])];
-        for _ in 1..4 {
+        wait_groups(&masters[0], "the first master creates every group", |g| g.len() == 4);
+        for n in 1..4 {
             masters.push(self.master("", &[]));
+            // One claim at a time: a master that started before the one before it had claimed
+            // its group could take that group and leave it the next one.
+            let joined = masters[n].rpc.clone();
+            wait_groups(&masters[0], &format!("master {n} claims group {n}"), |g| g[n].0 == joined && !g[n].3);
         }
         let ids: Vec<String> = masters.iter().map(|m| m.rpc.clone()).collect();
         wait_groups(&masters[0], "every group has a primary of its own", |g| {
@@ -224,11 +229,13 @@ fn write_errors(m: &MasterProc) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// The body of `GET path` on `http` (host:port).
+/// The body of `GET path` on `http` (host:port), showing the admin token of the clusters'
+/// secret (`common::secret_file`'s).
 fn http_get(http: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(http).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
+    let token = common::admin_token(common::SECRET_TEXT);
+    write!(s, "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\r\n").unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {out:?}"));
@@ -317,7 +324,10 @@ fn the_first_master_caretakes_every_group_and_joining_masters_claim_one_each() {
     }
     // The same as tables, from the command line.
     let cli = |what: &str| {
-        let out = std::process::Command::new(TYCHO).args([what, "--admin", &masters[2].http]).output().unwrap();
+        let out = std::process::Command::new(TYCHO)
+            .args([what, "--admin", &masters[2].http, "--secret-file", c.secret.to_str().unwrap()])
+            .output()
+            .unwrap();
         assert!(out.status.success(), "tycho {what}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -670,7 +680,14 @@ fn tycho_up_runs_several_masters_of_one_cluster() {
     let admin = m0.split("admin http://").nth(1).unwrap().trim().to_string();
     let check = up.wait_line("  self-check     ", ROLE_WAIT).unwrap();
     assert!(check.starts_with("ok"), "{check}");
-    let out = std::process::Command::new(TYCHO).args(["groups", "--admin", &admin]).output().unwrap();
+    // `tycho groups` finds the secret `tycho up` keeps in the runtime directory.
+    let out = std::process::Command::new(TYCHO)
+        .args(["groups", "--admin", &admin])
+        .env("TYCHO_RUNTIME_DIR", home.path())
+        .env_remove("TYCHO_SECRET_FILE")
+        .env_remove("TYCHO_SECRET")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8(out.stdout).unwrap();
     let primaries: std::collections::BTreeSet<&str> =

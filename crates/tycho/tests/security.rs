@@ -426,14 +426,16 @@ fn admin_http_listings_need_the_secret_and_come_in_pages() {
     let printed = Command::new(TYCHO).args(["admin-token", "--secret-file", f]).output().unwrap();
     assert!(printed.status.success(), "{}", text_of(&printed.stderr));
     assert_eq!(text_of(&printed.stdout).trim(), token);
-    for closed in ["/get_all_segments", "/get_all_keys", "/query_key?key=a"] {
+    for closed in ["/get_all_segments", "/get_all_keys", "/query_key?key=a", "/kvpt_groups", "/masters", "/reshard"] {
         assert_eq!(http_get(&m.http, closed, None).0, 401, "{closed}");
         assert_eq!(http_get(&m.http, closed, Some("not-the-cluster-secret")).0, 401, "{closed}");
         let (status, body) = http_get(&m.http, closed, Some(text));
         assert_eq!(status, 401, "{closed}: the secret itself");
         assert!(body.contains("tycho admin-token"), "{body}");
     }
-    assert_eq!(http_get(&m.http, "/get_all_segments", Some(&token)).0, 200);
+    for listing in ["/get_all_segments", "/kvpt_groups", "/masters", "/reshard"] {
+        assert_eq!(http_get(&m.http, listing, Some(&token)).0, 200, "{listing}");
+    }
     let text = token.as_str();
 
     let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &["--secret-file", f], &[]);

@@ -10,7 +10,7 @@
 //! | `/livez`, `/health` | 200 while the process lives |
 //! | `/readyz` | 200 when serving and the last probe succeeded, else 503 |
 //! | `/metrics` | Prometheus text |
-//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=` | JSON; with a cluster secret, only to a request that sends the admin token derived from it (`Authorization: Bearer <token>`, `tycho admin-token`) |
+//! | `/get_all_segments`, `/get_all_keys`, `/query_key?key=`, `/kvpt_groups`, `/masters`, `/reshard` | JSON; with a cluster secret, only to a request that sends the admin token derived from it (`Authorization: Bearer <token>`, `tycho admin-token`) |
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -329,17 +329,16 @@ fn router(state: Arc<AdminState>) -> Router {
         .route("/livez", get(|| async { "ok\n" }))
         .route("/health", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    // Everything else (listings of every tenant's keys, the cluster's records, reshard
+    // requests): with a cluster secret, only for requests that show the admin token.
+    let listings = Router::new()
         .route("/kvpt_groups", get(kvpt_groups))
         .route("/masters", get(cluster_masters))
-        .route("/reshard", get(reshard_intents));
-    // The listings name every tenant's keys: with a cluster secret, only for requests that
-    // send it.
-    let listings = Router::new()
         .route("/get_all_segments", get(all_segments))
         .route("/get_all_keys", get(all_keys))
         .route("/query_key", get(query_key))
-        .route("/reshard", axum::routing::post(reshard_request))
+        .route("/reshard", get(reshard_intents).post(reshard_request))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_secret));
     let r = r.merge(listings);
     #[cfg(feature = "failpoints")]

@@ -37,12 +37,16 @@ pub fn serial() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The text of the secret [`secret_file`] writes.
+#[allow(dead_code)]
+pub const SECRET_TEXT: &str = "test-cluster-secret-of-enough-length";
+
 /// A cluster secret file (mode 0600) in `dir`.
 #[allow(dead_code)]
 pub fn secret_file(dir: &Path) -> PathBuf {
     let p = dir.join("cluster.secret");
     let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&p).unwrap();
-    f.write_all(b"test-cluster-secret-of-enough-length").unwrap();
+    f.write_all(SECRET_TEXT.as_bytes()).unwrap();
     p
 }
 
