@@ -17,8 +17,8 @@
 //! followed by another) fails [`FrameMac::open`] and the connection closes; the receiver acts
 //! on nothing it did not check. Why HMAC-SHA256: the crates are already here for the greeting
 //! and capabilities, the key's inner and outer states are computed once per connection, and on
-//! CPUs with SHA extensions an RPC frame of up to 55 bytes of header and payload costs two
-//! compressions (docs/security.md has the measured cost).
+//! CPUs with SHA extensions an RPC frame of up to 47 bytes of header and payload (55 with the
+//! sequence number) costs two compressions (docs/security.md has the measured cost).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
