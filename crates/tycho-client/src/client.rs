@@ -305,7 +305,7 @@ impl Client {
                 let rpc = RpcConfig {
                     spin: cfg.rpc_spin,
                     auth: ClientAuth::Secret(s.clone()),
-                    identity: Some(identity),
+                    identity: Some(identity.clone()),
                     ..RpcConfig::default()
                 };
                 let masters: Vec<Arc<BlockingClient>> =
@@ -320,7 +320,9 @@ impl Client {
                 (ClientId(rand::random()), masters, plain)
             }
         };
-        let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone());
+        let engine = TransferEngine::new(&cfg.host_id, cfg.protocol == Protocol::Tcp, registry.clone(), secret.clone())
+            .with_identity(rpc.identity.clone())
+            .with_encryption(cfg.encrypt);
         let mut segments = Vec::new();
         if cfg.segment_size > 0 {
             let size = usize::try_from(cfg.segment_size).map_err(|_| ErrorCode::INVALID_PARAMS)?;
@@ -340,7 +342,11 @@ impl Client {
             registry.register(desc.id, memory.clone());
             segments.push(Segment { desc, memory });
         }
-        let limits = ServerLimits { idle_timeout: cfg.transfer_idle_timeout, ..ServerLimits::default() };
+        let limits = ServerLimits {
+            idle_timeout: cfg.transfer_idle_timeout,
+            encrypted_only: cfg.encrypt,
+            ..ServerLimits::default()
+        };
         let server = TransferServer::serve_with(listener, registry.clone(), secret, limits)
             .map_err(|_| ErrorCode::INTERNAL_ERROR)?;
         let inner = Arc::new(Inner {

@@ -76,6 +76,11 @@ pub struct ClientConfig {
     /// How long this client's transfer server keeps a peer's connection that sends no request
     /// (`tycho node --transfer-idle-timeout`; peers pool idle connections for less).
     pub transfer_idle_timeout: Duration,
+    /// Encrypt value bytes on TCP transfers, and have this client's transfer server refuse
+    /// peers' transfers that are not (`ENCRYPTION_REQUIRED`): `TYCHO_ENCRYPT=1` in the
+    /// environment, `tycho node --encrypt`. Needs the cluster secret (the keys come from the
+    /// greeting); same-host shared-memory transfers cross no wire and stay as they are.
+    pub encrypt: bool,
 }
 
 impl ClientConfig {
@@ -114,9 +119,13 @@ impl ClientConfig {
             task_poll_interval: Duration::from_secs(1),
             serve_rate: None,
             transfer_idle_timeout: tycho_transfer::DEFAULT_IDLE_TIMEOUT,
+            encrypt: std::env::var(ENCRYPT_ENV).is_ok_and(|v| v.trim() == "1"),
         }
     }
 }
+
+/// Environment variable that, set to `1`, turns on [`ClientConfig::encrypt`].
+pub const ENCRYPT_ENV: &str = "TYCHO_ENCRYPT";
 
 /// Longest poll the environment may ask for: past this, sleeping is cheaper than spinning.
 const MAX_SPIN: Duration = Duration::from_millis(10);

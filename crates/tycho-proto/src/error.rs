@@ -182,6 +182,8 @@ error_codes! {
     BATCH_TOO_LARGE = -2206, Fail;
     /// A configured cap is reached (segment size, segments per client).
     RESOURCE_LIMIT = -2207, Fail;
+    /// The node serves payloads encrypted only, and the request asked for them in the clear.
+    ENCRYPTION_REQUIRED = -2208, Fail;
 }
 
 impl ErrorCode {
@@ -224,6 +226,7 @@ impl ErrorCode {
             SCANS_BUSY => "other key scans are running; retry shortly",
             BATCH_TOO_LARGE => "split the batch; the client library does this by itself",
             RESOURCE_LIMIT => "a configured cap is reached: see --max-segment-size and --max-segments-per-client",
+            ENCRYPTION_REQUIRED => "the node encrypts payloads (tycho node --encrypt); set TYCHO_ENCRYPT=1 on this client",
             _ => "see docs/errors.md",
         }
     }

@@ -18,11 +18,17 @@ use thiserror::Error;
 /// First two bytes of every frame: "TY".
 pub const FRAME_MAGIC: u16 = 0x5954;
 /// Version of the frame layout and of the message encoding inside it.
-pub const FRAME_VERSION: u8 = 6;
+pub const FRAME_VERSION: u8 = 7;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 16;
-/// Default limit on one frame's payload; large enough for a batch of thousands of keys.
+/// Default limit on one frame's payload as a client reads it (the master's answers): large
+/// enough for a batch of thousands of keys with all their replicas.
 pub const DEFAULT_MAX_FRAME: u32 = 64 << 20;
+/// Default limit on one request frame's payload as the master reads it (`--max-frame-bytes`):
+/// above the largest legitimate request, a `BatchPutStart` of `MAX_BATCH_KEYS` (8192) keys at
+/// the 4096-byte key limit, which encodes to 33.8 MB (`the_largest_request_fits` in
+/// `message.rs` measures it).
+pub const DEFAULT_MAX_REQUEST_FRAME: u32 = 40 << 20;
 
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -777,6 +777,36 @@ mod tests {
     use crate::frame::{decode_payload, encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
     use proptest::prelude::*;
 
+    /// The master's default request limit holds the largest request a client may send: a
+    /// batch write start of the most keys, each of the longest key, with the longest tenant
+    /// and a full list of preferred segments, every number at its widest encoding.
+    #[test]
+    fn the_largest_request_fits() {
+        let key = |i: usize| KeyRef {
+            key: format!("{i:0>width$}", width = crate::MAX_KEY_LEN),
+            route: RouteTag { partition_id: u16::MAX, epoch: u64::MAX },
+        };
+        let config = ReplicateConfig {
+            replica_num: u32::MAX,
+            preferred_segments: vec!["s".repeat(255); 16],
+            soft_pin_ttl_ms: Some(u64::MAX),
+            ..Default::default()
+        };
+        let req = Request::BatchPutStart(BatchWriteStart {
+            client: ClientId(u128::MAX),
+            tenant: "t".repeat(crate::MAX_TENANT_LEN),
+            items: (0..crate::MAX_BATCH_KEYS).map(|i| (key(i), u64::MAX)).collect(),
+            config,
+            write_ids: vec![u64::MAX; crate::MAX_BATCH_KEYS],
+        });
+        let mut buf = Vec::new();
+        encode_frame(&mut buf, FrameKind::Request, 1, &req).unwrap();
+        let len = buf.len() as u32;
+        eprintln!("largest request: {len} bytes");
+        assert!(len > 33_000_000, "{len}: not the largest request");
+        assert!(len + 16 < crate::frame::DEFAULT_MAX_REQUEST_FRAME, "{len} bytes and a tag exceed the default limit");
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(96))]
 

@@ -12,14 +12,18 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tycho_proto::auth::capability::RIGHT_RETIRE;
-use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::handshake::{self, Identity, Service};
+use tycho_proto::auth::stream::{StreamSession, STREAM_TAG_LEN};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
 
 use crate::error::TransferError;
 use crate::registry::SegmentRegistry;
 use crate::segment::Mapping;
-use crate::wire::{decode_answer, send_all_more, XferOp, XferRequest, ANSWER_LEN, MAX_REQUEST_BYTES};
+use crate::wire::{
+    answer_len, decode_answer, decrypt_sealed, recv_head, recv_sealed, send_all_more, send_sealed, sealed_head, XferOp,
+    XferRequest, ANSWER_LEN, FLAG_ENCRYPT, MAX_REQUEST_BYTES,
+};
 
 /// TCP transfers above this size are split into slices of this size.
 pub const SLICE_BYTES: usize = 4 << 20;
@@ -101,7 +105,12 @@ pub struct TransferEngine {
     force_tcp: bool,
     auth: ResolvedAuth,
     local: Arc<SegmentRegistry>,
-    idle: Mutex<HashMap<String, Vec<(TcpStream, std::time::Instant)>>>,
+    /// Payloads over TCP travel encrypted ([`FLAG_ENCRYPT`]).
+    encrypt: bool,
+    /// Who this process is, proved in every transfer greeting (nodes count connections per
+    /// client).
+    identity: Option<Identity>,
+    idle: Mutex<HashMap<String, Vec<(Conn, std::time::Instant)>>>,
     mapped: Mutex<HashMap<SegmentId, Arc<Mapping>>>,
     /// Same-host endpoints whose holder has no local socket this process can reach (another
     /// user's process): their replicas go over TCP.
@@ -123,11 +132,26 @@ impl TransferEngine {
             host: host.to_string(),
             force_tcp,
             auth: ResolvedAuth { secret, origin: "the client's cluster secret".into() },
+            encrypt: false,
+            identity: None,
             local,
             idle: Mutex::new(HashMap::new()),
             mapped: Mutex::new(HashMap::new()),
             no_local: Mutex::new(NoLocal::default()),
         }
+    }
+
+    /// Encrypts payloads over TCP (on an authenticated connection: without a secret there are no
+    /// keys, and an encrypted request is refused).
+    pub fn with_encryption(mut self, encrypt: bool) -> TransferEngine {
+        self.encrypt = encrypt;
+        self
+    }
+
+    /// Proves `identity` (a registered client's id and credential) in every transfer greeting.
+    pub fn with_identity(mut self, identity: Option<Identity>) -> TransferEngine {
+        self.identity = identity;
+        self
     }
 
     /// The transport a transfer to `r` would use.
@@ -195,19 +219,19 @@ impl TransferEngine {
         let head = request(XferOp::Retire, replica, replica.offset, replica.len).encode();
         // A holder that does not answer (paused, partitioned) must not hold up the write that
         // retires: give up after a while; the connection is then dropped.
-        let retire = |mut s: TcpStream| -> Result<(), Failure> {
+        let retire = |mut c: Conn| -> Result<(), Failure> {
             let unanswered = |e: std::io::Error| Failure::Unanswered(TransferError::Io(e));
-            s.set_read_timeout(Some(RETIRE_TIMEOUT)).map_err(unanswered)?;
-            s.write_all(&head).map_err(unanswered)?;
-            let mut answer = [0u8; ANSWER_LEN];
-            s.read_exact(&mut answer).map_err(unanswered)?;
-            s.set_read_timeout(None).map_err(answered)?;
+            c.stream.set_read_timeout(Some(RETIRE_TIMEOUT)).map_err(unanswered)?;
+            let (msg, n) = sealed_head(&head, c.keys.as_mut().map(|k| &mut k.send));
+            c.stream.write_all(&msg[..n]).map_err(unanswered)?;
+            let answer = c.recv_answer().map_err(Failure::first)?;
+            c.stream.set_read_timeout(None).map_err(answered)?;
             let r = decode_answer(&answer).map(drop);
-            self.release(&replica.endpoint, s);
+            self.release(&replica.endpoint, c);
             r.map_err(Failure::Answered)
         };
-        let (s, pooled) = self.connection(&replica.endpoint)?;
-        match retire(s) {
+        let (c, pooled) = self.connection(&replica.endpoint)?;
+        match retire(c) {
             // The peer closed the pooled connection while it sat idle: once more, on a new one.
             Err(Failure::Unanswered(_)) if pooled => retire(self.connect(&replica.endpoint)?),
             other => other,
@@ -314,36 +338,36 @@ impl TransferEngine {
 
     /// A connection to `endpoint`: the most recently used idle one that has not been idle for
     /// [`POOL_IDLE`] (the flag: it was pooled), else a new one.
-    fn connection(&self, endpoint: &str) -> Result<(TcpStream, bool), TransferError> {
+    fn connection(&self, endpoint: &str) -> Result<(Conn, bool), TransferError> {
         {
             let mut idle = self.idle.lock();
             if let Some(list) = idle.get_mut(endpoint) {
                 // Oldest first: those past the pool's limit go.
                 list.retain(|(_, since)| since.elapsed() < POOL_IDLE);
-                if let Some((s, _)) = list.pop() {
-                    return Ok((s, true));
+                if let Some((c, _)) = list.pop() {
+                    return Ok((c, true));
                 }
             }
         }
         Ok((self.connect(endpoint)?, false))
     }
 
-    fn connect(&self, endpoint: &str) -> Result<TcpStream, TransferError> {
+    fn connect(&self, endpoint: &str) -> Result<Conn, TransferError> {
         let mut s = TcpStream::connect(endpoint)?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(GREETING_TIMEOUT))?;
         s.set_write_timeout(Some(GREETING_TIMEOUT))?;
-        handshake::connect(&mut s, Service::Transfer, &self.auth, None)?;
+        let keys = handshake::connect_stream(&mut s, Service::Transfer, &self.auth, self.identity.as_ref())?;
         s.set_read_timeout(None)?;
         s.set_write_timeout(None)?;
-        Ok(s)
+        Ok(Conn { stream: s, keys, scratch: Vec::new() })
     }
 
-    fn release(&self, endpoint: &str, s: TcpStream) {
+    fn release(&self, endpoint: &str, c: Conn) {
         let mut idle = self.idle.lock();
         let list = idle.entry(endpoint.to_string()).or_default();
         if list.len() < MAX_IDLE_PER_PEER {
-            list.push((s, std::time::Instant::now()));
+            list.push((c, std::time::Instant::now()));
         }
     }
 
@@ -352,62 +376,122 @@ impl TransferEngine {
     /// on a new connection (a read or write of the same range under the same grant does the same
     /// thing twice).
     fn tcp_one(&self, r: &ReplicaDesc, offset: u64, mut part: Part<'_>) -> Result<(), TransferError> {
-        let (s, pooled) = self.connection(&r.endpoint)?;
-        match self.exchange(s, r, offset, &mut part) {
+        let (c, pooled) = self.connection(&r.endpoint)?;
+        match self.exchange(c, r, offset, &mut part) {
             Err(Failure::Unanswered(e)) if pooled => {
                 tracing::debug!(peer = %r.endpoint, error = %e, "a pooled transfer connection was closed; reconnecting");
-                let s = self.connect(&r.endpoint)?;
-                self.exchange(s, r, offset, &mut part).map_err(Failure::into_inner)
+                let c = self.connect(&r.endpoint)?;
+                self.exchange(c, r, offset, &mut part).map_err(Failure::into_inner)
             }
             other => other.map_err(Failure::into_inner),
         }
     }
 
-    fn exchange(&self, mut s: TcpStream, r: &ReplicaDesc, offset: u64, part: &mut Part<'_>) -> Result<(), Failure> {
+    fn exchange(&self, mut c: Conn, r: &ReplicaDesc, offset: u64, part: &mut Part<'_>) -> Result<(), Failure> {
         let len = part.len() as u64;
         debug_assert!(len <= MAX_REQUEST_BYTES);
         let op = if matches!(part, Part::Read { .. }) { XferOp::Read } else { XferOp::Write };
-        let head = request(op, r, offset, len).encode();
-        let mut answer = [0u8; ANSWER_LEN];
+        let mut head = request(op, r, offset, len).encode();
+        let encrypt = self.encrypt && c.keys.is_some();
+        if encrypt {
+            head[7] |= FLAG_ENCRYPT;
+        }
         let unanswered = |e: std::io::Error| Unanswered(TransferError::Io(e));
+        let (msg, n) = sealed_head(&head, c.keys.as_mut().map(|k| &mut k.send));
         match part {
             Part::Read { dst, .. } => {
-                s.write_all(&head).map_err(unanswered)?;
-                s.read_exact(&mut answer).map_err(unanswered)?;
+                c.stream.write_all(&msg[..n]).map_err(unanswered)?;
+                let mut answer = [0u8; ANSWER_LEN];
+                c.stream.read_exact(&mut answer).map_err(unanswered)?;
+                let mut stream = &c.stream;
+                // On an authenticated connection the answer's bytes are the body of its message.
+                let mut sealer = c.keys.as_mut().map(|k| k.recv.begin(&answer, if answer_len(&answer) == len { len } else { 0 }));
                 let n = decode_answer(&answer);
-                match n {
-                    Ok(n) if n == len => {
-                        s.read_exact(dst).map_err(answered)?;
-                        s.read_exact(&mut answer).map_err(answered)?;
-                        if let Err(e) = decode_answer(&answer) {
+                match (n, sealer.as_mut()) {
+                    (Ok(n), _) if n != len => {
+                        return Err(Answered(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))))
+                    }
+                    (Ok(_), None) => {
+                        stream.read_exact(dst).map_err(answered)?;
+                        let trailer = recv_head::<ANSWER_LEN>(&mut stream, None).map_err(Answered)?;
+                        if let Err(e) = decode_answer(&trailer) {
                             // The bytes are not the object's; the connection stays in step.
-                            self.release(&r.endpoint, s);
+                            self.release(&r.endpoint, c);
                             return Err(Answered(e));
                         }
                     }
-                    Ok(n) => {
-                        return Err(Answered(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))))
+                    (Ok(_), Some(sealer)) => {
+                        recv_sealed(dst, sealer, |piece| stream.read_exact(piece)).map_err(answered)?;
+                        let mut tag = [0u8; STREAM_TAG_LEN];
+                        stream.read_exact(&mut tag).map_err(answered)?;
+                        let bytes_ok = sealer.check(&tag);
+                        let keys = c.keys.as_mut().map(|k| &mut k.recv);
+                        let trailer = recv_head::<ANSWER_LEN>(&mut stream, keys).map_err(Answered)?;
+                        if let Err(e) = decode_answer(&trailer) {
+                            // The range was reused while it was sent (the bytes hashed may then
+                            // differ from the bytes sent): thrown away, the connection in step.
+                            self.release(&r.endpoint, c);
+                            return Err(Answered(e));
+                        }
+                        if !bytes_ok {
+                            return Err(Answered(TransferError::BadTag("a read's bytes")));
+                        }
+                        if encrypt {
+                            decrypt_sealed(dst, sealer);
+                        }
                     }
-                    // A refusal leaves the connection in step: keep it.
-                    Err(e) => {
-                        self.release(&r.endpoint, s);
+                    (Err(e), sealer) => {
+                        let mut tag = [0u8; STREAM_TAG_LEN];
+                        if let Some(sealer) = sealer {
+                            stream.read_exact(&mut tag).map_err(answered)?;
+                            if !sealer.check(&tag) {
+                                return Err(Answered(TransferError::BadTag("an answer")));
+                            }
+                        }
+                        // A refusal leaves the connection in step: keep it.
+                        self.release(&r.endpoint, c);
                         return Err(Answered(e));
                     }
                 }
             }
             Part::Write { src, .. } => {
                 // The head goes with the bytes, so the node wakes once for both.
-                send_all_more(&s, &head).map_err(unanswered)?;
-                s.write_all(src).map_err(unanswered)?;
-                s.read_exact(&mut answer).map_err(unanswered)?;
+                send_all_more(&c.stream, &msg[..n]).map_err(unanswered)?;
+                match c.keys.as_mut() {
+                    None => (&c.stream).write_all(src).map_err(unanswered)?,
+                    Some(k) => {
+                        let mut sealer = k.send.begin(&[], len);
+                        let stream = &c.stream;
+                        send_sealed(src, &mut sealer, encrypt, &mut c.scratch, |piece| send_all_more(stream, piece))
+                            .map_err(unanswered)?;
+                        (&c.stream).write_all(&sealer.finish()).map_err(unanswered)?;
+                    }
+                }
+                let answer = c.recv_answer().map_err(Failure::first)?;
                 if let Err(e) = decode_answer(&answer) {
-                    self.release(&r.endpoint, s);
+                    self.release(&r.endpoint, c);
                     return Err(Answered(e));
                 }
             }
         }
-        self.release(&r.endpoint, s);
+        self.release(&r.endpoint, c);
         Ok(())
+    }
+}
+
+/// A transfer connection as a client holds it.
+struct Conn {
+    stream: TcpStream,
+    /// The keys sealing its messages (`None`: an insecure cluster).
+    keys: Option<StreamSession>,
+    /// Where an encrypted payload is sealed before it is sent.
+    scratch: Vec<u8>,
+}
+
+impl Conn {
+    /// Reads an answer (sealed on an authenticated connection).
+    fn recv_answer(&mut self) -> Result<[u8; ANSWER_LEN], TransferError> {
+        recv_head(&mut &self.stream, self.keys.as_mut().map(|k| &mut k.recv))
     }
 }
 
@@ -423,6 +507,14 @@ impl Failure {
     fn into_inner(self) -> TransferError {
         match self {
             Unanswered(e) | Answered(e) => e,
+        }
+    }
+
+    /// Failing to read the first answer: unanswered if nothing came at all.
+    fn first(e: TransferError) -> Failure {
+        match e {
+            TransferError::Io(_) => Unanswered(e),
+            e => Answered(e),
         }
     }
 }

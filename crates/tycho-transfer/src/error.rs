@@ -19,6 +19,10 @@ pub enum TransferError {
     /// The peer sent something that is not the transfer protocol.
     #[error("transfer protocol error: {0}")]
     Protocol(String),
+    /// A message's tag did not check: the connection was tampered with (or the peer holds other
+    /// keys); it is closed, and what the message carried is not used.
+    #[error("transfer message tag did not check ({0}): the connection was closed")]
+    BadTag(&'static str),
     /// The connection greeting failed (another version, a missing or wrong secret).
     #[error("transfer greeting: {0}")]
     Handshake(#[from] tycho_proto::auth::handshake::HandshakeError),
@@ -32,7 +36,7 @@ impl TransferError {
     /// The wire code a caller reports.
     pub fn code(&self) -> ErrorCode {
         match self {
-            TransferError::Io(_) | TransferError::Protocol(_) => ErrorCode::TRANSFER_FAIL,
+            TransferError::Io(_) | TransferError::Protocol(_) | TransferError::BadTag(_) => ErrorCode::TRANSFER_FAIL,
             TransferError::InvalidRange(_) => ErrorCode::INVALID_PARAMS,
             TransferError::SegmentNotFound => ErrorCode::SEGMENT_NOT_FOUND,
             TransferError::Remote(c) => *c,

@@ -6,6 +6,7 @@
 //! - [`TransferEngine`]: moves bytes between local memory and replicas, choosing per replica
 //!   between a local copy, mapped shared memory and TCP.
 
+mod conns;
 mod copy;
 mod engine;
 mod error;
@@ -23,5 +24,6 @@ pub use local::socket_path;
 pub use registry::SegmentRegistry;
 pub use segment::Mapping;
 pub use server::{
-    ServerLimits, TransferServer, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_GREETING, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    ServerLimits, TransferServer, DEFAULT_EVICT_AFTER, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_GREETING, HANDSHAKE_TIMEOUT,
+    MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT,
 };

@@ -3,8 +3,12 @@
 //! Every connection starts with the greeting of `tycho_proto::auth::handshake`; with a cluster
 //! secret, every request must carry the master's capability for the range it touches.
 //!
-//! One thread per connection with blocking I/O, at most [`MAX_CONNECTIONS`] of them: bulk transfers are few and long, and a
-//! thread that owns its socket moves bytes between socket and segment with no hand-offs.
+//! One thread per connection with blocking I/O: bulk transfers are few and long, and a thread
+//! that owns its socket moves bytes between socket and segment with no hand-offs. At most
+//! [`MAX_CONNECTIONS`] authenticated connections (at most [`MAX_CONNECTIONS_PER_CLIENT`] of
+//! one client), plus at most [`ServerLimits::max_greeting`] still in their greeting; when the
+//! node is full, the connection idle the longest gives way to a new one (`conns.rs`), so idle
+//! sockets never lock a peer out.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -16,16 +20,29 @@ use std::collections::HashMap;
 
 use tycho_proto::auth::capability::unix_ms;
 use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::stream::{StreamSession, STREAM_TAG_LEN};
 use tycho_proto::auth::Secret;
 use tycho_proto::ErrorCode;
 
+use crate::conns::Conns;
 use crate::guard::Guard;
 use crate::local::UnixServer;
-use crate::wire::{encode_answer, send_all_more, send_more, XferOp, XferRequest, REQUEST_LEN};
+use crate::wire::{
+    decrypt_sealed, encode_answer, recv_sealed, request_flags, send_all_more, send_more, send_sealed, sealed_head,
+    XferOp, XferRequest, FLAG_ENCRYPT, REQUEST_LEN,
+};
 
-/// Most connections served at once (one thread each); more are closed as they arrive. A
-/// client engine keeps at most 16 idle connections per peer.
+/// Most authenticated connections served at once (one thread each). A client engine keeps at
+/// most 16 idle connections per peer.
 pub const MAX_CONNECTIONS: usize = 256;
+
+/// Most connections one client (by the client id its greeting proved) holds on one node: its
+/// pool's 16 idle ones and its parallel transfers, with room to spare.
+pub const MAX_CONNECTIONS_PER_CLIENT: usize = 64;
+
+/// Default for how long a connection must have been idle before it gives way to a new one on
+/// a full node ([`ServerLimits::evict_after`]).
+pub const DEFAULT_EVICT_AFTER: Duration = Duration::from_secs(1);
 
 /// How long a new connection has to complete its whole greeting, however it sends it.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -49,6 +66,11 @@ pub struct ServerLimits {
     /// A connection that sends no byte of a next request for this long is closed (clients
     /// keep their idle connections for less and reconnect when one was closed).
     pub idle_timeout: Duration,
+    /// On a full node, a connection idle for this long gives way to a new one.
+    pub evict_after: Duration,
+    /// Refuse reads and writes whose payload is not encrypted (`ENCRYPTION_REQUIRED`) on an
+    /// authenticated connection.
+    pub encrypted_only: bool,
 }
 
 impl Default for ServerLimits {
@@ -57,6 +79,8 @@ impl Default for ServerLimits {
             greeting_timeout: HANDSHAKE_TIMEOUT,
             max_greeting: DEFAULT_MAX_GREETING,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            evict_after: DEFAULT_EVICT_AFTER,
+            encrypted_only: false,
         }
     }
 }
@@ -113,8 +137,8 @@ impl TransferServer {
         };
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
-        let active = Arc::new(AtomicUsize::new(0));
         let greeting = Arc::new(AtomicUsize::new(0));
+        let conns = Arc::new(Conns::new(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, limits.evict_after));
         let accept = std::thread::Builder::new().name("tycho-xfer-accept".into()).spawn(move || {
             let mut refused = 0u64;
             for conn in listener.incoming() {
@@ -125,19 +149,8 @@ impl TransferServer {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
                 };
-                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
-                    // Logged at the 1st, 2nd, 4th, 8th... refusal: a flood does not flood the log.
-                    refused += 1;
-                    if refused.is_power_of_two() {
-                        tracing::warn!(
-                            limit = MAX_CONNECTIONS,
-                            refused,
-                            "transfer connection limit reached; closing new ones"
-                        );
-                    }
-                    continue;
-                }
                 if greeting.load(Ordering::Acquire) >= limits.max_greeting {
+                    // Logged at the 1st, 2nd, 4th, 8th... refusal: a flood does not flood the log.
                     refused += 1;
                     if refused.is_power_of_two() {
                         tracing::warn!(
@@ -148,22 +161,18 @@ impl TransferServer {
                     }
                     continue;
                 }
-                active.fetch_add(1, Ordering::AcqRel);
                 greeting.fetch_add(1, Ordering::AcqRel);
                 let registry = registry.clone();
                 let stop = stop2.clone();
                 let guard = guard.clone();
-                let count = active.clone();
+                let conns = conns.clone();
                 let greeting = Counted(greeting.clone());
-                let spawned = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
-                    if let Err(e) = serve_connection(stream, &registry, &guard, &stop, &limits, greeting) {
+                let _ = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
+                    let served = Served { registry: &registry, guard: &guard, stop: &stop, limits: &limits, conns: &conns };
+                    if let Err(e) = serve_connection(stream, &served, greeting) {
                         tracing::debug!(error = %e, "transfer connection closed");
                     }
-                    count.fetch_sub(1, Ordering::AcqRel);
                 });
-                if spawned.is_err() {
-                    active.fetch_sub(1, Ordering::AcqRel);
-                }
             }
         })?;
         Ok(TransferServer { addr, stop, accept: Some(accept), _local: local })
@@ -186,14 +195,41 @@ impl Drop for TransferServer {
     }
 }
 
-/// Reads and discards `len` bytes, so a refused write leaves the stream in step.
-fn drain(stream: &mut TcpStream, mut len: u64) -> std::io::Result<()> {
+/// Reads and discards `len` bytes (and their tag, which must check), so a refused write leaves
+/// the stream in step.
+fn drain(stream: &mut TcpStream, mut len: u64, keys: Option<&mut StreamSession>) -> Result<(), TransferError> {
+    let mut sealer = keys.map(|k| k.recv.begin(&[], len));
     let mut sink = [0u8; 64 * 1024];
     while len > 0 {
         let n = len.min(sink.len() as u64) as usize;
         match stream.read(&mut sink[..n]) {
+            Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
+            Ok(got) => {
+                len -= got as u64;
+                if let Some(s) = sealer.as_mut() {
+                    s.absorb(&sink[..got]);
+                }
+            }
+            Err(e) if waited(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let Some(mut s) = sealer {
+        let mut tag = [0u8; STREAM_TAG_LEN];
+        read_fully(stream, &mut tag)?;
+        if !s.check(&tag) {
+            return Err(TransferError::BadTag("a refused write's bytes"));
+        }
+    }
+    Ok(())
+}
+
+/// `read_exact` through the connection's short receive timeouts.
+fn read_fully(stream: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match stream.read(buf) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(got) => len -= got as u64,
+            Ok(n) => buf = &mut buf[n..],
             Err(e) if waited(&e) => {}
             Err(e) => return Err(e),
         }
@@ -317,19 +353,15 @@ impl Cutoff {
     }
 }
 
-/// Reads the next request's header. `Ok(false)` when the peer closed the connection between
-/// requests, when the server stops, or when no byte of a request came for `idle` (the peer
-/// keeps an idle connection for less, and opens a new one when this one was closed). A peer
-/// that stops halfway through a header for `idle` is cut off.
-fn read_head(
-    stream: &mut TcpStream,
-    head: &mut [u8; REQUEST_LEN],
-    stop: &AtomicBool,
-    idle: Duration,
-) -> std::io::Result<bool> {
+/// Reads the next request's header (and its tag, on an authenticated connection) into `head`.
+/// `Ok(false)` when the peer closed the connection between requests, when the server stops, or
+/// when no byte of a request came for `idle` (the peer keeps an idle connection for less, and
+/// opens a new one when this one was closed). A peer that stops halfway through a header for
+/// `idle` is cut off.
+fn read_head(stream: &mut TcpStream, head: &mut [u8], stop: &AtomicBool, idle: Duration) -> std::io::Result<bool> {
     let mut got = 0;
     let mut moved = Instant::now();
-    while got < REQUEST_LEN {
+    while got < head.len() {
         match stream.read(&mut head[got..]) {
             Ok(0) if got == 0 => return Ok(false),
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
@@ -398,41 +430,93 @@ impl Write for ByDeadline<'_> {
     }
 }
 
-fn serve_connection(
-    mut stream: TcpStream,
-    registry: &SegmentRegistry,
-    guard: &Guard,
-    stop: &AtomicBool,
-    limits: &ServerLimits,
-    greeting: Counted,
-) -> Result<(), TransferError> {
+/// What every connection of one server shares.
+struct Served<'a> {
+    registry: &'a SegmentRegistry,
+    guard: &'a Guard,
+    stop: &'a AtomicBool,
+    limits: &'a ServerLimits,
+    conns: &'a Conns,
+}
+
+/// A connection's place in the table, given back when it ends.
+struct Admitted<'a> {
+    conns: &'a Conns,
+    id: u64,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.conns.leave(self.id);
+    }
+}
+
+fn serve_connection(stream: TcpStream, served: &Served<'_>, greeting: Counted) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
     // The whole greeting must complete by its deadline: a peer that connects and says nothing,
     // or says it slowly, does not keep this thread.
-    let end = Instant::now() + limits.greeting_timeout;
-    handshake::serve(&mut ByDeadline { stream: &stream, end }, Service::Transfer, guard.secret().cloned())?;
+    let end = Instant::now() + served.limits.greeting_timeout;
+    let secret = served.guard.secret().cloned();
+    let (peer, keys) = handshake::serve_stream(&mut ByDeadline { stream: &stream, end }, Service::Transfer, secret)?;
     drop(greeting);
+    let id = match served.conns.admit(&stream, peer.client.as_ref().map(|(id, _)| *id)) {
+        Ok(id) => id,
+        Err(why) => {
+            tracing::debug!(?why, "transfer connection refused after its greeting");
+            return Ok(());
+        }
+    };
+    let admitted = Admitted { conns: served.conns, id };
+    serve_requests(stream, served, keys, &admitted)
+}
+
+fn serve_requests(
+    mut stream: TcpStream,
+    served: &Served<'_>,
+    mut keys: Option<StreamSession>,
+    admitted: &Admitted<'_>,
+) -> Result<(), TransferError> {
+    let Served { registry, guard, stop, limits, conns } = *served;
     // Between requests the connection waits in short timeouts, so that it sees the server stop
     // and notices when it has been idle too long.
     stream.set_read_timeout(Some(IDLE_POLL))?;
     stream.set_write_timeout(None)?;
-    let mut keys = HashMap::new();
-    let mut head = [0u8; REQUEST_LEN];
+    let mut seg_keys = HashMap::new();
+    let mut buf = [0u8; REQUEST_LEN + STREAM_TAG_LEN];
+    let sealed = if keys.is_some() { STREAM_TAG_LEN } else { 0 };
+    let mut scratch = Vec::new();
     let mut cutoff = Cutoff { send: None, recv: Some(IDLE_POLL), idle: limits.idle_timeout };
     loop {
         cutoff.relax(&stream)?;
-        if !read_head(&mut stream, &mut head, stop, limits.idle_timeout)? {
+        if !conns.set_idle(admitted.id, true) {
             return Ok(());
         }
-        if stop.load(Ordering::Relaxed) {
+        if !read_head(&mut stream, &mut buf[..REQUEST_LEN + sealed], stop, limits.idle_timeout)? {
             return Ok(());
+        }
+        // Closed to make room while it waited: its client sends the request again elsewhere.
+        if stop.load(Ordering::Relaxed) || !conns.set_idle(admitted.id, false) {
+            return Ok(());
+        }
+        let head: [u8; REQUEST_LEN] = buf[..REQUEST_LEN].try_into().expect("a request header");
+        if let Some(k) = keys.as_mut() {
+            // Injected, replayed, reordered or altered: nothing after it can be trusted.
+            if !k.recv.open_head(&head, &buf[REQUEST_LEN..REQUEST_LEN + STREAM_TAG_LEN]) {
+                return Err(TransferError::BadTag("a request header"));
+            }
         }
         // Not this protocol: nothing after it can be trusted, so the connection closes.
         let req = XferRequest::decode(&head)?;
+        let encrypt = request_flags(&head) & FLAG_ENCRYPT != 0;
         let seg = registry.get(req.segment);
-        let checked = guard.authorize(&req, &mut keys).and_then(|()| match &seg {
+        let checked = guard.authorize(&req, &mut seg_keys).and_then(|()| match &seg {
             None => Err(ErrorCode::SEGMENT_NOT_FOUND),
             Some(_) if req.len == 0 => Err(ErrorCode::INVALID_PARAMS),
+            // Encryption needs the connection's keys; a node that insists on it refuses the rest.
+            Some(_) if encrypt && keys.is_none() => Err(ErrorCode::INVALID_PARAMS),
+            Some(_) if limits.encrypted_only && !encrypt && keys.is_some() && req.op != XferOp::Retire => {
+                Err(ErrorCode::ENCRYPTION_REQUIRED)
+            }
             Some(m) => match req.offset.checked_add(req.len) {
                 Some(end) if end <= m.len() as u64 => Ok(m),
                 _ => Err(ErrorCode::INVALID_PARAMS),
@@ -442,9 +526,9 @@ fn serve_connection(
             Ok(m) => m,
             Err(code) => {
                 if req.op == XferOp::Write {
-                    drain(&mut stream, req.len)?;
+                    drain(&mut stream, req.len, keys.as_mut())?;
                 }
-                stream.write_all(&encode_answer(Err(code)))?;
+                answer(&mut stream, keys.as_mut(), Err(code))?;
                 continue;
             }
         };
@@ -457,38 +541,70 @@ fn serve_connection(
                 // nothing: a grant, bound to the generation it was minted for, reaches only
                 // its own object's bytes.
                 if let Err(e) = m.verify(req.offset, len, req.incarnation, req.gen) {
-                    stream.write_all(&encode_answer(Err(e.code())))?;
+                    answer(&mut stream, keys.as_mut(), Err(e.code()))?;
                     continue;
                 }
                 registry.pace_read(req.len);
                 // SAFETY: the range was checked above. A writer may reuse it while the bytes
                 // are sent; the trailer below then tells the reader to throw them away.
                 let bytes = unsafe { m.slice(req.offset, len)? };
-                // Head and bytes go with MSG_MORE, the trailer ends the answer.
-                send_all_more(&stream, &encode_answer(Ok(req.len)))?;
-                cutoff.send(&mut stream, bytes, deadline)?;
+                let head = encode_answer(Ok(req.len));
+                // Head and bytes (and tag) go with MSG_MORE, the trailer ends the answer.
+                send_all_more(&stream, &head)?;
+                match keys.as_mut() {
+                    None => cutoff.send(&mut stream, bytes, deadline)?,
+                    Some(k) => {
+                        let mut sealer = k.send.begin(&head, req.len);
+                        send_sealed(bytes, &mut sealer, encrypt, &mut scratch, |piece| {
+                            cutoff.send(&mut stream, piece, deadline)
+                        })?;
+                        cutoff.send(&mut stream, &sealer.finish(), deadline)?;
+                    }
+                }
                 let verdict = m.verify(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
                 if verdict.is_ok() {
                     registry.note_served();
                 }
-                stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
+                answer(&mut stream, keys.as_mut(), verdict.map_err(|e| e.code()))?;
             }
             XferOp::Retire => {
                 let verdict = m.retire(req.offset, len, req.incarnation, req.gen).map(|()| req.len);
-                stream.write_all(&encode_answer(verdict.map_err(|e| e.code())))?;
+                answer(&mut stream, keys.as_mut(), verdict.map_err(|e| e.code()))?;
             }
             XferOp::Write => {
                 if let Err(e) = m.stamp(req.offset, len, req.incarnation, req.gen) {
                     // The range belongs to an earlier incarnation: refuse, stay in step.
-                    drain(&mut stream, req.len)?;
-                    stream.write_all(&encode_answer(Err(e.code())))?;
+                    drain(&mut stream, req.len, keys.as_mut())?;
+                    answer(&mut stream, keys.as_mut(), Err(e.code()))?;
                     continue;
                 }
                 // SAFETY: checked range; the master gives it to exactly one writer at a time.
                 let dst = unsafe { m.slice_mut(req.offset, len)? };
-                cutoff.recv(&mut stream, dst, deadline)?;
-                stream.write_all(&encode_answer(Ok(req.len)))?;
+                match keys.as_mut() {
+                    None => cutoff.recv(&mut stream, dst, deadline)?,
+                    Some(k) => {
+                        let mut sealer = k.recv.begin(&[], req.len);
+                        recv_sealed(dst, &mut sealer, |piece| cutoff.recv(&mut stream, piece, deadline))?;
+                        let mut tag = [0u8; STREAM_TAG_LEN];
+                        cutoff.recv(&mut stream, &mut tag, deadline)?;
+                        // Altered bytes stay unanswered: the writer's put fails, and the master
+                        // never commits (or serves) what this range now holds.
+                        if !sealer.check(&tag) {
+                            return Err(TransferError::BadTag("a write's bytes"));
+                        }
+                        if encrypt {
+                            decrypt_sealed(dst, &mut sealer);
+                        }
+                    }
+                }
+                answer(&mut stream, keys.as_mut(), Ok(req.len))?;
             }
         }
     }
+}
+
+/// Sends an answer (or a read's trailer), sealed on an authenticated connection.
+fn answer(stream: &mut TcpStream, keys: Option<&mut StreamSession>, status: Result<u64, ErrorCode>) -> std::io::Result<()> {
+    let (msg, n) = sealed_head(&encode_answer(status), keys.map(|k| &mut k.send));
+    stream.write_all(&msg[..n])
 }

@@ -4,7 +4,7 @@
 //! go from memory to socket and from socket to memory without extra copies.
 //!
 //! ```text
-//! request:  magic "TYXF" (u32) | op (u8) | version (u8) | rights (u8) | 0 | segment (u128)
+//! request:  magic "TYXF" (u32) | op (u8) | version (u8) | rights (u8) | flags (u8) | segment (u128)
 //!           | offset (u64) | len (u64) | incarnation (u32) | generation (u32)
 //!           | grant offset (u64) | grant len (u64) | expiry ms (u64) | epoch (u64)
 //!           | tenant tag (u64) | group (u16) | 0 x6 | capability MAC (16)
@@ -14,12 +14,27 @@
 //!           sent are not the object's and must be thrown away)
 //! ```
 //!
+//! On an authenticated connection (a cluster secret) every message is sealed
+//! (`tycho_proto::auth::stream`) and followed by its 16-byte tag: a request header; a write's
+//! bytes; an answer, with a read's bytes as its body; a trailer. A message whose tag does not
+//! check closes the connection, and nothing it asked for is done or kept: a read's bytes count
+//! only once both the read's tag and its trailer's checked, a write's only once its tag checked
+//! (and the master commits an object only after every write of it was answered). Flag bit 0
+//! ([`FLAG_ENCRYPT`]) asks for the payload in both directions encrypted.
+//!
+//! ```text
+//! read:    head | tag      ->   answer | bytes | tag | trailer | tag
+//! write:   head | tag | bytes | tag  ->  answer | tag
+//! retire:  head | tag      ->   answer | tag
+//! ```
+//!
 //! `offset` and `len` name the bytes this request moves; the grant fields and the MAC are the
 //! master's capability for the whole replica range, which must contain them. The server stamps
 //! a write's generation on the range before it receives the first byte (see
 //! [`Mapping`](crate::segment::Mapping)).
 
 use tycho_proto::auth::capability::Capability;
+use tycho_proto::auth::stream::{Sealer, StreamMac, STREAM_TAG_LEN};
 use tycho_proto::{ErrorCode, SegmentId};
 
 use crate::error::TransferError;
@@ -27,7 +42,12 @@ use crate::error::TransferError;
 /// First bytes of every transfer request.
 pub const XFER_MAGIC: u32 = u32::from_le_bytes(*b"TYXF");
 /// Version of the request layout; a request of another version is refused.
-pub const XFER_VERSION: u8 = 3;
+pub const XFER_VERSION: u8 = 4;
+/// Request flag: the payload travels encrypted, both ways (only on an authenticated connection).
+pub const FLAG_ENCRYPT: u8 = 1;
+/// Bytes of a sealed payload hashed (and encrypted) between two socket calls: small enough to
+/// stay in cache from the hash to the copy.
+pub const SEAL_PIECE: usize = 128 * 1024;
 /// Request header size.
 pub const REQUEST_LEN: usize = 112;
 /// Answer header size.
@@ -113,6 +133,9 @@ impl XferRequest {
                 b[5]
             )));
         }
+        if b[7] & !FLAG_ENCRYPT != 0 {
+            return Err(TransferError::Protocol(format!("unknown request flags {:#04x}", b[7])));
+        }
         let op = match b[4] {
             1 => XferOp::Read,
             2 => XferOp::Write,
@@ -152,6 +175,86 @@ impl XferRequest {
     }
 }
 
+/// The flags of an encoded request header ([`FLAG_ENCRYPT`]).
+pub fn request_flags(b: &[u8; REQUEST_LEN]) -> u8 {
+    b[7]
+}
+
+/// Sends `bytes` with `send`, piece by piece, as the body of the message `sealer` seals: as
+/// they are, or (`encrypt`) encrypted through `scratch`.
+pub fn send_sealed(
+    bytes: &[u8],
+    sealer: &mut Sealer,
+    encrypt: bool,
+    scratch: &mut Vec<u8>,
+    mut send: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    for piece in bytes.chunks(SEAL_PIECE) {
+        if encrypt {
+            scratch.clear();
+            scratch.extend_from_slice(piece);
+            sealer.encrypt(scratch);
+            send(scratch)?;
+        } else {
+            sealer.absorb(piece);
+            send(piece)?;
+        }
+    }
+    Ok(())
+}
+
+/// Fills `dst` with `recv`, piece by piece, as the body of the message `sealer` checks; the
+/// caller checks the tag, then decrypts ([`decrypt_sealed`]) if the body was encrypted.
+pub fn recv_sealed(
+    dst: &mut [u8],
+    sealer: &mut Sealer,
+    mut recv: impl FnMut(&mut [u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    for piece in dst.chunks_mut(SEAL_PIECE) {
+        recv(piece)?;
+        sealer.absorb(piece);
+    }
+    Ok(())
+}
+
+/// Decrypts a body received with [`recv_sealed`] whose tag checked.
+pub fn decrypt_sealed(dst: &mut [u8], sealer: &mut Sealer) {
+    for piece in dst.chunks_mut(SEAL_PIECE) {
+        sealer.decrypt(piece);
+    }
+}
+
+/// `head` followed by its tag under `mac` (none on an unauthenticated connection), ready to send.
+pub fn sealed_head<const N: usize>(head: &[u8; N], mac: Option<&mut StreamMac>) -> ([u8; 128], usize) {
+    let mut out = [0u8; 128];
+    out[..N].copy_from_slice(head);
+    match mac {
+        Some(mac) => {
+            out[N..N + STREAM_TAG_LEN].copy_from_slice(&mac.seal_head(head));
+            (out, N + STREAM_TAG_LEN)
+        }
+        None => (out, N),
+    }
+}
+
+/// Reads a header of `N` bytes, and its tag under `mac` if there is one; a tag that does not
+/// check is an error (the connection must close).
+pub fn recv_head<const N: usize>(
+    stream: &mut impl std::io::Read,
+    mac: Option<&mut StreamMac>,
+) -> Result<[u8; N], TransferError> {
+    let mut head = [0u8; N];
+    stream.read_exact(&mut head)?;
+    if let Some(mac) = mac {
+        let mut tag = [0u8; STREAM_TAG_LEN];
+        stream.read_exact(&mut tag)?;
+        if !mac.open_head(&head, &tag) {
+            return Err(TransferError::BadTag("a header"));
+        }
+    }
+    Ok(head)
+}
+
 /// Serializes an answer header.
 pub fn encode_answer(status: Result<u64, ErrorCode>) -> [u8; ANSWER_LEN] {
     let mut b = [0u8; ANSWER_LEN];
@@ -162,6 +265,15 @@ pub fn encode_answer(status: Result<u64, ErrorCode>) -> [u8; ANSWER_LEN] {
     b[0..4].copy_from_slice(&code.to_le_bytes());
     b[8..16].copy_from_slice(&len.to_le_bytes());
     b
+}
+
+/// The byte count an answer header announces, whatever its status (0 for a refusal).
+pub fn answer_len(b: &[u8; ANSWER_LEN]) -> u64 {
+    if i32::from_le_bytes(b[0..4].try_into().expect("4 bytes")) == 0 {
+        u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"))
+    } else {
+        0
+    }
 }
 
 /// Parses an answer header into the byte count that follows, or the peer's error.

@@ -10,7 +10,8 @@ use tycho_proto::auth::capability::{
 use tycho_proto::auth::handshake::{self, Service};
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
-use tycho_transfer::wire::{decode_answer, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN};
+use tycho_proto::auth::stream::StreamSession;
+use tycho_transfer::wire::{answer_len, decode_answer, recv_head, sealed_head, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN};
 use tycho_transfer::*;
 
 fn secret() -> Arc<Secret> {
@@ -49,12 +50,55 @@ fn grant_gen(
     SegmentKey::new(&secret(), SegmentId(seg), inc).mint(offset, len, gen, base)
 }
 
-/// A raw connection that has passed the greeting with the cluster secret.
-fn raw(p: &Peer) -> TcpStream {
+/// A raw connection that has passed the greeting with the cluster secret, with its keys.
+struct Raw {
+    s: TcpStream,
+    keys: StreamSession,
+    /// The bytes of the last read answered with its trailer.
+    body: Vec<u8>,
+}
+
+fn raw(p: &Peer) -> Raw {
     let mut s = TcpStream::connect(p.server.local_addr()).unwrap();
     let auth = ResolvedAuth { secret: Some(secret()), origin: "test".into() };
-    assert!(handshake::connect(&mut s, Service::Transfer, &auth, None).unwrap());
-    s
+    let keys = handshake::connect_stream(&mut s, Service::Transfer, &auth, None).unwrap().expect("authenticated");
+    Raw { s, keys, body: Vec::new() }
+}
+
+impl Raw {
+    /// Sends a request, sealed, and for a write its payload.
+    fn send(&mut self, req: &XferRequest, payload: &[u8]) {
+        let (msg, n) = sealed_head(&req.encode(), Some(&mut self.keys.send));
+        self.s.write_all(&msg[..n]).unwrap();
+        if req.op == XferOp::Write {
+            let mut sealer = self.keys.send.begin(&[], payload.len() as u64);
+            sealer.absorb(payload);
+            self.s.write_all(payload).unwrap();
+            self.s.write_all(&sealer.finish()).unwrap();
+        }
+    }
+
+    /// A request and its answer, every tag checked; a read's bytes land in `body` (and its
+    /// trailer's verdict is the result).
+    fn ask(&mut self, req: &XferRequest, payload: &[u8]) -> Result<u64, TransferError> {
+        self.send(req, payload);
+        let mut answer = [0u8; ANSWER_LEN];
+        self.s.read_exact(&mut answer).unwrap();
+        let body = if req.op == XferOp::Read { answer_len(&answer) } else { 0 };
+        let mut sealer = self.keys.recv.begin(&answer, body);
+        self.body = vec![0u8; body as usize];
+        self.s.read_exact(&mut self.body).unwrap();
+        sealer.absorb(&self.body);
+        let mut tag = [0u8; 16];
+        self.s.read_exact(&mut tag).unwrap();
+        assert!(sealer.check(&tag), "the answer's tag");
+        let n = decode_answer(&answer)?;
+        if req.op == XferOp::Read {
+            let trailer = recv_head::<ANSWER_LEN>(&mut self.s, Some(&mut self.keys.recv)).unwrap();
+            return decode_answer(&trailer);
+        }
+        Ok(n)
+    }
 }
 
 struct Peer {
@@ -120,7 +164,6 @@ fn tcp_and_shared_memory_move_the_same_bytes() {
 fn bad_requests_are_refused_and_the_connection_survives() {
     let p = peer(1 << 20);
     let mut s = raw(&p);
-    let mut answer = [0u8; ANSWER_LEN];
     let mut ask = |op, segment, offset, len, payload: &[u8]| {
         let cap = grant_on(segment, 0, offset, len, RIGHT_READ | RIGHT_WRITE, unix_ms() + 60_000, 1);
         let req = XferRequest {
@@ -134,10 +177,7 @@ fn bad_requests_are_refused_and_the_connection_survives() {
             grant_len: len,
             cap,
         };
-        s.write_all(&req.encode()).unwrap();
-        s.write_all(payload).unwrap();
-        s.read_exact(&mut answer).unwrap();
-        decode_answer(&answer)
+        s.ask(&req, payload)
     };
     // Out of range, unknown segment, zero length: each refused with a code.
     assert!(matches!(
@@ -152,14 +192,8 @@ fn bad_requests_are_refused_and_the_connection_survives() {
     assert_eq!(head, [0; 4]);
     // The same connection still works.
     assert_eq!(ask(XferOp::Write, 1, 0, 4, b"wxyz").unwrap(), 4);
-    let n = ask(XferOp::Read, 1, 0, 4, b"").unwrap();
-    assert_eq!(n, 4);
-    let mut got = [0u8; 4];
-    s.read_exact(&mut got).unwrap();
-    assert_eq!(&got, b"wxyz");
-    let mut trailer = [0u8; ANSWER_LEN];
-    s.read_exact(&mut trailer).unwrap();
-    assert_eq!(decode_answer(&trailer).unwrap(), 4);
+    assert_eq!(ask(XferOp::Read, 1, 0, 4, b"").unwrap(), 4);
+    assert_eq!(&s.body, b"wxyz");
 }
 
 /// A range freed and handed to a new write while a reader still holds the old descriptor:
@@ -230,10 +264,9 @@ fn a_kept_grant_reads_nothing_of_the_next_object() {
             grant_len: 4096,
             cap,
         };
-        s.write_all(&req.encode()).unwrap();
-        let mut answer = [0u8; ANSWER_LEN];
-        s.read_exact(&mut answer).unwrap();
-        decode_answer(&answer)
+        let r = s.ask(&req, b"");
+        assert!(r.is_ok() || s.body.is_empty(), "bytes sent with a refusal");
+        r
     };
     // The kept grant: refused before any byte (the next thing on the connection is the next
     // answer, not data).
@@ -242,12 +275,7 @@ fn a_kept_grant_reads_nothing_of_the_next_object() {
     assert!(matches!(ask(2, old.cap), Err(TransferError::Remote(ErrorCode::CAPABILITY_INVALID))));
     // The new object's own grant reads its bytes, on the same connection.
     assert_eq!(ask(2, new.cap).unwrap(), 4096);
-    let mut got = vec![0u8; 4096];
-    s.read_exact(&mut got).unwrap();
-    assert_eq!(got, pattern(4096, 2));
-    let mut trailer = [0u8; ANSWER_LEN];
-    s.read_exact(&mut trailer).unwrap();
-    assert_eq!(decode_answer(&trailer).unwrap(), 4096);
+    assert_eq!(s.body, pattern(4096, 2));
 }
 
 #[test]
@@ -302,7 +330,8 @@ fn a_transfer_is_cut_off_at_its_capability_deadline() {
         grant_len: LEN as u64,
         cap,
     };
-    s.write_all(&req.encode()).unwrap();
+    s.send(&req, b"");
+    let mut s = s.s;
     let mut answer = [0u8; ANSWER_LEN];
     s.read_exact(&mut answer).unwrap();
     assert_eq!(decode_answer(&answer).unwrap(), LEN as u64, "accepted before its deadline");
@@ -345,8 +374,8 @@ fn garbage_closes_only_its_connection() {
     let engine = engine("there", true);
     let r = replica(&p, 0, 10, "here");
     engine.write(&r, 0, b"0123456789").unwrap();
-    let mut bad = raw(&p);
-    bad.write_all(&[0xee; REQUEST_LEN]).unwrap();
+    let mut bad = raw(&p).s;
+    bad.write_all(&[0xee; REQUEST_LEN + 16]).unwrap();
     let mut buf = Vec::new();
     assert_eq!(bad.read_to_end(&mut buf).unwrap(), 0, "server closes the garbage connection");
     let mut out = [0u8; 10];
@@ -645,7 +674,7 @@ fn trickled_greetings_are_cut_at_the_deadline_and_capped_while_clients_are_serve
 fn idle_connections_are_closed_and_clients_reconnect_transparently() {
     let limits = ServerLimits { idle_timeout: std::time::Duration::from_secs(1), ..ServerLimits::default() };
     let p = peer_with(1 << 20, limits);
-    let mut idle = raw(&p);
+    let mut idle = raw(&p).s;
     let took = closed_within(&mut idle, std::time::Duration::from_secs(10)).expect("an idle connection was kept");
     assert!(took >= std::time::Duration::from_millis(900), "closed after {took:?}, before the idle timeout");
     let client = engine("there", true);
@@ -653,7 +682,7 @@ fn idle_connections_are_closed_and_clients_reconnect_transparently() {
     let data = pattern(4096, 5);
     client.write(&r, 0, &data).unwrap();
     // The connection the write left in the pool is closed while it waits there.
-    let mut probe = raw(&p);
+    let mut probe = raw(&p).s;
     assert!(closed_within(&mut probe, std::time::Duration::from_secs(10)).is_some());
     let mut back = vec![0u8; data.len()];
     client.read(&r, 0, &mut back).unwrap();

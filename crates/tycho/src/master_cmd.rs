@@ -109,7 +109,7 @@ pub struct MasterArgs {
     #[arg(long = "allocation-strategy", alias = "allocation_strategy", default_value = "random", value_parser = parse_strategy)]
     pub allocation_strategy: AllocStrategy,
     /// Largest request frame accepted, in bytes.
-    #[arg(long = "max-frame-bytes", default_value_t = tycho_proto::frame::DEFAULT_MAX_FRAME)]
+    #[arg(long = "max-frame-bytes", default_value_t = tycho_proto::frame::DEFAULT_MAX_REQUEST_FRAME)]
     pub max_frame_bytes: u32,
     /// Worker threads of the RPC runtime (0: one per core).
     #[arg(long = "rpc-thread-num", alias = "rpc_thread_num", default_value_t = 0)]

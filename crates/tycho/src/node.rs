@@ -29,6 +29,11 @@ pub struct NodeArgs {
     /// it (clients keep idle connections for 20 s and reconnect transparently).
     #[arg(long = "transfer-idle-timeout", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub transfer_idle_timeout: u64,
+    /// Encrypt value bytes on TCP transfers this node makes, and refuse peers' transfers to and
+    /// from its segment that are not encrypted (ENCRYPTION_REQUIRED); clients turn it on with
+    /// TYCHO_ENCRYPT=1, which this flag's default follows. Needs the cluster secret.
+    #[arg(long)]
+    pub encrypt: bool,
     /// Where Python processes of this user on this host attach to the node with
     /// `setup_dummy(..., server_address="127.0.0.1:PORT")` (Mooncake's real-client port): a
     /// Unix socket named after the port in the runtime directory, not a TCP port. 0: none.
@@ -64,6 +69,10 @@ impl NodeArgs {
         cfg.staging_buffer_size = 0;
         cfg.serve_rate = self.max_serve_rate;
         cfg.transfer_idle_timeout = std::time::Duration::from_secs(self.transfer_idle_timeout);
+        cfg.encrypt |= self.encrypt;
+        if cfg.encrypt && self.security.insecure {
+            return Err("--encrypt needs the cluster secret: the keys come from the connection greeting".into());
+        }
         Ok(cfg)
     }
 }

@@ -20,6 +20,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use super::session::Session;
+use super::stream::StreamSession;
 use super::{mac32, random_bytes, same_mac, ResolvedAuth, Secret, SECRET_FILE_ENV};
 use crate::frame::{FrameError, FrameHeader, FrameKind, FRAME_VERSION, HEADER_LEN};
 use crate::ErrorCode;
@@ -285,6 +286,14 @@ impl ServerSide {
         Some(Session::derive(secret, self.service as u8, cn, &self.nonce, false))
     }
 
+    /// The transfer keys of the connection whose client greeted with `client_hello` (`None`:
+    /// this server asks for no secret, and messages go untagged).
+    pub fn stream_session(&self, client_hello: &[u8]) -> Option<StreamSession> {
+        let secret = self.secret.as_ref()?;
+        let cn = client_hello.get(8..24)?;
+        Some(StreamSession::derive(secret, self.service as u8, cn, &self.nonce, false))
+    }
+
     fn check(&self, payload: &[u8]) -> Result<Peer, HandshakeError> {
         let bad = || HandshakeError::NotTycho(format!("client greeting of {} bytes", payload.len()));
         let p: &[u8; CLIENT_HELLO_LEN] =
@@ -423,6 +432,12 @@ impl ClientSide {
         let secret = self.secret.as_ref()?;
         Some(Session::derive(secret, self.service as u8, &self.nonce, &self.server_nonce, true))
     }
+
+    /// The transfer keys of the connection (`None` without a secret: messages go untagged).
+    pub fn stream_session(&self) -> Option<StreamSession> {
+        let secret = self.secret.as_ref()?;
+        Some(StreamSession::derive(secret, self.service as u8, &self.nonce, &self.server_nonce, true))
+    }
 }
 
 /// Runs the server side of a greeting on a blocking stream.
@@ -441,13 +456,32 @@ pub fn serve_session<S: Read + Write>(
     service: Service,
     secret: Option<Arc<Secret>>,
 ) -> Result<(Peer, Option<Session>), HandshakeError> {
+    serve_keyed(s, service, secret, ServerSide::session)
+}
+
+/// [`serve`], with the keys that seal a transfer connection's messages after the greeting
+/// (`None` without a secret).
+pub fn serve_stream<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    secret: Option<Arc<Secret>>,
+) -> Result<(Peer, Option<StreamSession>), HandshakeError> {
+    serve_keyed(s, service, secret, ServerSide::stream_session)
+}
+
+fn serve_keyed<S: Read + Write, K>(
+    s: &mut S,
+    service: Service,
+    secret: Option<Arc<Secret>>,
+    keys: impl FnOnce(&ServerSide, &[u8]) -> Option<K>,
+) -> Result<(Peer, Option<K>), HandshakeError> {
     let (side, hello) = ServerSide::start(service, secret)?;
     s.write_all(&hello)?;
     let payload = read_hello(s)?;
     let (answer, verdict) = side.finish(&payload);
     s.write_all(&answer)?;
     let peer = verdict?;
-    Ok((peer, side.session(&payload)))
+    Ok((peer, keys(&side, &payload)))
 }
 
 /// Runs the client side of a greeting on a blocking stream; true when the connection is
@@ -469,6 +503,27 @@ pub fn connect_session<S: Read + Write>(
     auth: &ResolvedAuth,
     identity: Option<&Identity>,
 ) -> Result<Option<Session>, HandshakeError> {
+    connect_keyed(s, service, auth, identity, ClientSide::session)
+}
+
+/// [`connect`], with the keys that seal a transfer connection's messages after the greeting
+/// (`None` when it is not authenticated).
+pub fn connect_stream<S: Read + Write>(
+    s: &mut S,
+    service: Service,
+    auth: &ResolvedAuth,
+    identity: Option<&Identity>,
+) -> Result<Option<StreamSession>, HandshakeError> {
+    connect_keyed(s, service, auth, identity, ClientSide::stream_session)
+}
+
+fn connect_keyed<S: Read + Write, K>(
+    s: &mut S,
+    service: Service,
+    auth: &ResolvedAuth,
+    identity: Option<&Identity>,
+    keys: impl FnOnce(&ClientSide) -> Option<K>,
+) -> Result<Option<K>, HandshakeError> {
     let hello = match read_hello(s) {
         Err(HandshakeError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
             return Err(HandshakeError::ClosedEarly);
@@ -478,7 +533,7 @@ pub fn connect_session<S: Read + Write>(
     let (side, reply) = ClientSide::answer(service, &hello, auth, identity)?;
     s.write_all(&reply)?;
     let authenticated = side.finish(&read_hello(s)?)?;
-    Ok(if authenticated { side.session() } else { None })
+    Ok(if authenticated { keys(&side) } else { None })
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod capability;
 pub mod files;
 pub mod handshake;
 pub mod session;
+pub mod stream;
 
 use std::fmt;
 use std::sync::Arc;
