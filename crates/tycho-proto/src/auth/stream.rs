@@ -329,23 +329,3 @@ mod tests {
         }
     }
 }
-
-#[cfg(test)]
-mod speed_tmp {
-    #[test]
-    #[ignore]
-    fn speed() {
-        let mut mac = super::StreamMac::new([3; 32], [4; 32]);
-        for size in [0usize, 64, 4096, 16384, 65536, 1 << 20] {
-            let mut buf = vec![5u8; size];
-            let n = ((256 << 20) / size.max(64)).min(1_000_000);
-            let t = std::time::Instant::now();
-            for _ in 0..n { let mut s = mac.begin(&[1; 16], size as u64); s.absorb(&buf); std::hint::black_box(s.finish()); }
-            let d = t.elapsed();
-            let t2 = std::time::Instant::now();
-            for _ in 0..n { let mut s = mac.begin(&[1; 16], size as u64); s.encrypt(&mut buf); std::hint::black_box(s.finish()); }
-            let d2 = t2.elapsed();
-            println!("{size}: mac {:.0} ns/op {:.2} GB/s; enc {:.0} ns/op {:.2} GB/s", d.as_nanos() as f64 / n as f64, (n*size) as f64 / d.as_secs_f64() / 1e9, d2.as_nanos() as f64 / n as f64, (n*size) as f64 / d2.as_secs_f64() / 1e9);
-        }
-    }
-}
