@@ -5,7 +5,7 @@
 //! Large TCP transfers are split into slices moved over several connections at once.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -21,8 +21,8 @@ use crate::error::TransferError;
 use crate::registry::SegmentRegistry;
 use crate::segment::Mapping;
 use crate::wire::{
-    answer_len, decode_answer, decrypt_sealed, recv_head, recv_sealed, send_all_more, send_sealed, sealed_head, XferOp,
-    XferRequest, ANSWER_LEN, FLAG_ENCRYPT, MAX_REQUEST_BYTES,
+    decode_answer, decrypt_sealed, push_body, push_head, recv_head, recv_sealed, send_all_more, send_sealed,
+    sealed_head, XferOp, XferRequest, ANSWER_LEN, FLAG_ENCRYPT, MAX_REQUEST_BYTES, SMALL_PAYLOAD,
 };
 
 /// TCP transfers above this size are split into slices of this size.
@@ -221,11 +221,11 @@ impl TransferEngine {
         // retires: give up after a while; the connection is then dropped.
         let retire = |mut c: Conn| -> Result<(), Failure> {
             let unanswered = |e: std::io::Error| Failure::Unanswered(TransferError::Io(e));
-            c.stream.set_read_timeout(Some(RETIRE_TIMEOUT)).map_err(unanswered)?;
+            c.stream().set_read_timeout(Some(RETIRE_TIMEOUT)).map_err(unanswered)?;
             let (msg, n) = sealed_head(&head, c.keys.as_mut().map(|k| &mut k.send));
-            c.stream.write_all(&msg[..n]).map_err(unanswered)?;
+            c.stream().write_all(&msg[..n]).map_err(unanswered)?;
             let answer = c.recv_answer().map_err(Failure::first)?;
-            c.stream.set_read_timeout(None).map_err(answered)?;
+            c.stream().set_read_timeout(None).map_err(answered)?;
             let r = decode_answer(&answer).map(drop);
             self.release(&replica.endpoint, c);
             r.map_err(Failure::Answered)
@@ -360,7 +360,7 @@ impl TransferEngine {
         let keys = handshake::connect_stream(&mut s, Service::Transfer, &self.auth, self.identity.as_ref())?;
         s.set_read_timeout(None)?;
         s.set_write_timeout(None)?;
-        Ok(Conn { stream: s, keys, scratch: Vec::new() })
+        Ok(Conn::new(s, keys))
     }
 
     fn release(&self, endpoint: &str, c: Conn) {
@@ -397,23 +397,23 @@ impl TransferEngine {
             head[7] |= FLAG_ENCRYPT;
         }
         let unanswered = |e: std::io::Error| Unanswered(TransferError::Io(e));
-        let (msg, n) = sealed_head(&head, c.keys.as_mut().map(|k| &mut k.send));
+        c.out.clear();
+        push_head(&mut c.out, &head, c.keys.as_mut().map(|k| &mut k.send));
         match part {
             Part::Read { dst, .. } => {
-                c.stream.write_all(&msg[..n]).map_err(unanswered)?;
+                c.stream().write_all(&c.out).map_err(unanswered)?;
                 let mut answer = [0u8; ANSWER_LEN];
-                c.stream.read_exact(&mut answer).map_err(unanswered)?;
-                let mut stream = &c.stream;
+                c.reader.read_exact(&mut answer).map_err(unanswered)?;
                 // On an authenticated connection the answer's bytes are the body of its message.
-                let mut sealer = c.keys.as_mut().map(|k| k.recv.begin(&answer, if answer_len(&answer) == len { len } else { 0 }));
+                let mut sealer = c.keys.as_mut().map(|k| k.recv.begin(&answer));
                 let n = decode_answer(&answer);
                 match (n, sealer.as_mut()) {
                     (Ok(n), _) if n != len => {
                         return Err(Answered(TransferError::Protocol(format!("asked for {len} bytes, peer sends {n}"))))
                     }
                     (Ok(_), None) => {
-                        stream.read_exact(dst).map_err(answered)?;
-                        let trailer = recv_head::<ANSWER_LEN>(&mut stream, None).map_err(Answered)?;
+                        c.reader.read_exact(dst).map_err(answered)?;
+                        let trailer = recv_head::<ANSWER_LEN>(&mut c.reader, None).map_err(Answered)?;
                         if let Err(e) = decode_answer(&trailer) {
                             // The bytes are not the object's; the connection stays in step.
                             self.release(&r.endpoint, c);
@@ -421,15 +421,15 @@ impl TransferEngine {
                         }
                     }
                     (Ok(_), Some(sealer)) => {
-                        recv_sealed(dst, sealer, |piece| stream.read_exact(piece)).map_err(answered)?;
+                        recv_sealed(dst, sealer, |piece| c.reader.read_exact(piece)).map_err(answered)?;
                         let mut tag = [0u8; STREAM_TAG_LEN];
-                        stream.read_exact(&mut tag).map_err(answered)?;
+                        c.reader.read_exact(&mut tag).map_err(answered)?;
                         let bytes_ok = sealer.check(&tag);
                         let keys = c.keys.as_mut().map(|k| &mut k.recv);
-                        let trailer = recv_head::<ANSWER_LEN>(&mut stream, keys).map_err(Answered)?;
+                        let trailer = recv_head::<ANSWER_LEN>(&mut c.reader, keys).map_err(Answered)?;
                         if let Err(e) = decode_answer(&trailer) {
-                            // The range was reused while it was sent (the bytes hashed may then
-                            // differ from the bytes sent): thrown away, the connection in step.
+                            // The range was reused while it was sent: thrown away, the
+                            // connection in step.
                             self.release(&r.endpoint, c);
                             return Err(Answered(e));
                         }
@@ -441,9 +441,9 @@ impl TransferEngine {
                         }
                     }
                     (Err(e), sealer) => {
-                        let mut tag = [0u8; STREAM_TAG_LEN];
                         if let Some(sealer) = sealer {
-                            stream.read_exact(&mut tag).map_err(answered)?;
+                            let mut tag = [0u8; STREAM_TAG_LEN];
+                            c.reader.read_exact(&mut tag).map_err(answered)?;
                             if !sealer.check(&tag) {
                                 return Err(Answered(TransferError::BadTag("an answer")));
                             }
@@ -455,16 +455,25 @@ impl TransferEngine {
                 }
             }
             Part::Write { src, .. } => {
-                // The head goes with the bytes, so the node wakes once for both.
-                send_all_more(&c.stream, &msg[..n]).map_err(unanswered)?;
-                match c.keys.as_mut() {
-                    None => (&c.stream).write_all(src).map_err(unanswered)?,
-                    Some(k) => {
-                        let mut sealer = k.send.begin(&[], len);
-                        let stream = &c.stream;
-                        send_sealed(src, &mut sealer, encrypt, &mut c.scratch, |piece| send_all_more(stream, piece))
-                            .map_err(unanswered)?;
-                        (&c.stream).write_all(&sealer.finish()).map_err(unanswered)?;
+                let mut sealer = c.keys.as_mut().map(|k| k.send.begin(&[]));
+                if src.len() <= SMALL_PAYLOAD {
+                    // Head, bytes and tag in one call.
+                    let mut out = std::mem::take(&mut c.out);
+                    push_body(&mut out, src, sealer.as_mut(), encrypt);
+                    let sent = c.stream().write_all(&out);
+                    c.out = out;
+                    sent.map_err(unanswered)?;
+                } else {
+                    // The head goes with the bytes, so the node wakes once for both.
+                    let stream = c.reader.get_ref();
+                    send_all_more(stream, &c.out).map_err(unanswered)?;
+                    match sealer.as_mut() {
+                        None => (&*stream).write_all(src).map_err(unanswered)?,
+                        Some(sealer) => {
+                            send_sealed(src, sealer, encrypt, &mut c.scratch, |piece| send_all_more(stream, piece))
+                                .map_err(unanswered)?;
+                            (&*stream).write_all(&sealer.finish()).map_err(unanswered)?;
+                        }
                     }
                 }
                 let answer = c.recv_answer().map_err(Failure::first)?;
@@ -479,19 +488,34 @@ impl TransferEngine {
     }
 }
 
+/// Bytes a connection reads ahead: a small read's answer, bytes, tags and trailer arrive in one
+/// call.
+const READ_AHEAD: usize = SMALL_PAYLOAD + 256;
+
 /// A transfer connection as a client holds it.
 struct Conn {
-    stream: TcpStream,
+    /// The socket, read through a buffer, written directly ([`stream`](Self::stream)).
+    reader: BufReader<TcpStream>,
     /// The keys sealing its messages (`None`: an insecure cluster).
     keys: Option<StreamSession>,
+    /// A request being assembled.
+    out: Vec<u8>,
     /// Where an encrypted payload is sealed before it is sent.
     scratch: Vec<u8>,
 }
 
 impl Conn {
+    fn new(stream: TcpStream, keys: Option<StreamSession>) -> Conn {
+        Conn { reader: BufReader::with_capacity(READ_AHEAD, stream), keys, out: Vec::new(), scratch: Vec::new() }
+    }
+
+    fn stream(&self) -> &TcpStream {
+        self.reader.get_ref()
+    }
+
     /// Reads an answer (sealed on an authenticated connection).
     fn recv_answer(&mut self) -> Result<[u8; ANSWER_LEN], TransferError> {
-        recv_head(&mut &self.stream, self.keys.as_mut().map(|k| &mut k.recv))
+        recv_head(&mut self.reader, self.keys.as_mut().map(|k| &mut k.recv))
     }
 }
 

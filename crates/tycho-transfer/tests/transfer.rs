@@ -71,7 +71,7 @@ impl Raw {
         let (msg, n) = sealed_head(&req.encode(), Some(&mut self.keys.send));
         self.s.write_all(&msg[..n]).unwrap();
         if req.op == XferOp::Write {
-            let mut sealer = self.keys.send.begin(&[], payload.len() as u64);
+            let mut sealer = self.keys.send.begin(&[]);
             sealer.absorb(payload);
             self.s.write_all(payload).unwrap();
             self.s.write_all(&sealer.finish()).unwrap();
@@ -85,7 +85,7 @@ impl Raw {
         let mut answer = [0u8; ANSWER_LEN];
         self.s.read_exact(&mut answer).unwrap();
         let body = if req.op == XferOp::Read { answer_len(&answer) } else { 0 };
-        let mut sealer = self.keys.recv.begin(&answer, body);
+        let mut sealer = self.keys.recv.begin(&answer);
         self.body = vec![0u8; body as usize];
         self.s.read_exact(&mut self.body).unwrap();
         sealer.absorb(&self.body);

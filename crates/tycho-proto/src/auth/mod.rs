@@ -12,6 +12,7 @@
 
 pub mod capability;
 pub mod files;
+pub mod gcm_hash;
 pub mod handshake;
 pub mod session;
 pub mod stream;
