@@ -70,7 +70,8 @@ impl NodeArgs {
         cfg.serve_rate = self.max_serve_rate;
         cfg.transfer_idle_timeout = std::time::Duration::from_secs(self.transfer_idle_timeout);
         cfg.encrypt |= self.encrypt;
-        if cfg.encrypt && self.security.insecure {
+        // TYCHO_ENCRYPT=1 in the environment means nothing without a secret; the flag is an error.
+        if self.encrypt && self.security.insecure {
             return Err("--encrypt needs the cluster secret: the keys come from the connection greeting".into());
         }
         Ok(cfg)
