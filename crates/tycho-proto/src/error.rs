@@ -226,7 +226,9 @@ impl ErrorCode {
             SCANS_BUSY => "other key scans are running; retry shortly",
             BATCH_TOO_LARGE => "split the batch; the client library does this by itself",
             RESOURCE_LIMIT => "a configured cap is reached: see --max-segment-size and --max-segments-per-client",
-            ENCRYPTION_REQUIRED => "the node encrypts payloads (tycho node --encrypt); set TYCHO_ENCRYPT=1 on this client",
+            ENCRYPTION_REQUIRED => {
+                "the node encrypts payloads (tycho node --encrypt); set TYCHO_ENCRYPT=1 on this client"
+            }
             _ => "see docs/errors.md",
         }
     }

@@ -15,7 +15,8 @@ use tycho_proto::auth::handshake::{Peer, Service as Protocol};
 use tycho_proto::auth::session::FrameMac;
 use tycho_proto::auth::Secret;
 use tycho_proto::frame::{
-    decode_payload, encode_frame, split_frame, FrameError, FrameHeader, FrameKind, DEFAULT_MAX_REQUEST_FRAME, HEADER_LEN,
+    decode_payload, encode_frame, split_frame, FrameError, FrameHeader, FrameKind, DEFAULT_MAX_REQUEST_FRAME,
+    HEADER_LEN,
 };
 
 /// A handler's answer: ready now, or a future to be driven off the connection's task.

@@ -21,8 +21,8 @@ use crate::error::TransferError;
 use crate::registry::SegmentRegistry;
 use crate::segment::Mapping;
 use crate::wire::{
-    decode_answer, decrypt_sealed, push_body, push_head, recv_head, recv_sealed, send_all_more, send_sealed,
-    sealed_head, XferOp, XferRequest, ANSWER_LEN, FLAG_ENCRYPT, MAX_REQUEST_BYTES, SMALL_PAYLOAD,
+    decode_answer, decrypt_sealed, push_body, push_head, recv_head, recv_sealed, sealed_head, send_all_more,
+    send_sealed, XferOp, XferRequest, ANSWER_LEN, FLAG_ENCRYPT, MAX_REQUEST_BYTES, SMALL_PAYLOAD,
 };
 
 /// TCP transfers above this size are split into slices of this size.

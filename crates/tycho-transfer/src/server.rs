@@ -28,8 +28,8 @@ use crate::conns::Conns;
 use crate::guard::Guard;
 use crate::local::UnixServer;
 use crate::wire::{
-    decrypt_sealed, encode_answer, push_body, push_head, recv_sealed, request_flags, send_all_more, send_flagged,
-    send_sealed, sealed_head, XferOp, XferRequest, FLAG_ENCRYPT, REQUEST_LEN, SMALL_PAYLOAD,
+    decrypt_sealed, encode_answer, push_body, push_head, recv_sealed, request_flags, sealed_head, send_all_more,
+    send_flagged, send_sealed, XferOp, XferRequest, FLAG_ENCRYPT, REQUEST_LEN, SMALL_PAYLOAD,
 };
 
 /// Most authenticated connections served at once (one thread each). A client engine keeps at
@@ -168,7 +168,8 @@ impl TransferServer {
                 let conns = conns.clone();
                 let greeting = Counted(greeting.clone());
                 let _ = std::thread::Builder::new().name("tycho-xfer".into()).spawn(move || {
-                    let served = Served { registry: &registry, guard: &guard, stop: &stop, limits: &limits, conns: &conns };
+                    let served =
+                        Served { registry: &registry, guard: &guard, stop: &stop, limits: &limits, conns: &conns };
                     if let Err(e) = serve_connection(stream, &served, greeting) {
                         tracing::debug!(error = %e, "transfer connection closed");
                     }
@@ -631,7 +632,11 @@ fn serve_requests(
 }
 
 /// Sends an answer (or a read's trailer), sealed on an authenticated connection.
-fn answer(stream: &mut TcpStream, keys: Option<&mut StreamSession>, status: Result<u64, ErrorCode>) -> std::io::Result<()> {
+fn answer(
+    stream: &mut TcpStream,
+    keys: Option<&mut StreamSession>,
+    status: Result<u64, ErrorCode>,
+) -> std::io::Result<()> {
     let (msg, n) = sealed_head(&encode_answer(status), keys.map(|k| &mut k.send));
     stream.write_all(&msg[..n])
 }

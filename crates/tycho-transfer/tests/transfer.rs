@@ -8,10 +8,12 @@ use tycho_proto::auth::capability::{
     unix_ms, Capability, SegmentKey, CLOCK_SKEW_MS, RIGHT_READ, RIGHT_RETIRE, RIGHT_WRITE,
 };
 use tycho_proto::auth::handshake::{self, Service};
+use tycho_proto::auth::stream::StreamSession;
 use tycho_proto::auth::{ResolvedAuth, Secret};
 use tycho_proto::{ErrorCode, ReplicaDesc, SegmentId};
-use tycho_proto::auth::stream::StreamSession;
-use tycho_transfer::wire::{answer_len, decode_answer, recv_head, sealed_head, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN};
+use tycho_transfer::wire::{
+    answer_len, decode_answer, recv_head, sealed_head, XferOp, XferRequest, ANSWER_LEN, REQUEST_LEN,
+};
 use tycho_transfer::*;
 
 fn secret() -> Arc<Secret> {

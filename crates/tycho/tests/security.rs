@@ -1080,7 +1080,8 @@ fn a_relay_on_the_data_path_cannot_alter_inject_or_replay_transfer_messages() {
     let Response::Replicas(list) = c.call(&Request::GetReplicaList(q)).unwrap() else { panic!() };
     let stored = list.replicas[0].clone();
     let node = stored.endpoint.clone();
-    let engine = || TransferEngine::new("elsewhere", true, Arc::new(SegmentRegistry::default()), Some(cl.secret.clone()));
+    let engine =
+        || TransferEngine::new("elsewhere", true, Arc::new(SegmentRegistry::default()), Some(cl.secret.clone()));
     for (i, how) in [
         XferTamper::AlterRequest,
         XferTamper::AlterRead,

@@ -219,7 +219,8 @@ mod tests {
     #[test]
     fn streamed_messages_match_the_whole_message_aead() {
         let body: Vec<u8> = (0..70_000u32).map(|i| (i * 31 % 251) as u8).collect();
-        let cases = [(0, 0, 1), (112, 0, 1), (0, 4096, 4096), (16, 5000, 7), (3, 33, 16), (16, 16384, 1000), (0, 70_000, 4099)];
+        let cases =
+            [(0, 0, 1), (112, 0, 1), (0, 4096, 4096), (16, 5000, 7), (3, 33, 16), (16, 16384, 1000), (0, 70_000, 4099)];
         for (head_len, body_len, piece) in cases {
             let head = &body[..head_len];
             let plain = &body[..body_len];
