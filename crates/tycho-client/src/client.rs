@@ -13,6 +13,7 @@ use tycho_routing::RouteCache;
 use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
 use tycho_transfer::{Mapping, Part, SegmentRegistry, ServerLimits, TransferEngine, TransferServer, Transport};
 
+use crate::aggregate::PartialRemoval;
 use crate::config::{ClientAuth, ClientConfig, Protocol};
 use crate::retry::{call_noting, call_with_retry};
 
@@ -1267,30 +1268,58 @@ impl Client {
         }
     }
 
-    /// Removes every key of this client's tenant matching `regex`; returns the count.
-    pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64, ErrorCode> {
-        self.check_open()?;
+    /// Removes every key of this client's tenant matching `regex`, at every primary; the count.
+    /// A primary that fails does not stop the others: the error says what they removed, which
+    /// primaries did it, and which failed.
+    pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64, PartialRemoval> {
+        self.check_open().map_err(PartialRemoval::nothing)?;
         self.forget_all_leases();
-        match self.inner.call(&Request::RemoveByRegex { tenant: self.tenant(), regex: regex.to_string(), force })? {
-            Response::Removed(n) => Ok(n),
-            _ => Err(ErrorCode::INTERNAL_ERROR),
-        }
+        self.inner.remove_everywhere(&Request::RemoveByRegex { tenant: self.tenant(), regex: regex.to_string(), force })
     }
 
-    /// Removes every object; returns the count.
-    pub fn remove_all(&self, force: bool) -> Result<u64, ErrorCode> {
-        self.check_open()?;
+    /// Removes every object, at every primary; the count (see
+    /// [`remove_by_regex`](Self::remove_by_regex) for a primary that fails).
+    pub fn remove_all(&self, force: bool) -> Result<u64, PartialRemoval> {
+        self.check_open().map_err(PartialRemoval::nothing)?;
         self.forget_all_leases();
-        match self.inner.call(&Request::RemoveAll { force })? {
-            Response::Removed(n) => Ok(n),
-            _ => Err(ErrorCode::INTERNAL_ERROR),
-        }
+        self.inner.remove_everywhere(&Request::RemoveAll { force })
     }
 
-    /// Any master call (admin listings and stats).
+    /// Any master call. Stats and the key and segment listings answer for the whole cluster
+    /// (every primary's answer combined, as [`crate::aggregate`] says; an error if a primary
+    /// fails); RemoveAll and RemoveByRegex go to every primary (the first error if one fails,
+    /// after all were tried).
     pub fn call(&self, req: &Request) -> Result<Response, ErrorCode> {
         self.inner.call(req)
     }
+}
+
+/// The whole cluster's answer to `req` (Stats, ListSegments, ListKeys) from every primary's.
+fn merge(req: &Request, answers: Vec<Response>) -> Result<Response, ErrorCode> {
+    use crate::aggregate::{merge_keys, merge_segments, merge_stats};
+    let bad = || ErrorCode::INTERNAL_ERROR;
+    Ok(match req {
+        Request::Stats => Response::Stats(merge_stats(
+            answers
+                .into_iter()
+                .map(|a| if let Response::Stats(s) = a { Ok(s) } else { Err(bad()) })
+                .collect::<Result<Vec<_>, _>>()?,
+        )),
+        Request::ListSegments => Response::Segments(merge_segments(
+            answers
+                .into_iter()
+                .map(|a| if let Response::Segments(s) = a { Ok(s) } else { Err(bad()) })
+                .collect::<Result<Vec<_>, _>>()?,
+        )),
+        Request::ListKeys { limit, .. } => Response::Keys(merge_keys(
+            answers
+                .into_iter()
+                .map(|a| if let Response::Keys(k) = a { Ok(k) } else { Err(bad()) })
+                .collect::<Result<Vec<_>, _>>()?,
+            u64::from(*limit),
+        )),
+        _ => return Err(bad()),
+    })
 }
 
 /// Adds to `parts` the reads of `size` bytes of replica `r` into the buffers `dst`, in order;
@@ -1533,14 +1562,20 @@ impl Inner {
         }
         match req {
             Request::RemoveAll { .. } | Request::RemoveByRegex { .. } => {
-                let mut removed = 0;
-                for owner in self.owners() {
-                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout)? {
-                        Response::Removed(k) => removed += k,
-                        _ => return Err(ErrorCode::INTERNAL_ERROR),
+                self.remove_everywhere(req).map(Response::Removed).map_err(|p| p.code())
+            }
+            Request::Stats | Request::ListSegments | Request::ListKeys { .. } => {
+                let mut answers = Vec::new();
+                for (owner, answer) in self.call_each_primary(req) {
+                    match answer {
+                        Ok(a) => answers.push(a),
+                        Err(e) => {
+                            tracing::warn!(master = %owner, error = %e, "a primary did not answer; no whole-cluster answer");
+                            return Err(e);
+                        }
                     }
                 }
-                Ok(Response::Removed(removed))
+                merge(req, answers)
             }
             Request::Ping { .. } => self.ping_every_primary(req),
             // Each primary hands out the tasks of its groups.
@@ -1582,6 +1617,47 @@ impl Inner {
                 }
             }
             _ => self.call_seeds(req),
+        }
+    }
+
+    /// `req` at every primary the route table names, each answer or failure with its primary:
+    /// a failure at one does not stop the others.
+    fn call_each_primary(&self, req: &Request) -> Vec<(String, Result<Response, ErrorCode>)> {
+        self.owners()
+            .into_iter()
+            .map(|owner| {
+                let answer = call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout);
+                (owner, answer)
+            })
+            .collect()
+    }
+
+    /// A RemoveAll or RemoveByRegex at every primary (at the master in use when the cluster is
+    /// not partitioned); the count, or what was done where some primary failed.
+    fn remove_everywhere(&self, req: &Request) -> Result<u64, PartialRemoval> {
+        let answers = if self.routes.read().partitioned() {
+            self.call_each_primary(req)
+        } else {
+            vec![(self.conn("").addr().to_string(), self.call_seeds(req))]
+        };
+        let mut report = PartialRemoval { removed: 0, done: Vec::new(), failed: Vec::new() };
+        for (owner, answer) in answers {
+            match answer {
+                Ok(Response::Removed(n)) => {
+                    report.removed += n;
+                    report.done.push(owner);
+                }
+                Ok(_) => report.failed.push((owner, ErrorCode::INTERNAL_ERROR)),
+                Err(e) => {
+                    tracing::warn!(master = %owner, error = %e, "a primary did not remove");
+                    report.failed.push((owner, e));
+                }
+            }
+        }
+        if report.failed.is_empty() {
+            Ok(report.removed)
+        } else {
+            Err(report)
         }
     }
 

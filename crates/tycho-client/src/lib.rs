@@ -2,12 +2,14 @@
 //! removes objects. Bytes move directly between this process and the hosts holding replicas;
 //! the master only hands out ranges.
 
+pub mod aggregate;
 pub mod attach;
 mod client;
 mod config;
 mod discover;
 mod retry;
 
+pub use aggregate::PartialRemoval;
 pub use client::{Client, Lookup, WriteMode};
 pub use config::{default_host_id, parse_size, ClientAuth, ClientConfig, Protocol};
 pub use discover::{EtcdAddress, CLUSTER_ENV, ETCD_SCHEME};

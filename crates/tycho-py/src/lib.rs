@@ -19,6 +19,22 @@ use tycho_proto::{ErrorCode, ReplicaDesc};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// A removal's answer as Mooncake gives it: the count removed, even when some primary failed
+/// (which is said on stderr); a negative code when no primary did it.
+fn removed(r: Result<u64, tycho_client::PartialRemoval>) -> i64 {
+    match r {
+        Ok(n) => n as i64,
+        Err(p) if p.none_done() => {
+            eprintln!("tycho: removal failed: {p}");
+            code(p.code())
+        }
+        Err(p) => {
+            eprintln!("tycho: removal incomplete: {p}");
+            p.removed as i64
+        }
+    }
+}
+
 fn code(e: ErrorCode) -> i64 {
     e.as_i32() as i64
 }
@@ -1371,14 +1387,14 @@ impl Store {
             return code(ErrorCode::INVALID_PARAMS);
         }
         let search = format!("(?s:.*)(?:{regex_pattern})(?s:.*)");
-        py.allow_threads(|| c.remove_by_regex(&search, force)).map_or_else(code, |n| n as i64)
+        removed(py.allow_threads(|| c.remove_by_regex(&search, force)))
     }
 
-    /// Removes every object; returns the count or a negative code.
+    /// Removes every object, at every primary; returns the count or a negative code.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         match self.client() {
-            Ok(c) => py.allow_threads(|| c.remove_all(force)).map_or_else(code, |n| n as i64),
+            Ok(c) => removed(py.allow_threads(|| c.remove_all(force))),
             Err(e) => code(e),
         }
     }

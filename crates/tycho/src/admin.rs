@@ -2,7 +2,7 @@
 //! and the cluster's layout from a master's admin HTTP: `groups`, `masters`.
 
 use clap::Args;
-use tycho_proto::{ErrorCode, KeyQuery, KeyRef, RemoveKey, Request, Response, SegmentStatus};
+use tycho_proto::{ErrorCode, KeyQuery, KeyRef, RemoveKey, Request, Response};
 
 use crate::master_client::{key_ref, MasterClient};
 
@@ -435,15 +435,14 @@ where
 /// objects); clients and segments are counted once (every primary has them all).
 pub fn stat(t: Target) -> i32 {
     with_master(&t.master, |f| async move {
-        let (mut capacity, mut used, mut objects, mut clients, mut segments) = (0, 0, 0, 0, 0);
+        let mut all = Vec::new();
         for r in f.each(&Request::Stats).await? {
             let Response::Stats(s) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
-            capacity += s.capacity_bytes;
-            used += s.used_bytes;
-            objects += s.objects;
-            clients = clients.max(s.clients);
-            segments = segments.max(s.segments);
+            all.push(s);
         }
+        let s = tycho_client::aggregate::merge_stats(all);
+        let (capacity, used, objects, clients, segments) =
+            (s.capacity_bytes, s.used_bytes, s.objects, s.clients, s.segments);
         let pct = if capacity > 0 { 100.0 * used as f64 / capacity as f64 } else { 0.0 };
         println!("capacity  {capacity} bytes");
         println!("used      {used} bytes ({pct:.1}%)");
@@ -460,17 +459,12 @@ pub fn stat(t: Target) -> i32 {
 /// `tycho segments`: each segment once, with the bytes used in it on every primary.
 pub fn segments(t: Target) -> i32 {
     with_master(&t.master, |f| async move {
-        let mut all: Vec<SegmentStatus> = Vec::new();
+        let mut lists = Vec::new();
         for r in f.each(&Request::ListSegments).await? {
             let Response::Segments(list) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
-            for s in list {
-                match all.iter_mut().find(|a| a.desc.id == s.desc.id) {
-                    Some(a) => a.used += s.used,
-                    None => all.push(s),
-                }
-            }
+            lists.push(list);
         }
-        all.sort_by_key(|s| s.desc.id);
+        let all = tycho_client::aggregate::merge_segments(lists);
         println!("{:<34} {:<24} {:>16} {:>16}", "segment", "name", "size", "used");
         for s in all {
             println!("{:<34} {:<24} {:>16} {:>16}", s.desc.id.to_string(), s.desc.name, s.desc.size, s.used);
@@ -483,13 +477,12 @@ pub fn segments(t: Target) -> i32 {
 pub fn ls(a: LsArgs) -> i32 {
     with_master(&a.target.master, |f| async move {
         let req = Request::ListKeys { tenant: a.tenant, regex: a.regex, limit: a.limit };
-        let mut keys = Vec::new();
+        let mut lists = Vec::new();
         for r in f.each(&req).await? {
             let Response::Keys(k) = r else { return Err(ErrorCode::INTERNAL_ERROR) };
-            keys.extend(k);
+            lists.push(k);
         }
-        keys.sort_by(|x, y| (&x.tenant, &x.key).cmp(&(&y.tenant, &y.key)));
-        keys.truncate(a.limit as usize);
+        let keys = tycho_client::aggregate::merge_keys(lists, u64::from(a.limit));
         for k in keys {
             let state = if k.complete { "" } else { " (writing)" };
             let tenant = if k.tenant.is_empty() { String::new() } else { format!("{}/", k.tenant) };

@@ -395,9 +395,11 @@ fn wait_exit(mut child: std::process::Child) -> std::process::Output {
 /// A client and a node given one master's address reach all four primaries of a G = 4
 /// cluster: the node's segment is mounted on every primary (each allocates in its own slice),
 /// each key goes to its group's primary, a batch is split by primary and its answers come back
-/// in order, and RemoveAll reaches every primary.
+/// in order, stats and listings answer for the whole cluster, and RemoveAll reaches every
+/// primary (with one down, the others remove theirs and the error names it).
 #[test]
 fn a_client_given_one_master_routes_every_key_to_its_groups_primary() {
+    use tycho_proto::{Request, Response};
     let _one = serial();
     let c = Cluster::new("routing");
     let masters = c.four_primaries();
@@ -441,9 +443,30 @@ fn a_client_given_one_master_routes_every_key_to_its_groups_primary() {
     for (k, v) in &batch {
         assert_eq!(&client.get(k).unwrap(), v);
     }
+    // The library's stats and listings answer for the whole cluster, not the master in use.
+    let Response::Stats(st) = client.call(&Request::Stats).unwrap() else { panic!("no stats") };
+    assert_eq!(st.objects, 240, "{st:?}");
+    let list = Request::ListKeys { tenant: None, regex: None, limit: 1000 };
+    let Response::Keys(listed) = client.call(&list).unwrap() else { panic!("no keys") };
+    let mut want: Vec<String> = keys.iter().cloned().chain(batch.iter().map(|(k, _)| k.clone())).collect();
+    want.sort();
+    assert_eq!(listed.iter().map(|k| k.key.clone()).collect::<Vec<_>>(), want);
+    let Response::Segments(segs) = client.call(&Request::ListSegments).unwrap() else { panic!("no segments") };
+    assert_eq!(segs.len(), 1, "the node's segment, once: {segs:?}");
+    assert_eq!(segs[0].used, st.used_bytes, "its bytes used on every primary");
     // RemoveAll reaches every primary (forced: the reads above leased every object).
     assert_eq!(client.remove_all(false).unwrap(), 0, "leased objects stay without force");
-    assert_eq!(client.remove_all(true).unwrap(), 240);
+    // With one primary down, the others still remove theirs, and the error says who did what.
+    let held: Vec<u64> = masters.iter().map(|m| objects(m, &secret)).collect();
+    let mut masters = masters;
+    let down = masters.remove(2);
+    let down_addr = down.rpc.clone();
+    drop(down);
+    let partial = client.remove_all(true).expect_err("a primary is down");
+    assert_eq!(partial.removed, 240 - held[2], "{partial}");
+    assert_eq!(partial.done.len(), 3, "{partial}");
+    assert_eq!(partial.failed.len(), 1, "{partial}");
+    assert_eq!(partial.failed[0].0, down_addr, "{partial}");
     assert!(masters.iter().all(|m| objects(m, &secret) == 0));
 }
 
