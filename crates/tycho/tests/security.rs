@@ -18,7 +18,7 @@ use tycho_testkit::{run_cli, text, text as text_of, MasterProc, NodeProc, TempDi
 use tycho_transfer::{SegmentRegistry, TransferEngine};
 
 mod common;
-use common::registered;
+use common::{registered, serial};
 
 const TYCHO: &str = env!("CARGO_BIN_EXE_tycho");
 
@@ -328,6 +328,8 @@ fn threads(pid: u32) -> usize {
 /// closed after the greeting deadline) and the store keeps serving.
 #[test]
 fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
+    // One at a time with this file's other heavy tests: each measures time, memory or threads.
+    let _one = serial();
     let cl = Cluster::start("caps", &["--max-segments-per-client", "2"], Some("16MB"));
     let (m, node, secret) = (&cl.m, cl.node.as_ref().unwrap(), cl.secret.clone());
     let c = cl.client("", 0, Protocol::Auto);
@@ -627,6 +629,8 @@ fn long_preferred_segment_and_target_lists_are_refused() {
 /// stays under 50 ms (before the fix, two 26 MB batches held a ping for 9 s).
 #[test]
 fn batches_with_long_preferred_lists_do_not_delay_pings() {
+    // One at a time with this file's other heavy tests: each measures time, memory or threads.
+    let _one = serial();
     let cl = Cluster::start("pings", &[], Some("64MB"));
     let c = cl.client("", 0, Protocol::Auto);
     let pinger = cl.client("", 0, Protocol::Auto);
@@ -697,6 +701,8 @@ fn rss(pid: u32) -> u64 {
 /// connection still works after its large frame.
 #[test]
 fn connections_give_back_the_memory_of_a_large_frame() {
+    // One at a time with this file's other heavy tests: each measures time, memory or threads.
+    let _one = serial();
     let cl = Cluster::start("frames", &[], None);
     let pid = cl.m.proc.pid();
     let before = rss(pid);
@@ -933,6 +939,8 @@ fn count_frames(bytes: &[u8]) -> usize {
 /// within 64 MiB of where it was; one just past the batch limit still gets BATCH_TOO_LARGE.
 #[test]
 fn a_batch_of_a_million_keys_is_refused_before_its_keys_are_decoded() {
+    // One at a time with this file's other heavy tests: each measures time, memory or threads.
+    let _one = serial();
     let cl = Cluster::start("decode", &[], None);
     let pid = cl.m.proc.pid();
     let auth = ResolvedAuth { secret: Some(cl.secret.clone()), origin: "test".into() };
@@ -1153,6 +1161,8 @@ fn a_relay_on_the_data_path_cannot_alter_inject_or_replay_transfer_messages() {
 /// id holds at most 64 connections to a node: its 65th is closed right after its greeting.
 #[test]
 fn idle_authenticated_connections_never_lock_readers_out() {
+    // One at a time with this file's other heavy tests: each measures time, memory or threads.
+    let _one = serial();
     let cl = Cluster::start("idle", &[], Some("16MB"));
     let c = cl.client("", 0, Protocol::Tcp);
     let value: Vec<u8> = (0..65536u32).map(|i| (i * 11) as u8).collect();
