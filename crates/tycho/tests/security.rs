@@ -777,22 +777,35 @@ fn pass_frame(from: &mut std::net::TcpStream, to: &mut std::net::TcpStream) -> V
     f
 }
 
+/// A relay's listening socket on loopback and its address.
+fn relay_listener() -> (std::net::TcpListener, String) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    (listener, addr)
+}
+
+/// The relay's first client and its connection to `target`, once the greeting between them
+/// has passed through untouched.
+fn greeted(listener: &std::net::TcpListener, target: &str) -> (std::net::TcpStream, std::net::TcpStream) {
+    let (mut client, _) = listener.accept().unwrap();
+    let mut server = std::net::TcpStream::connect(target).unwrap();
+    for s in [&client, &server] {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    }
+    pass_frame(&mut server, &mut client);
+    pass_frame(&mut client, &mut server);
+    pass_frame(&mut server, &mut client);
+    (client, server)
+}
+
 /// A relay between one client and the master at `master` that passes the greeting through
 /// untouched, then tampers as `how` says. Its address, and a thread that ends once the master
 /// has closed its side (what the relay then read from the master, untouched).
 fn relay(master: &str, how: Tamper) -> (String, std::thread::JoinHandle<Vec<u8>>) {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let (listener, addr) = relay_listener();
     let master = master.to_string();
     let t = std::thread::spawn(move || {
-        let (mut client, _) = listener.accept().unwrap();
-        let mut server = std::net::TcpStream::connect(&master).unwrap();
-        for s in [&client, &server] {
-            s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-        }
-        pass_frame(&mut server, &mut client);
-        pass_frame(&mut client, &mut server);
-        pass_frame(&mut server, &mut client);
+        let (mut client, mut server) = greeted(&listener, &master);
         // Two frames from the client, tampered with on their way.
         let mut frames: Vec<Vec<u8>> = (0..2).map(|_| read_raw_frame(&mut client)).collect();
         let mut forged = Vec::new();
@@ -991,18 +1004,10 @@ enum XferTamper {
 /// both sides are done: how many bytes the node sent after the greeting.
 fn xfer_relay(node: &str, how: XferTamper) -> (String, std::thread::JoinHandle<usize>) {
     use std::io::Read;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
+    let (listener, addr) = relay_listener();
     let node = node.to_string();
     let t = std::thread::spawn(move || {
-        let (mut client, _) = listener.accept().unwrap();
-        let mut server = std::net::TcpStream::connect(&node).unwrap();
-        for s in [&client, &server] {
-            s.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-        }
-        pass_frame(&mut server, &mut client);
-        pass_frame(&mut client, &mut server);
-        pass_frame(&mut server, &mut client);
+        let (mut client, mut server) = greeted(&listener, &node);
         // The node's side, passed on (altered as asked) and counted, until it closes.
         let (mut from_node, mut to_client) = (server.try_clone().unwrap(), client.try_clone().unwrap());
         let back = std::thread::spawn(move || {

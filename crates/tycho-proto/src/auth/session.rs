@@ -87,14 +87,30 @@ impl Session {
     /// The keys of the connection whose greeting had these nonces, for service `service`, as
     /// the client (`client`) or the server holds them.
     pub fn derive(secret: &Secret, service: u8, client_nonce: &[u8], server_nonce: &[u8], client: bool) -> Session {
-        let base = secret.derive("session v2", &[&[service], client_nonce, server_nonce]);
-        let up = FrameMac::new(mac32(&base, "client to server", &[]));
-        let down = FrameMac::new(mac32(&base, "server to client", &[]));
-        if client {
-            Session { send: up, recv: down }
-        } else {
-            Session { send: down, recv: up }
-        }
+        let (send, recv) = direction_keys(secret, "session v2", &[], service, client_nonce, server_nonce, client);
+        Session { send: FrameMac::new(send), recv: FrameMac::new(recv) }
+    }
+}
+
+/// The keys of both directions of a connection whose greeting had these nonces, for service
+/// `service`, derived under `label` (and `parts`): (send, receive) as the client (`client`) or
+/// the server uses them.
+pub(crate) fn direction_keys(
+    secret: &Secret,
+    label: &str,
+    parts: &[&[u8]],
+    service: u8,
+    client_nonce: &[u8],
+    server_nonce: &[u8],
+    client: bool,
+) -> ([u8; 32], [u8; 32]) {
+    let base = secret.derive(label, &[&[service], client_nonce, server_nonce]);
+    let up = mac32(&base, "client to server", parts);
+    let down = mac32(&base, "server to client", parts);
+    if client {
+        (up, down)
+    } else {
+        (down, up)
     }
 }
 

@@ -20,7 +20,7 @@ use aes::cipher::{BlockEncrypt, InnerIvInit, KeyInit as _, StreamCipher};
 use aes::Aes256Enc;
 
 use super::gcm_hash::Ghash;
-use super::{mac32, same_mac, Secret};
+use super::{same_mac, Secret};
 
 /// Bytes of the tag after each sealed transfer message.
 pub const STREAM_TAG_LEN: usize = 16;
@@ -190,14 +190,16 @@ impl StreamSession {
         server_nonce: &[u8],
         client: bool,
     ) -> StreamSession {
-        let base = secret.derive("stream session v1", &[&[service], client_nonce, server_nonce]);
-        let keys = |way: &str| StreamMac::new(mac32(&base, way, &[b"aes-256-gcm"]));
-        let (up, down) = (keys("client to server"), keys("server to client"));
-        if client {
-            StreamSession { send: up, recv: down }
-        } else {
-            StreamSession { send: down, recv: up }
-        }
+        let (send, recv) = super::session::direction_keys(
+            secret,
+            "stream session v1",
+            &[b"aes-256-gcm"],
+            service,
+            client_nonce,
+            server_nonce,
+            client,
+        );
+        StreamSession { send: StreamMac::new(send), recv: StreamMac::new(recv) }
     }
 }
 
