@@ -15,7 +15,7 @@ use tycho_transfer::{Mapping, Part, SegmentRegistry, ServerLimits, TransferEngin
 
 use crate::aggregate::PartialRemoval;
 use crate::config::{ClientAuth, ClientConfig, Protocol};
-use crate::retry::{call_noting, call_with_retry};
+use crate::retry::{call_noting, call_patiently, call_with_retry, Patience};
 
 mod sessions;
 mod tasks;
@@ -149,6 +149,9 @@ struct Inner {
     /// The KVPT groups' epochs and primaries, for the routes of key-addressed requests: the
     /// initial epoch until a master says otherwise; each group's entry only moves forward.
     routes: parking_lot::RwLock<RouteCache>,
+    /// The masters' registration lease TTL in milliseconds, as their route tables say (0: not
+    /// known, or masters without a cluster): a try's patience is derived from it.
+    lease_ttl_ms: AtomicU64,
     heartbeat: Heartbeat,
     /// The task worker (see `tasks.rs`), stopped with the heartbeat.
     task_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -370,6 +373,7 @@ impl Client {
             closed: AtomicBool::new(false),
             master_instance: AtomicU64::new(0),
             routes: parking_lot::RwLock::new(RouteCache::new()),
+            lease_ttl_ms: AtomicU64::new(0),
             pid: std::process::id(),
             heartbeat: Heartbeat { stop: Mutex::new(false), wake: Condvar::new() },
             task_thread: Mutex::new(None),
@@ -1365,6 +1369,20 @@ fn all_stale(resp: &Response) -> bool {
 /// for one that answers KVPT_MIGRATING (a group about to be served there) to serve it.
 const FAILOVER_WAIT: Duration = Duration::from_secs(15);
 
+/// The least patience with one try at a master in a cluster (see [`Inner::patience`]).
+const MIN_TRY: Duration = Duration::from_millis(200);
+
+/// Added to a try's patience per key of a batch (an 8192-key batch: 0.8 s more).
+const TRY_PER_KEY: Duration = Duration::from_micros(100);
+
+/// Upper bound of the random pause before a route refresh, in microseconds.
+const REROUTE_JITTER_US: u64 = 20_000;
+
+/// One try of `req` at `m`, no retry: the answer, or `None` on any failure.
+fn call_patiently_once(m: &BlockingClient, req: &Request, p: Patience) -> Option<Response> {
+    m.call_within::<Request, Response>(req, p.first_byte, p.whole).ok()
+}
+
 /// Whether `code` says the master in use does not serve (any more): try the next address.
 fn elsewhere(code: ErrorCode) -> bool {
     matches!(code, ErrorCode::KVPT_NOT_OWNED | ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)
@@ -1427,7 +1445,7 @@ impl Inner {
                     }
                     if next == 0 || self.masters.len() == 1 {
                         std::thread::sleep(pause);
-                        pause = (pause * 2).min(Duration::from_secs(1));
+                        pause = (pause * 2).min(Duration::from_millis(500));
                     }
                 }
                 r => return r,
@@ -1436,20 +1454,20 @@ impl Inner {
     }
 
     fn call_here(&self, req: &Request) -> Result<Response, ErrorCode> {
-        match call_with_retry(self.master(), req, self.cfg.rpc_timeout) {
+        match call_patiently(self.master(), req, self.patience(req)) {
             // The master forgot us (it restarted, or expired us while we were paused): register
             // again with every segment, then retry once, instead of waiting for the heartbeat.
             Err(ErrorCode::CLIENT_NOT_FOUND) if !matches!(req, Request::ReMountSegment { .. }) => {
                 self.engine.forget_mappings();
                 self.remount()?;
-                call_with_retry(self.master(), req, self.cfg.rpc_timeout)
+                call_patiently(self.master(), req, self.patience(req))
             }
             // A group changed owner (a failover): learn the epochs, route again, retry once.
             // A batch says so per key (with one group, for every key, and nothing was done).
             Ok(resp) if !all_stale(&resp) => Ok(resp),
             Ok(_) | Err(ErrorCode::STALE_EPOCH) => {
                 self.refresh_routes()?;
-                call_with_retry(self.master(), &self.retag(req), self.cfg.rpc_timeout)
+                call_patiently(self.master(), &self.retag(req), self.patience(req))
             }
             r => r,
         }
@@ -1462,7 +1480,7 @@ impl Inner {
 
     /// Asks `master` for the groups' epochs and primaries.
     fn refresh_routes_from(&self, master: &BlockingClient) -> Result<(), ErrorCode> {
-        match call_with_retry(master, &Request::Routes, self.cfg.rpc_timeout)? {
+        match call_patiently(master, &Request::Routes, self.patience(&Request::Routes))? {
             Response::Routes(t) => {
                 self.learn_routes(&t);
                 Ok(())
@@ -1471,31 +1489,51 @@ impl Inner {
         }
     }
 
+    /// How long one try of `req` may take at one master. With masters in a cluster, an
+    /// idempotent call gets a fifth of their lease TTL (at least [`MIN_TRY`]) for its
+    /// connection and first byte, plus [`TRY_PER_KEY`] per key of a batch: a stopped or hung
+    /// primary is given up on well before its successor takes over, while a long batch keeps
+    /// its time. The whole call keeps `rpc_timeout`, and so does every call that may not be
+    /// sent twice (its outcome would be unknown).
+    fn patience(&self, req: &Request) -> Patience {
+        let whole = self.cfg.rpc_timeout;
+        let ttl = self.lease_ttl_ms.load(Ordering::Relaxed);
+        if ttl == 0 || !crate::retry::is_idempotent(req) {
+            return Patience::whole(whole);
+        }
+        let keys = u32::try_from(req.batch_len()).unwrap_or(u32::MAX);
+        let first_byte = (Duration::from_millis(ttl) / 5).max(MIN_TRY) + TRY_PER_KEY.saturating_mul(keys);
+        Patience { first_byte: first_byte.min(whole), whole }
+    }
+
     /// Asks for the route table again after `failed` (a master) answered a routing error or
-    /// none: that master first, then the addresses given, then the primaries the table named,
-    /// until one answers. One attempt each: the callers retry.
+    /// none: one master chosen at random among the addresses given and the primaries the
+    /// table names, after a short random pause (clients that lost the same primary do not all
+    /// ask the same master at once), then the next, `failed` last, until one answers. One
+    /// try each: the callers retry.
     fn reroute(&self, failed: &BlockingClient) {
-        let ask = |m: &BlockingClient| match m.call::<Request, Response>(&Request::Routes, self.cfg.rpc_timeout) {
-            Ok(Response::Routes(t)) => {
+        let ask = |m: &BlockingClient| match call_patiently_once(m, &Request::Routes, self.patience(&Request::Routes)) {
+            Some(Response::Routes(t)) => {
                 self.learn_routes(&t);
                 true
             }
             _ => false,
         };
-        if ask(failed) {
-            return;
-        }
-        let mut tried = vec![failed.addr().to_string()];
-        let known: Vec<Arc<BlockingClient>> =
-            self.masters.iter().cloned().chain(self.owners().iter().map(|o| self.conn(o))).collect();
-        for m in known {
-            if !tried.iter().any(|t| t == m.addr()) {
-                tried.push(m.addr().to_string());
-                if ask(&m) {
-                    return;
-                }
+        std::thread::sleep(Duration::from_micros(rand::random::<u64>() % REROUTE_JITTER_US));
+        let mut others: Vec<Arc<BlockingClient>> = Vec::new();
+        for m in self.masters.iter().cloned().chain(self.owners().iter().map(|o| self.conn(o))) {
+            if m.addr() != failed.addr() && !others.iter().any(|o| o.addr() == m.addr()) {
+                others.push(m);
             }
         }
+        // (Fisher–Yates.)
+        for i in (1..others.len()).rev() {
+            others.swap(i, rand::random::<u64>() as usize % (i + 1));
+        }
+        if others.iter().any(|m| ask(m)) {
+            return;
+        }
+        ask(failed);
     }
 
     /// The connection to the master at `addr` ("": the master in use).
@@ -1518,6 +1556,9 @@ impl Inner {
 
     /// Learns a route table a master answered (entries older than the cache's are ignored).
     fn learn_routes(&self, t: &RouteTable) {
+        if t.lease_ttl_ms > 0 {
+            self.lease_ttl_ms.store(t.lease_ttl_ms, Ordering::Relaxed);
+        }
         if self.routes.write().learn(t) {
             tracing::debug!(epochs = ?t.epochs, owners = ?t.owners, "routes refreshed");
         }
@@ -1582,7 +1623,7 @@ impl Inner {
             Request::FetchTasks { .. } => {
                 let mut all = Vec::new();
                 for owner in self.owners() {
-                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout) {
+                    match call_patiently(&self.conn(&owner), req, self.patience(req)) {
                         Ok(Response::Tasks(t)) => all.extend(t),
                         Ok(_) => return Err(ErrorCode::INTERNAL_ERROR),
                         Err(e) => tracing::debug!(master = %owner, error = %e, "could not fetch tasks"),
@@ -1598,7 +1639,7 @@ impl Inner {
                 let mut first_error = None;
                 let mut done = false;
                 for owner in self.owners() {
-                    match call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout) {
+                    match call_patiently(&self.conn(&owner), req, self.patience(req)) {
                         Ok(_) => {
                             done = true;
                             if remount {
@@ -1626,7 +1667,7 @@ impl Inner {
         self.owners()
             .into_iter()
             .map(|owner| {
-                let answer = call_with_retry(&self.conn(&owner), req, self.cfg.rpc_timeout);
+                let answer = call_patiently(&self.conn(&owner), req, self.patience(req));
                 (owner, answer)
             })
             .collect()
@@ -1727,7 +1768,7 @@ impl Inner {
                     tracing::debug!(group = r.group, epoch = r.epoch, owner = %r.owner, "redirected");
                 }
             };
-            let code = match call_noting(&conn, &req, self.cfg.rpc_timeout, learn) {
+            let code = match call_noting(&conn, &req, self.patience(&req), learn) {
                 Err(ErrorCode::CLIENT_NOT_FOUND) if !remounted => {
                     remounted = true;
                     self.engine.forget_mappings();
@@ -1774,10 +1815,18 @@ impl Inner {
             }
             let mut again = Vec::new();
             let mut failed = Vec::new();
+            // Where the keys to send again went this round.
+            let mut sent_to: Vec<String> = Vec::new();
+            // Refusals that name their groups' owners are noted in the route cache.
+            let learn = |r: &Redirect| {
+                if self.routes.write().note(r.group, r.epoch, &r.owner) {
+                    tracing::debug!(group = r.group, epoch = r.epoch, owner = %r.owner, "batch keys redirected");
+                }
+            };
             for (owner, at) in by_owner {
                 let conn = self.conn(&owner);
                 let sub = req.subset(&at).ok_or(ErrorCode::INTERNAL_ERROR)?;
-                let resp = call_with_retry(&conn, &sub, self.cfg.rpc_timeout).unwrap_or_else(Response::Error);
+                let resp = call_noting(&conn, &sub, self.patience(&sub), learn).unwrap_or_else(Response::Error);
                 let routing = |c: &ErrorCode| {
                     matches!(c, ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH | ErrorCode::KVPT_MIGRATING)
                         || (matches!(c, ErrorCode::RPC_FAIL | ErrorCode::RPC_TIMEOUT)
@@ -1798,6 +1847,7 @@ impl Inner {
                 if !retry.is_empty() {
                     failed.push(conn);
                 }
+                sent_to.extend(retry.iter().map(|_| owner.clone()));
                 again.extend(retry);
                 parts.push((at, resp));
             }
@@ -1815,11 +1865,12 @@ impl Inner {
                 }
                 return Response::merge_batch(n, parts).ok_or(ErrorCode::INTERNAL_ERROR);
             }
-            let before: Vec<String> = again.iter().map(|&i| self.owner_of(partitions[i])).collect();
-            if let Some(conn) = failed.first() {
+            // Owners named with the refusals moved their keys already: no route refresh then.
+            let moved = again.iter().zip(&sent_to).any(|(&i, o)| self.owner_of(partitions[i]) != *o);
+            if let (Some(conn), false) = (failed.first(), moved) {
                 self.reroute(conn);
             }
-            let moved = again.iter().zip(&before).any(|(&i, o)| self.owner_of(partitions[i]) != *o);
+            let moved = moved || again.iter().zip(&sent_to).any(|(&i, o)| self.owner_of(partitions[i]) != *o);
             if !moved {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(500));

@@ -14,10 +14,15 @@
 //! - every master that believes it serves a group under the record's current revision is the
 //!   one the record names (one primary per group);
 //!
+//! - a read is answered only by a master that serves the group, with durable state alone (the
+//!   read rule: writes applied but not yet committed are not shown), and never with a write
+//!   that was refused;
+//!
 //! and at the end, after a quiet phase without faults, that every group is served by its
 //! recorded primary, every client's route cache names it, a fresh write to each group is
 //! acknowledged, and each group's log holds every acknowledged write exactly once, no refused
-//! write, no write twice, and exactly what its primary serves.
+//! write, no write twice, and exactly what its primary serves — and every write any read
+//! returned (no failover took back what a reader saw).
 //!
 //! Operators request reshards ([`reshard`]) at random: the target joins, catches up, sets the
 //! record migrating and switches once the source has frozen writes and marked the request, as
@@ -168,7 +173,15 @@ enum Ans {
 
 #[derive(Debug, Clone)]
 enum ClientReq {
-    Put { op: u64, rank: u32, epoch: u64 },
+    Put {
+        op: u64,
+        rank: u32,
+        epoch: u64,
+    },
+    /// A lookup of everything group `rank` holds.
+    Read {
+        rank: u32,
+    },
     Routes,
 }
 
@@ -178,6 +191,8 @@ enum ClientResp {
     Refused(u64, ErrorCode),
     Unknown(u64),
     Routes(RouteTable),
+    /// The writes a read of group `rank` found.
+    Read(u32, Vec<u64>),
 }
 
 #[derive(Debug)]
@@ -303,6 +318,8 @@ struct World {
     steps: usize,
     acked: BTreeSet<u64>,
     refused: BTreeSet<u64>,
+    /// Every write some read returned: each must be in its group's log at the end.
+    read: BTreeSet<u64>,
     /// What happened, for the summary: writes whose outcome their client never learned,
     /// ownership changes won, and log writers fenced.
     figures: Figures,
@@ -314,6 +331,8 @@ struct World {
 #[derive(Debug, Default, Clone, Copy)]
 struct Figures {
     acked: usize,
+    /// Reads answered.
+    reads: usize,
     refused: usize,
     unknown: usize,
     promotions: usize,
@@ -337,6 +356,7 @@ struct Figures {
 impl std::ops::AddAssign for Figures {
     fn add_assign(&mut self, o: Figures) {
         self.acked += o.acked;
+        self.reads += o.reads;
         self.refused += o.refused;
         self.unknown += o.unknown;
         self.promotions += o.promotions;
@@ -357,7 +377,12 @@ impl std::ops::AddAssign for Figures {
 /// What a master knows of the routes before it reads the records: the group count only.
 fn no_routes(g: u32) -> RouteCache {
     let mut c = RouteCache::new();
-    c.learn(&RouteTable { groups: g, epochs: vec![0; g as usize], owners: vec![String::new(); g as usize] });
+    c.learn(&RouteTable {
+        groups: g,
+        epochs: vec![0; g as usize],
+        owners: vec![String::new(); g as usize],
+        lease_ttl_ms: 0,
+    });
     c
 }
 
@@ -417,6 +442,7 @@ impl World {
             steps,
             acked: BTreeSet::new(),
             refused: BTreeSet::new(),
+            read: BTreeSet::new(),
             figures: Figures::default(),
             step: 0,
             calm: false,
@@ -473,6 +499,7 @@ impl World {
                 let m = self.rng.below(self.masters.len());
                 self.tick(m);
             }
+            2 if self.rng.below(4) == 0 => self.client_read(),
             2 => self.client_put(),
             3 => {
                 let c = self.rng.below(self.clients.len());
@@ -654,6 +681,15 @@ impl World {
         };
         self.log(|| format!("client {c} puts op {op} (group {rank}, epoch {epoch}) at m{m}"));
         self.net.push(Msg::ToMaster { c, m, req: ClientReq::Put { op, rank, epoch } });
+    }
+
+    /// A client reads a group at the master its route cache names.
+    fn client_read(&mut self) {
+        let c = self.rng.below(self.clients.len());
+        let rank = self.rng.below(self.g as usize) as u32;
+        let m = self.index_of(self.clients[c].cache.owner(rank)).unwrap_or_else(|| self.rng.below(self.masters.len()));
+        self.log(|| format!("client {c} reads group {rank} at m{m}"));
+        self.net.push(Msg::ToMaster { c, m, req: ClientReq::Read { rank } });
     }
 
     // ---- delivery ----
@@ -936,6 +972,7 @@ impl World {
             groups: self.g,
             epochs: records.iter().map(|r| r.as_ref().map_or(0, |(g, _)| g.epoch)).collect(),
             owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| g.primary.clone())).collect(),
+            lease_ttl_ms: 0,
         };
         self.masters[m].routes.learn(&table);
         let now_ms = self.now_ms();
@@ -1245,6 +1282,20 @@ impl World {
                 let t = master.routes.table().clone();
                 self.net.push(Msg::ToClient { c, resp: ClientResp::Routes(t) });
             }
+            // The read rule: only a master serving the group (its log not ended, its lease
+            // within its local deadline: `deadlines` stands it down past that) answers, and
+            // only with what is durable. Writes applied but in flight (queued, or in the batch
+            // being committed) are not shown: the real master's answer waits for them.
+            ClientReq::Read { rank } => {
+                let side = &master.groups[rank as usize];
+                if let GRole::Serving(s) = &side.role {
+                    if !s.dropping {
+                        assert_eq!(side.applied, s.commit.durable(), "a primary serves what its log made durable");
+                        let found = side.ops.clone();
+                        self.net.push(Msg::ToClient { c, resp: ClientResp::Read(rank, found) });
+                    }
+                }
+            }
             ClientReq::Put { op, rank, epoch } => {
                 let refuse = match &mut master.groups[rank as usize].role {
                     GRole::Serving(s) if !s.dropping && s.epoch == epoch && s.frozen_since.is_some() => {
@@ -1289,6 +1340,13 @@ impl World {
             ClientResp::Unknown(op) => {
                 self.log(|| format!("client {c} never learns what became of op {op}"));
                 self.figures.unknown += 1;
+            }
+            ClientResp::Read(rank, found) => {
+                for op in &found {
+                    assert!(!self.refused.contains(op), "a read of group {rank} returned op {op}, which was refused");
+                }
+                self.figures.reads += 1;
+                self.read.extend(found);
             }
         }
     }
@@ -1484,6 +1542,8 @@ impl World {
         }
         let lost: Vec<&u64> = self.acked.iter().filter(|op| !seen.contains(op)).collect();
         assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+        let unread: Vec<&u64> = self.read.iter().filter(|op| !seen.contains(op)).collect();
+        assert!(unread.is_empty(), "writes a reader saw are not in the logs: {unread:?}");
     }
 }
 

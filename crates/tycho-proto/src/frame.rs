@@ -18,7 +18,7 @@ use thiserror::Error;
 /// First two bytes of every frame: "TY".
 pub const FRAME_MAGIC: u16 = 0x5954;
 /// Version of the frame layout and of the message encoding inside it.
-pub const FRAME_VERSION: u8 = 7;
+pub const FRAME_VERSION: u8 = 8;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Default limit on one frame's payload as a client reads it (the master's answers): large

@@ -318,6 +318,27 @@ pub enum Request {
     CopyEnd(CopyStep),
     /// Give up a task's copy: its ranges are free and the task has failed.
     CopyRevoke(CopyStep),
+    /// One file of a group snapshot this master holds in its data directory (masters of the
+    /// cluster fetch snapshots from each other this way; the cluster's admin only).
+    SnapshotFile(SnapshotFileQuery),
+}
+
+/// Which snapshot file [`Request::SnapshotFile`] asks for: the snapshot's identity (as
+/// `tycho_master::snapshot::SnapshotId` has it) and the file's name in it (`manifest`, or
+/// `chunk-NNNNNN`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct SnapshotFileQuery {
+    /// The group's rank.
+    pub group: u32,
+    /// The log position the snapshot holds the group at.
+    pub applied: u64,
+    /// The epoch it was taken under.
+    pub epoch: u64,
+    /// Its writer's tag.
+    pub writer: u64,
+    /// The file.
+    pub file: String,
 }
 
 /// Answer to [`Request::Routes`].
@@ -331,6 +352,10 @@ pub struct RouteTable {
     /// The address of each group's primary, by rank, as the master answering knows it (empty:
     /// unknown, or a master without a cluster, which serves every group itself).
     pub owners: Vec<String>,
+    /// The answering master's registration lease (`--ha-lease-ttl`) in milliseconds; 0 for a
+    /// master without a cluster. A primary that stops answering is replaced within about
+    /// this long, so a client's patience with one try is derived from it.
+    pub lease_ttl_ms: u64,
 }
 
 impl Request {
@@ -350,6 +375,7 @@ impl Request {
                 | Request::Stats
                 | Request::HealthCheck
                 | Request::Routes
+                | Request::SnapshotFile(_)
                 | Request::QueryTask(_)
         )
     }
@@ -525,6 +551,19 @@ pub enum Response {
     /// A key-addressed request at a master that does not serve the key's group, which knows
     /// who does (KVPT_NOT_OWNED, with the owner): send it there.
     NotOwned(Redirect),
+    /// Answer to SnapshotFile: the file's bytes (sealed and checksummed as stored), or `None`
+    /// when this master does not hold it.
+    SnapshotFile(Option<Vec<u8>>),
+    /// A batch's answer in which some keys were refused because this master does not serve
+    /// their groups (KVPT_NOT_OWNED), with the owner of each such group it knows: the client
+    /// sends those keys there.
+    #[cfg_attr(test, proptest(skip))]
+    Redirected {
+        /// The batch's answer.
+        answer: Box<Response>,
+        /// The owners of the groups of the refused keys.
+        owners: Vec<Redirect>,
+    },
 }
 
 /// Where a group is served, as the master that refused a request knows it.
@@ -669,6 +708,7 @@ impl Request {
         "copy_start",
         "copy_end",
         "copy_revoke",
+        "snapshot_file",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -717,6 +757,7 @@ impl Request {
             Request::CopyStart(_) => 35,
             Request::CopyEnd(_) => 36,
             Request::CopyRevoke(_) => 37,
+            Request::SnapshotFile(_) => 38,
         }
     }
 
@@ -867,6 +908,14 @@ mod tests {
             message: String::new(),
         });
         assert_eq!(last.name(), "copy_revoke");
+        let last = Request::SnapshotFile(SnapshotFileQuery {
+            group: 0,
+            applied: 1,
+            epoch: 1,
+            writer: 1,
+            file: "manifest".into(),
+        });
+        assert_eq!(last.name(), "snapshot_file");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

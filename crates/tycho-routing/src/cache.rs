@@ -24,7 +24,7 @@ impl Default for RouteCache {
 impl RouteCache {
     /// Nothing known yet: one group, at its initial epoch, served by the master in use.
     pub fn new() -> RouteCache {
-        RouteCache { table: RouteTable { groups: 1, epochs: Vec::new(), owners: Vec::new() } }
+        RouteCache { table: RouteTable { groups: 1, epochs: Vec::new(), owners: Vec::new(), lease_ttl_ms: 0 } }
     }
 
     /// The table as it stands.
@@ -117,6 +117,7 @@ mod tests {
             groups: epochs.len() as u32,
             epochs: epochs.to_vec(),
             owners: owners.iter().map(|s| s.to_string()).collect(),
+            lease_ttl_ms: 0,
         }
     }
 

@@ -96,6 +96,11 @@ impl BlockingClient {
     }
 
     fn connect(&self) -> Result<Conn, RpcError> {
+        self.connect_within(self.config.connect_timeout)
+    }
+
+    /// Opens a connection whose TCP connect and greeting each take at most `limit`.
+    fn connect_within(&self, limit: Duration) -> Result<Conn, RpcError> {
         let err = |source| RpcError::Connect { addr: self.addr.clone(), source };
         let addr = self
             .addr
@@ -108,11 +113,12 @@ impl BlockingClient {
             Some(a) => a,
             None => self.config.resolve(&self.addr)?,
         };
-        let mut stream = TcpStream::connect_timeout(&addr, self.config.connect_timeout).map_err(err)?;
+        let mut stream = TcpStream::connect_timeout(&addr, limit).map_err(err)?;
         stream.set_nodelay(true).map_err(err)?;
-        // The greeting runs blocking, bounded by the connect timeout.
-        stream.set_read_timeout(Some(self.config.connect_timeout)).map_err(err)?;
-        stream.set_write_timeout(Some(self.config.connect_timeout)).map_err(err)?;
+        // The greeting runs blocking, bounded by the same limit (a stopped process's kernel
+        // still accepts connections: the greeting is where it goes silent).
+        stream.set_read_timeout(Some(limit)).map_err(err)?;
+        stream.set_write_timeout(Some(limit)).map_err(err)?;
         let session = handshake::connect_session(&mut stream, Service::Rpc, &auth, self.config.identity.as_ref())
             .map_err(|source| RpcError::Handshake { addr: self.addr.clone(), source })?;
         let authenticated = session.is_some();
@@ -131,12 +137,26 @@ impl BlockingClient {
         req: &Req,
         deadline: Duration,
     ) -> Result<Resp, RpcError> {
+        self.call_within(req, deadline, deadline)
+    }
+
+    /// Sends `req`; the server has `first_byte` (at most `deadline`) to start answering (a
+    /// new connection's connect and greeting get the same, at most the connect timeout), and
+    /// the whole answer must be in within `deadline`. A server that is stopped or hung is so
+    /// found out after `first_byte`, while an answer that is merely long keeps its time.
+    pub fn call_within<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        req: &Req,
+        first_byte: Duration,
+        deadline: Duration,
+    ) -> Result<Resp, RpcError> {
+        let first_byte = first_byte.min(deadline);
         let idle = self.idle.lock().pop();
         let mut conn = match idle {
             Some(c) => c,
-            None => self.connect()?,
+            None => self.connect_within(self.config.connect_timeout.min(first_byte))?,
         };
-        match self.exchange(&mut conn, req, deadline) {
+        match self.exchange(&mut conn, req, first_byte, deadline) {
             Ok(resp) => {
                 let mut idle = self.idle.lock();
                 if idle.len() < MAX_IDLE {
@@ -153,13 +173,17 @@ impl BlockingClient {
         &self,
         conn: &mut Conn,
         req: &Req,
+        first_byte: Duration,
         deadline: Duration,
     ) -> Result<Resp, RpcError> {
-        let io = |e: std::io::Error| {
-            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
-                RpcError::Timeout(deadline)
-            } else {
-                RpcError::Closed(e.to_string())
+        let mut waited = first_byte;
+        let io = |waited: Duration| {
+            move |e: std::io::Error| {
+                if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+                    RpcError::Timeout(waited)
+                } else {
+                    RpcError::Closed(e.to_string())
+                }
             }
         };
         let id = conn.next_id;
@@ -169,8 +193,10 @@ impl BlockingClient {
         if let Some(s) = &mut conn.session {
             s.send.seal(&mut conn.wbuf, 0)?;
         }
-        let end = Instant::now() + deadline;
-        write_until(&mut conn.stream, &conn.wbuf, end).map_err(io)?;
+        let whole_end = Instant::now() + deadline;
+        write_until(&mut conn.stream, &conn.wbuf, whole_end).map_err(io(deadline))?;
+        // From the request sent to the answer's first byte, the shorter deadline.
+        let mut end = (Instant::now() + first_byte).min(whole_end);
         // The answer is read in as few reads as it arrived in: up to the buffer's size until the
         // header says where the frame ends, then exactly to that end. The server sends one
         // frame per call, so bytes past the frame mean a broken peer.
@@ -194,7 +220,12 @@ impl BlockingClient {
             if conn.rbuf.len() < limit {
                 conn.rbuf.resize(limit, 0);
             }
-            filled += read_some(&mut conn.stream, &mut conn.rbuf[filled..limit], spin_until, end).map_err(io)?;
+            filled +=
+                read_some(&mut conn.stream, &mut conn.rbuf[filled..limit], spin_until, end).map_err(io(waited))?;
+            if end != whole_end {
+                end = whole_end;
+                waited = deadline;
+            }
             if header.is_none() && filled >= HEADER_LEN {
                 let head: &[u8; HEADER_LEN] = conn.rbuf[..HEADER_LEN].try_into().expect("header length");
                 header = Some(FrameHeader::decode(head, self.config.max_frame)?);

@@ -102,6 +102,13 @@ pub struct MasterProc {
     pub http: String,
 }
 
+/// The state directory of the masters this test process starts (one per process, under the
+/// temporary directory; each master keeps its own subdirectory by its id).
+fn test_state_home() -> &'static std::path::Path {
+    static HOME: std::sync::OnceLock<crate::TempDir> = std::sync::OnceLock::new();
+    HOME.get_or_init(|| crate::TempDir::new("tycho-test-state").expect("a temporary directory")).path()
+}
+
 impl MasterProc {
     /// Starts `<bin> master` on loopback with both listeners on kernel-chosen ports and `extra`
     /// flags after them.
@@ -121,6 +128,8 @@ impl MasterProc {
         cmd.args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &port.to_string()])
             .args(["--metrics-address", "127.0.0.1", "--metrics-port", "0"])
             .args(extra)
+            // The masters' data directories (snapshots), out of the user's home.
+            .env("XDG_STATE_HOME", test_state_home())
             .envs(env.iter().copied());
         let mut proc = Proc::spawn(&mut cmd).expect("spawn tycho master");
         let rpc = proc.wait_line("tycho master listening on ", STARTUP).expect("tycho master starts");

@@ -175,12 +175,18 @@ pub struct HaArgs {
     #[arg(long = "ha-catch-up-deadline", default_value = "30", value_parser = duration_s)]
     pub ha_catch_up_deadline: u64,
     /// Directory of the group's snapshots, shared by every master of the cluster (a volume
-    /// they all mount). With it the log is cut at each snapshot and a new standby starts from
-    /// the latest; without it the log keeps every record for as long as the cluster lives.
+    /// they all mount), instead of each master's own data directory (`--data-dir`).
     #[arg(long = "snapshot-dir", value_name = "DIR")]
     pub snapshot_dir: Option<std::path::PathBuf>,
-    /// A snapshot is taken each time the log has grown by this many records.
-    #[arg(long = "snapshot-every", default_value = "100000", value_name = "RECORDS")]
+    /// This master's state directory: the snapshots of the groups it serves or follows, which
+    /// the cluster's other masters fetch from it (default: `$XDG_STATE_HOME/tycho`, else
+    /// `/var/lib/tycho` for root, else `~/.local/state/tycho`; never a tmpfs). With etcd,
+    /// snapshots are always on: each cuts the group's log and etcd's history behind it.
+    #[arg(long = "data-dir", value_name = "DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
+    /// A snapshot is taken each time the log has grown by this many records (or by half as
+    /// many records as the group has objects, when that is more).
+    #[arg(long = "snapshot-every", default_value = "10000", value_name = "RECORDS")]
     pub snapshot_every: u64,
     /// Mooncake's `--enable_ha`: HA is on whenever `--etcd-endpoints` is given; on without
     /// them, the master refuses to start.
@@ -895,6 +901,75 @@ fn host_name() -> String {
     }
 }
 
+/// `--data-dir`'s default: `$XDG_STATE_HOME/tycho`, else `/var/lib/tycho` for root, else
+/// `~/.local/state/tycho`.
+fn default_data_dir() -> std::path::PathBuf {
+    if let Some(state) = std::env::var_os("XDG_STATE_HOME").filter(|s| !s.is_empty()) {
+        return std::path::PathBuf::from(state).join("tycho");
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    match std::env::var_os("HOME").filter(|h| !h.is_empty() && !root) {
+        Some(home) => std::path::PathBuf::from(home).join(".local/state/tycho"),
+        None => std::path::PathBuf::from("/var/lib/tycho"),
+    }
+}
+
+/// Whether `dir` is on a tmpfs (its snapshots would not outlive the machine).
+fn on_tmpfs(dir: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a buffer of the right type.
+    let ok = unsafe { libc::statfs(path.as_ptr(), &mut st) } == 0;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    ok && st.f_type as i64 == TMPFS_MAGIC
+}
+
+/// Where this master's snapshots go: the shared `--snapshot-dir`, or (the default) a directory
+/// of its own under `--data-dir`, served to the other masters, which fetch what they lack.
+fn snapshot_config(ha: &HaArgs, id: &str, master: &Arc<Master>) -> Result<tycho_master::ha::SnapshotConfig, String> {
+    use tycho_master::snapshot::DirSnapshotStore;
+    if let Some(dir) = &ha.snapshot_dir {
+        let files = Arc::new(DirSnapshotStore::new(dir, &ha.cluster_name));
+        master.serve_snapshots(files.clone());
+        return Ok(tycho_master::ha::SnapshotConfig { files, peers: None, every_records: ha.snapshot_every });
+    }
+    let base = ha.data_dir.clone().unwrap_or_else(default_data_dir);
+    // One directory per master id: masters of one host keep their copies apart.
+    let own: String =
+        id.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+    let dir = base.join("snapshots").join(own);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create the data directory {}: {e}", dir.display()))?;
+    if on_tmpfs(&dir) {
+        eprintln!(
+            "WARNING: the data directory {} is on a tmpfs: its snapshots do not outlive this machine (set --data-dir)",
+            dir.display()
+        );
+    }
+    eprintln!(
+        "tycho master: snapshots in {} (a group with a standby keeps each on two masters; a group without one, \
+         on its primary alone: losing this disk then loses the group's log below its latest snapshot)",
+        dir.display()
+    );
+    let local = Arc::new(DirSnapshotStore::new(&dir, &ha.cluster_name));
+    master.serve_snapshots(local.clone());
+    let rpc = match master.secret() {
+        Some(s) => {
+            use tycho_proto::auth::handshake::{admin_credential, Identity};
+            tycho_rpc::ClientConfig {
+                auth: tycho_proto::auth::ClientAuth::Secret(s.clone()),
+                identity: Some(Identity::Admin { credential: admin_credential(s) }),
+                ..Default::default()
+            }
+        }
+        None => tycho_rpc::ClientConfig { auth: tycho_proto::auth::ClientAuth::Insecure, ..Default::default() },
+    };
+    let peers = tycho_master::snapshot_peers::Peers::default();
+    let files = Arc::new(tycho_master::snapshot_peers::PeerSnapshotStore::new(local, peers.clone(), rpc));
+    Ok(tycho_master::ha::SnapshotConfig { files, peers: Some(peers), every_records: ha.snapshot_every })
+}
+
 /// Runs the master's part in an HA cluster until a signal (it then hands its role over at
 /// once) or until it must leave; `/readyz` follows its role. Returns the exit code.
 async fn run_ha(
@@ -907,6 +982,13 @@ async fn run_ha(
 ) -> i32 {
     use tycho_master::ha::{HaConfig, HaStatus};
     let (id, address) = identity(ha, rpc);
+    let snapshots = match snapshot_config(ha, &id, &master) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let cfg = HaConfig {
         cluster: ha.cluster_name.clone(),
         id,
@@ -914,10 +996,7 @@ async fn run_ha(
         lease_ttl: Duration::from_millis(ha.ha_lease_ttl),
         catch_up_deadline: Duration::from_millis(ha.ha_catch_up_deadline),
         writer: Default::default(),
-        snapshots: ha.snapshot_dir.as_ref().map(|dir| tycho_master::ha::SnapshotConfig {
-            files: Arc::new(tycho_master::snapshot::DirSnapshotStore::new(dir, &ha.cluster_name)),
-            every_records: ha.snapshot_every,
-        }),
+        snapshots: Some(snapshots),
     };
     let (status, mut seen) = tokio::sync::watch::channel(HaStatus::Starting);
     let probe = admin.probe().clone();

@@ -555,9 +555,42 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
         Response::Replicas(list) => assert!(!list.replicas.is_empty(), "{list:?}"),
         other => panic!("a stale read was not forwarded to the group's primary: {other:?}"),
     }
-    assert_eq!(raw.call::<Request, Response>(&Request::ExistKey(query), t).unwrap(), Response::Exists(true));
+    assert_eq!(raw.call::<Request, Response>(&Request::ExistKey(query.clone()), t).unwrap(), Response::Exists(true));
     // The stale client is redirected: its next put of a group 1 key lands at b, and reads too.
     quiet.put(&ours[1], &value_of(&ours[1], 2000), &Default::default()).unwrap();
+    // Issue 46: a read at the former primary is never answered from its old state. A value
+    // replaced at b since the claim is read at a, under the old epoch and under the new one:
+    // forwarded (b's answer, the new size) or refused naming b, never a's old object.
+    let (id2, other) = common::registered(&a.rpc, &secret, "");
+    other.call::<Request, Response>(&Request::ReMountSegment { client: id2, segments: Vec::new() }, t).unwrap();
+    quiet.upsert(&ours[0], &value_of(&ours[0], 1500), &Default::default()).unwrap();
+    for route_epoch in [1, epoch] {
+        let key = KeyRef { key: ours[0].clone(), route: tycho_routing::route_for("", &ours[0], route_epoch) };
+        let at_a = tycho_proto::KeyQuery { tenant: String::new(), key };
+        match other.call::<Request, Response>(&Request::GetReplicaList(at_a), t).unwrap() {
+            Response::Replicas(list) => assert_eq!(list.size, 1500, "a read at the former primary saw its old state"),
+            Response::NotOwned(r) => assert_eq!((r.group, r.owner.as_str()), (1, b.rpc.as_str()), "{r:?}"),
+            other => panic!("a read at the former primary got {other:?}"),
+        }
+    }
+    assert_eq!(quiet.get(&ours[0]).unwrap(), value_of(&ours[0], 1500));
+    quiet.upsert(&ours[0], &value_of(&ours[0], 1000), &Default::default()).unwrap();
+    // A batch of group 1's keys at a: refused per key, with b named as the group's owner.
+    let batch = tycho_proto::BatchKeyQuery {
+        tenant: String::new(),
+        keys: ours[..2]
+            .iter()
+            .map(|k| KeyRef { key: k.clone(), route: tycho_routing::route_for("", k, epoch) })
+            .collect(),
+    };
+    match other.call::<Request, Response>(&Request::BatchExistKey(batch), t).unwrap() {
+        Response::Redirected { answer, owners } => {
+            assert_eq!(*answer, Response::BatchExists(vec![Err(tycho_proto::ErrorCode::KVPT_NOT_OWNED); 2]));
+            let named: Vec<(u32, u64, &str)> = owners.iter().map(|r| (r.group, r.epoch, r.owner.as_str())).collect();
+            assert_eq!(named, vec![(1, epoch, b.rpc.as_str())]);
+        }
+        other => panic!("a batch of a group a does not serve got {other:?}"),
+    }
     assert_eq!(quiet.get(&ours[1]).unwrap(), value_of(&ours[1], 2000));
     assert_eq!(
         quiet.get(&ours[0]).unwrap(),

@@ -127,6 +127,14 @@ impl Snapshots {
         read_pointers(&*self.store, &self.keys, rank).await
     }
 
+    /// The log position at which the next snapshot of a group is due, given its pointers and
+    /// the objects it holds: `every_records` records after the latest, or more for a large
+    /// group (half as many records as it has objects), so that writing the whole group's state
+    /// costs at most about two entries per record logged.
+    pub fn next_due(&self, pointers: &Pointers, objects: u64) -> u64 {
+        pointers.latest.map_or(0, |l| l.applied) + self.every_records.max(objects / 2)
+    }
+
     /// Whether a snapshot of group `rank` at `applied` is due, given its pointers.
     pub fn due(&self, pointers: &Pointers, applied: u64) -> bool {
         applied >= pointers.latest.map_or(0, |l| l.applied) + self.every_records
@@ -188,6 +196,53 @@ impl Snapshots {
             }
         }
         Ok(Some(pointers))
+    }
+
+    /// Whether a snapshot of group `rank` may be published now: publishing one makes the
+    /// latest the fallback, and cuts the log below it, so the latest must be held whole by at
+    /// least `copies` masters (as far as the store can tell; a shared volume counts as every
+    /// master's). Losing one master's disk then never loses the only base the log has left.
+    /// The group's other masters keep a copy of the latest by themselves ([`Snapshots::keep_copy`]).
+    pub async fn base_held(&self, rank: u32, copies: usize) -> Result<bool, CompactionError> {
+        let (pointers, _) = self.pointers(rank).await?;
+        let Some(base) = pointers.latest.filter(|_| copies > 1) else { return Ok(true) };
+        let files = self.files.clone();
+        let held = tokio::task::spawn_blocking(move || files.holders(&base))
+            .await
+            .map_err(|e| CompactionError::Corrupt(format!("snapshot holders: {e}")))?;
+        if held.is_some_and(|n| n < copies) {
+            tracing::debug!(
+                group = rank,
+                snapshot = base.applied,
+                ?held,
+                copies,
+                "the latest snapshot lacks copies; not snapshotting yet"
+            );
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Keeps a whole copy of group `rank`'s latest snapshot here, fetching what this master
+    /// lacks from the others (nothing to do with a shared volume, or a copy held already).
+    pub async fn keep_copy(&self, rank: u32) -> Result<(), CompactionError> {
+        let (pointers, _) = self.pointers(rank).await?;
+        let Some(id) = pointers.latest else { return Ok(()) };
+        if self.files.holds(&id) {
+            return Ok(());
+        }
+        let files = self.files.clone();
+        let read = tokio::task::spawn_blocking(move || snapshot::read(&*files, id, |_| Ok(())))
+            .await
+            .map_err(|e| CompactionError::Corrupt(format!("snapshot copy: {e}")))?;
+        let manifest = read?;
+        tracing::info!(
+            group = rank,
+            applied = id.applied,
+            chunks = manifest.chunks,
+            "kept a copy of the group's latest snapshot"
+        );
+        Ok(())
     }
 
     /// Deletes the snapshots older than `p`'s fallback and the batches wholly below its floor.

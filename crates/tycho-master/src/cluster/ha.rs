@@ -59,6 +59,9 @@ const STORE_RETRY: Duration = Duration::from_millis(200);
 /// Pause before trying again after a snapshot failed.
 const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
 
+/// Tries to keep a copy of a group's latest snapshot, per change seen.
+const COPY_TRIES: usize = 5;
+
 /// How a master takes part in a cluster.
 #[derive(Debug, Clone)]
 pub struct HaConfig {
@@ -82,8 +85,12 @@ pub struct HaConfig {
 /// Snapshot settings of an HA master.
 #[derive(Clone)]
 pub struct SnapshotConfig {
-    /// The store the cluster's masters share.
+    /// Where this master's snapshots are: its own directory (with `peers`), or a volume the
+    /// cluster's masters share.
     pub files: Arc<dyn SnapshotStore>,
+    /// With snapshots in each master's own directory: the list of the other masters' RPC
+    /// addresses, which the role loop keeps current (the files fetch from them).
+    pub peers: Option<crate::cluster::snapshot_peers::Peers>,
     /// A snapshot is taken once the log has grown by this many records since the latest.
     pub every_records: u64,
 }
@@ -449,6 +456,8 @@ struct Roles {
     /// As primary of a group migrating to a reshard's target: since when its writes are
     /// frozen.
     frozen_since: Option<tokio::time::Instant>,
+    /// As primary or standby: the copy of the latest snapshot being fetched.
+    copying: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Every group's record (by rank, `None` while it does not exist) with the revision it was read
@@ -489,8 +498,12 @@ async fn view(ctx: &Ctx<'_>, groups: u32) -> Result<(Vec<String>, Records, Inten
         groups,
         epochs: records.iter().map(|r| r.as_ref().map_or(0, |(g, _)| g.epoch)).collect(),
         owners: records.iter().map(|r| r.as_ref().map_or(String::new(), |(g, _)| owner(g))).collect(),
+        lease_ttl_ms: ctx.cfg.lease_ttl.as_millis() as u64,
     });
     let intents = reshard::read_intents(&**ctx.store, ctx.keys, groups).await?;
+    if let Some(peers) = ctx.cfg.snapshots.as_ref().and_then(|s| s.peers.as_ref()) {
+        peers.set(registrations.iter().filter(|(r, _)| r.id != ctx.cfg.id).map(|(r, _)| r.address.clone()).collect());
+    }
     Ok((registrations.into_iter().map(|(r, _)| r.id).collect(), records, intents))
 }
 
@@ -506,6 +519,10 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
     let mut changes = Changes::open(&**store, keys).await?;
     let groups = master.config().group_count.max(1);
     let (live, records, intents) = view(ctx, groups).await?;
+    // Every master keeps a copy of every group's latest snapshot (from the peers the view just
+    // listed): whoever takes a group over finds one at home, and the log is cut only below
+    // snapshots two masters hold.
+    keep_copy(ctx, rank, role);
     let now_ms = tycho_proto::auth::capability::unix_ms();
     let views: Vec<GroupView> = records
         .iter()
@@ -571,11 +588,14 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
             let mut due_at = None;
             if let (Some(snaps), false, None) = (ctx.snaps, standby_alive, &role.snapshotting) {
                 let (pointers, _) = snaps.pointers(rank).await?;
-                let at = pointers.latest.map_or(0, |l| l.applied) + snaps.every_records;
+                let at = snaps.next_due(&pointers, master.group_objects(rank));
                 if log.durable() >= at {
                     let epoch = group.as_ref().map_or(0, |(g, _)| g.epoch);
+                    // Cut the log below the latest only once another master holds it too, when
+                    // there is another.
+                    let copies = if live.len() > 1 { 2 } else { 1 };
                     role.snapshotting =
-                        Some(tokio::spawn(snapshot_as_primary(snaps.clone(), master.clone(), rank, epoch)));
+                        Some(tokio::spawn(snapshot_as_primary(snaps.clone(), master.clone(), rank, epoch, copies)));
                 } else {
                     due_at = Some(at);
                 }
@@ -856,7 +876,7 @@ async fn follow(
     let due_at = match ctx.snaps.filter(|_| may_snapshot && role.snapshotting.is_none()) {
         Some(snaps) => {
             let (pointers, _) = snaps.pointers(rank).await?;
-            Some(pointers.latest.map_or(0, |l| l.applied) + snaps.every_records)
+            Some(snaps.next_due(&pointers, master.group_objects(rank)))
         }
         None => None,
     };
@@ -906,6 +926,12 @@ async fn follow(
     }
     if snapshot {
         let snaps = ctx.snaps.expect("a snapshot is due only with snapshots configured").clone();
+        // Publishing cuts the log below the latest snapshot: only once another master (the
+        // primary) holds a copy of it too. Asked again a second later.
+        if !snaps.base_held(rank, 2).await.unwrap_or(false) {
+            role.snapshotting = Some(tokio::spawn(tokio::time::sleep(SNAPSHOT_RETRY)));
+            return Ok(());
+        }
         let follower = role.follower.as_ref().expect("following");
         let applied = follower.applied();
         // The follower applies nothing meanwhile: the export is of one log position. Writing
@@ -925,6 +951,32 @@ async fn follow(
         }));
     }
     Ok(())
+}
+
+/// Fetches a copy of group `rank`'s latest snapshot in the background if this master lacks
+/// one and no fetch runs (snapshots in each master's own directory; see
+/// [`Snapshots::keep_copy`]). Every master does, for every group: a master that takes a group
+/// over then starts from a copy of its own.
+fn keep_copy(ctx: &Ctx<'_>, rank: u32, role: &mut Roles) {
+    let Some(snaps) = ctx.snaps.filter(|_| ctx.cfg.snapshots.as_ref().is_some_and(|s| s.peers.is_some())) else {
+        return;
+    };
+    if role.copying.as_ref().is_some_and(|t| !t.is_finished()) {
+        return;
+    }
+    let snaps = snaps.clone();
+    role.copying = Some(tokio::spawn(async move {
+        // (A peer may be restarting, or the view of the peers not yet current: a few tries.)
+        for _ in 0..COPY_TRIES {
+            match snaps.keep_copy(rank).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(group = rank, error = %e, "could not keep a copy of the group's latest snapshot")
+                }
+            }
+            tokio::time::sleep(SNAPSHOT_RETRY).await;
+        }
+    }));
 }
 
 /// Stops serving group `rank` and forgets what this master held of it (another master owns
@@ -962,7 +1014,11 @@ fn rebootstrap(master: &Master, rank: u32, role: &mut Roles, why: &FollowError) 
 
 /// A primary without a standby snapshots its group: from a scratch master rebuilt from the
 /// latest snapshot and the log, never from the state it serves.
-async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, rank: u32, epoch: u64) {
+async fn snapshot_as_primary(snaps: Snapshots, master: Arc<Master>, rank: u32, epoch: u64, copies: usize) {
+    if !snaps.base_held(rank, copies).await.unwrap_or(false) {
+        tokio::time::sleep(SNAPSHOT_RETRY).await;
+        return;
+    }
     // Replaying and exporting the scratch copy is long work: on a thread of its own, so that the
     // runtime's workers keep serving.
     let handle = tokio::runtime::Handle::current();
@@ -1146,6 +1202,8 @@ struct Changes {
     masters: tycho_meta::Watch,
     groups: tycho_meta::Watch,
     intents: tycho_meta::Watch,
+    /// Snapshot publications: the group's other masters keep a copy of each.
+    snapshots: tycho_meta::Watch,
 }
 
 impl Changes {
@@ -1155,6 +1213,7 @@ impl Changes {
             masters: w(WatchRequest::prefix(keys.masters())).await?,
             groups: w(WatchRequest::prefix(keys.groups())).await?,
             intents: w(WatchRequest::prefix(keys.reshard_intents())).await?,
+            snapshots: w(WatchRequest::prefix(keys.all_snapshots())).await?,
         })
     }
 
@@ -1177,6 +1236,7 @@ impl Changes {
                 e = self.masters.next() => if is_change(e)? { return Ok(()) },
                 e = self.groups.next() => if is_change(e)? { return Ok(()) },
                 e = self.intents.next() => if is_change(e)? { return Ok(()) },
+                e = self.snapshots.next() => if is_change(e)? { return Ok(()) },
                 _ = &mut also => return Ok(()),
             }
         }

@@ -6,11 +6,13 @@
 //! - [`cvm`]: the pure rules by which a master decides its role per group.
 //! - [`ha`]: the role loop that applies them; [`standby`]: following a group's log and
 //!   promotion; [`reshard`]: operators' requests to move a group.
-//! - [`compaction`]: publishing snapshots and cutting the log behind them.
+//! - [`compaction`]: publishing snapshots and cutting the log behind them;
+//!   [`snapshot_peers`]: snapshots kept by each master and fetched from the others.
 
 pub mod compaction;
 pub mod cvm;
 pub mod ha;
 pub mod ownership;
 pub mod reshard;
+pub mod snapshot_peers;
 pub mod standby;

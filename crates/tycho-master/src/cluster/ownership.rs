@@ -65,6 +65,11 @@ impl ClusterKeys {
         format!("{}snapshots/{rank:05}", self.root).into_bytes()
     }
 
+    /// Every group's snapshot pointers.
+    pub fn all_snapshots(&self) -> Vec<u8> {
+        format!("{}snapshots/", self.root).into_bytes()
+    }
+
     /// The cluster's name as it appears in keys.
     pub fn cluster(&self) -> &str {
         self.root.trim_start_matches("/tycho/").trim_end_matches('/')

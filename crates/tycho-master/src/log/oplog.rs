@@ -749,6 +749,10 @@ impl crate::log::record::RecordSink for OpLogWriter {
     fn appended(&self) -> u64 {
         self.shared.queue.lock().next_seq - 1
     }
+
+    fn committed(&self) -> u64 {
+        self.shared.progress.borrow().durable
+    }
 }
 
 /// Ends the log: nothing more is queued, and waiters learn why.
@@ -813,6 +817,16 @@ impl Committer {
         loop {
             if self.closed() {
                 self.gone = true;
+                return;
+            }
+            // Tests hold a primary's commits here: its records are applied, never durable.
+            #[cfg(feature = "failpoints")]
+            if self.io.is_none()
+                && (|| {
+                    fail::fail_point!("oplog::hold_commit", |_| true);
+                    false
+                })()
+            {
                 return;
             }
             match self.io.take() {

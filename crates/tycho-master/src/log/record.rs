@@ -257,6 +257,12 @@ pub trait RecordSink: Send + Sync {
     /// earlier mutation (a retried PutEnd) waits until everything up to it is durable.
     fn appended(&self) -> u64;
 
+    /// The sequence number of the last durable record (0: none known; a reader then waits
+    /// through [`RecordSink::durable`]).
+    fn committed(&self) -> u64 {
+        0
+    }
+
     /// Whether a mutation may be decided now (checked before the decision: a record that is
     /// applied must then be taken). A full log answers a retryable busy code.
     fn admit(&self) -> Result<(), ErrorCode> {

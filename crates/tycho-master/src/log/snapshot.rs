@@ -126,6 +126,18 @@ pub trait SnapshotStore: Send + Sync {
     fn list(&self, group: u32) -> std::io::Result<Vec<SnapshotId>>;
     /// Deletes snapshot `id` whole.
     fn delete(&self, id: &SnapshotId) -> std::io::Result<()>;
+
+    /// How many masters hold snapshot `id` whole, when the store can tell (`None`: it cannot,
+    /// or every master reads the same files, a shared volume).
+    fn holders(&self, _id: &SnapshotId) -> Option<usize> {
+        None
+    }
+
+    /// Whether this master holds snapshot `id` whole without fetching it (a shared volume:
+    /// always).
+    fn holds(&self, _id: &SnapshotId) -> bool {
+        true
+    }
 }
 
 /// A [`SnapshotStore`] in a directory (local, or a shared volume every master mounts).
@@ -146,6 +158,29 @@ impl DirSnapshotStore {
 
     fn dir(&self, id: &SnapshotId) -> PathBuf {
         self.group_dir(id.group).join(format!("{:020}-e{}-w{:016x}", id.applied, id.epoch, id.writer))
+    }
+
+    /// Whether `file` of snapshot `id` is here (without reading it).
+    pub fn has(&self, id: &SnapshotId, file: &str) -> bool {
+        self.dir(id).join(file).is_file()
+    }
+
+    /// Bytes of every snapshot file here (all groups).
+    pub fn bytes(&self) -> u64 {
+        fn walk(p: &Path) -> u64 {
+            match std::fs::read_dir(p) {
+                Ok(entries) => entries
+                    .flatten()
+                    .map(|e| match e.file_type() {
+                        Ok(t) if t.is_dir() => walk(&e.path()),
+                        Ok(_) => e.metadata().map_or(0, |m| m.len()),
+                        Err(_) => 0,
+                    })
+                    .sum(),
+                Err(_) => 0,
+            }
+        }
+        walk(&self.root)
     }
 }
 
@@ -202,9 +237,11 @@ impl SnapshotStore for DirSnapshotStore {
     }
 }
 
-const MANIFEST: &str = "manifest";
+/// The name of a snapshot's manifest (its chunks are `chunk-NNNNNN`).
+pub const MANIFEST: &str = "manifest";
 
-fn chunk_file(index: u32) -> String {
+/// The name of chunk `index` of a snapshot.
+pub fn chunk_file(index: u32) -> String {
     format!("chunk-{index:06}")
 }
 
@@ -219,6 +256,23 @@ fn open<T: for<'de> Deserialize<'de>>(id: &SnapshotId, bytes: &[u8]) -> Result<T
     let (_, payload) = envelope::open(RecordKind::SnapshotChunk, SNAPSHOT_VERSION, bytes)
         .map_err(|e: EnvelopeError| corrupt(e.to_string()))?;
     postcard::from_bytes(payload).map_err(|e| corrupt(e.to_string()))
+}
+
+/// Checks that `bytes` are a sound file of a snapshot (its kind, a version this build reads,
+/// its checksum), without decoding it.
+pub fn check_file(id: &SnapshotId, bytes: &[u8]) -> Result<(), SnapshotError> {
+    envelope::open(RecordKind::SnapshotChunk, SNAPSHOT_VERSION, bytes)
+        .map(drop)
+        .map_err(|e: EnvelopeError| SnapshotError::Corrupt { id: *id, why: e.to_string() })
+}
+
+/// The number of chunks the manifest `bytes` of snapshot `id` lists.
+pub fn manifest_chunks(id: &SnapshotId, bytes: &[u8]) -> Result<u32, SnapshotError> {
+    let manifest: Manifest = open(id, bytes)?;
+    if manifest.id != *id {
+        return Err(SnapshotError::Corrupt { id: *id, why: format!("the manifest describes {:?}", manifest.id) });
+    }
+    Ok(manifest.chunks)
 }
 
 /// Writes snapshot `id` of `entries` in chunks of about `chunk_bytes` encoded bytes, then its

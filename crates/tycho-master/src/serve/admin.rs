@@ -679,6 +679,16 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
         "Clients with a live heartbeat.",
         s.master.client_count() as f64,
     );
+    if let Some(files) = s.master.snapshot_files().cloned() {
+        let bytes = tokio::task::spawn_blocking(move || files.bytes()).await.unwrap_or(0);
+        simple(
+            &mut out,
+            "tycho_master_snapshot_bytes",
+            "gauge",
+            "Bytes of the group snapshots this master keeps in its data directory.",
+            bytes as f64,
+        );
+    }
     let segments = s.master.list_segments();
     let (total, used) = s.master.usage();
     simple(&mut out, "tycho_master_segments", "gauge", "Mounted segments.", segments.len() as f64);

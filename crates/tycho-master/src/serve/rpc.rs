@@ -161,7 +161,9 @@ impl Service for MasterRpc {
         }
         // A master that serves no group (a standby) answers only probes.
         // (and who serves each group, so that a client asking it finds the primaries).
-        if !self.master.is_serving() && !matches!(req, Request::ServiceReady | Request::HealthCheck | Request::Routes) {
+        if !self.master.is_serving()
+            && !matches!(req, Request::ServiceReady | Request::HealthCheck | Request::Routes | Request::SnapshotFile(_))
+        {
             // (Told to wait when the key's group is about to be served here.)
             let groups = self.master.config().group_count.max(1);
             let code = match req.partitions().first() {
@@ -172,6 +174,9 @@ impl Service for MasterRpc {
             self.metrics.record(index, start.elapsed(), &resp);
             return Reply::Ready(resp);
         }
+        // A batch at a master that does not serve every group: the keys it refuses for their
+        // group come back with their groups' owners (see [`name_owners`]).
+        let partitions = (req.batch_len() > 0 && !self.master.serves_every_group()).then(|| req.partitions());
         // A mutation is admitted only while the log can take its records (busy otherwise):
         // once decided and applied, a record must be logged.
         let checked = self.authorize(&req, peer).and_then(|r| {
@@ -200,6 +205,18 @@ impl Service for MasterRpc {
                     Err(code) => Response::Error(code),
                 }
             })),
+        };
+        let reply = match partitions {
+            None => reply,
+            Some(partitions) => {
+                let master = self.master.clone();
+                match reply {
+                    Reply::Ready(resp) => Reply::Ready(name_owners(&master, &partitions, resp)),
+                    Reply::Later(later) => {
+                        Reply::Later(Box::pin(async move { name_owners(&master, &partitions, later.await) }))
+                    }
+                }
+            }
         };
         self.recorded(index, start, reply)
     }
@@ -303,6 +320,33 @@ impl MasterRpc {
     }
 }
 
+/// `resp`, a batch's answer, with the owners of the groups whose keys it refused as not
+/// served here (KVPT_NOT_OWNED), as far as this master's route table names them; unchanged
+/// when it refused none, or knows no owner.
+fn name_owners(m: &Master, partitions: &[u16], resp: Response) -> Response {
+    let Some(errors) = resp.batch_errors() else { return resp };
+    if !errors.contains(&Some(ErrorCode::KVPT_NOT_OWNED)) {
+        return resp;
+    }
+    let groups = m.config().group_count.max(1);
+    let table = m.route_table();
+    let mut owners: Vec<tycho_proto::Redirect> = Vec::new();
+    for (e, &p) in errors.iter().zip(partitions) {
+        let rank = tycho_routing::kvpt_to_rank(p, groups);
+        if *e != Some(ErrorCode::KVPT_NOT_OWNED) || owners.iter().any(|r| r.group == rank) {
+            continue;
+        }
+        if let Some(owner) = table.owners.get(rank as usize).filter(|o| !o.is_empty()) {
+            let epoch = table.epochs.get(rank as usize).copied().unwrap_or(0);
+            owners.push(tycho_proto::Redirect { group: rank, epoch, owner: owner.clone() });
+        }
+    }
+    if owners.is_empty() {
+        return resp;
+    }
+    Response::Redirected { answer: Box::new(resp), owners }
+}
+
 /// What [`MasterRpc::authorize`] lets a request do.
 enum Authorized {
     /// Serve it as it is.
@@ -353,6 +397,10 @@ impl MasterRpc {
                 Request::UnmountSegment { segment, .. } => Authorized::AdminUnmount(*segment),
                 _ => Authorized::AsIs,
             });
+        }
+        // Snapshots hold every tenant's keys: the cluster's masters fetch them as its admin.
+        if matches!(req, Request::SnapshotFile(_)) {
+            return Err(ErrorCode::PERMISSION_DENIED);
         }
         let own = peer.client.as_ref();
         if let Some(c) = req.client() {
@@ -452,6 +500,7 @@ impl MasterRpc {
             Request::CopyEnd(s) => done(m.copy_finish(&s, true)),
             Request::CopyRevoke(s) => done(m.copy_finish(&s, false)),
             Request::Stats => Response::Stats(m.stats()),
+            Request::SnapshotFile(q) => return self.blocking(move |m| Response::SnapshotFile(m.snapshot_file(&q))),
             Request::HealthCheck => match m.health_check_now() {
                 Some(report) => Response::Health(report),
                 // Some shard is write-locked: wait for it off the connection's task.

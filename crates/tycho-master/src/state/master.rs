@@ -214,6 +214,8 @@ pub struct Master {
     sinks: std::sync::atomic::AtomicUsize,
     /// Who serves each group, as the cluster's records last said (`None`: a master alone).
     routes: RwLock<Option<Arc<tycho_proto::RouteTable>>>,
+    /// The directory of the snapshots this master holds, which it serves to its peers.
+    snapshot_files: std::sync::OnceLock<Arc<crate::log::snapshot::DirSnapshotStore>>,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -253,6 +255,7 @@ impl Master {
             stalled_at: AtomicU64::new(0),
             sinks: std::sync::atomic::AtomicUsize::new(0),
             routes: RwLock::new(None),
+            snapshot_files: std::sync::OnceLock::new(),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
             heat,
@@ -1056,6 +1059,8 @@ impl Master {
             for (i, r) in run {
                 out[*i] = Some(f(group, &map, &r.key, uses.of(group, *i)));
             }
+            drop(map);
+            self.gate_read(group, run[0].1.shard);
         }
         out.into_iter().map(|o| o.expect("every key has a result")).collect()
     }
@@ -1118,6 +1123,7 @@ impl Master {
         let group = self.routed(&r);
         let floor = self.read_grant_floor(group, self.read_grant_until());
         let got = self.replica_list(&group.shards.shard(r.shard).read(), &r.key, now, floor, group.uses.next());
+        self.gate_read(group, r.shard);
         self.counters.looked_up(true, got.is_ok() as u64, got.is_err() as u64);
         got
     }
@@ -1151,6 +1157,7 @@ impl Master {
         let now = self.now();
         let group = self.routed(&r);
         let found = self.exists(&group.shards.shard(r.shard).read(), &r.key, now, group.uses.next());
+        self.gate_read(group, r.shard);
         self.counters.looked_up(false, found as u64, !found as u64);
         Ok(found)
     }
@@ -1391,7 +1398,29 @@ impl Master {
         let groups = self.cfg.group_count.max(1);
         let epochs =
             (0..groups).map(|rank| self.group(rank).filter(|g| g.is_serving()).map_or(0, Group::epoch)).collect();
-        tycho_proto::RouteTable { groups, epochs, owners: Vec::new() }
+        tycho_proto::RouteTable { groups, epochs, owners: Vec::new(), lease_ttl_ms: 0 }
+    }
+
+    /// Serves the snapshots in `files` to the cluster's other masters (`SnapshotFile`). Set
+    /// once, before serving.
+    pub fn serve_snapshots(&self, files: Arc<crate::log::snapshot::DirSnapshotStore>) {
+        let _ = self.snapshot_files.set(files);
+    }
+
+    /// The snapshot directory this master serves, if any.
+    pub fn snapshot_files(&self) -> Option<&Arc<crate::log::snapshot::DirSnapshotStore>> {
+        self.snapshot_files.get()
+    }
+
+    /// One file of a snapshot this master holds (`None`: not held, or not a snapshot file's
+    /// name).
+    pub fn snapshot_file(&self, q: &tycho_proto::SnapshotFileQuery) -> Option<Vec<u8>> {
+        use crate::log::snapshot::{SnapshotId, SnapshotStore};
+        if !crate::cluster::snapshot_peers::is_snapshot_file(&q.file) {
+            return None;
+        }
+        let id = SnapshotId { group: q.group, applied: q.applied, epoch: q.epoch, writer: q.writer };
+        self.snapshot_files.get()?.get(&id, &q.file).ok().flatten()
     }
 
     /// Records who serves each group (from the cluster's records), for [`Master::route_table`].
@@ -1633,6 +1662,11 @@ impl Master {
         let group = self.group_of_key(&encoded).ok_or(ErrorCode::KVPT_NOT_OWNED)?;
         let map = group.shard_of(&encoded).read();
         Ok(map.get(encoded.as_slice()).map(|o| key_info(tenant, key, o, self.now())))
+    }
+
+    /// Objects of group `rank` held here (served or replayed).
+    pub fn group_objects(&self, rank: u32) -> u64 {
+        self.group(rank).map_or(0, |g| g.shards.iter().map(|s| s.read().len() as u64).sum())
     }
 
     /// Whole-master figures.

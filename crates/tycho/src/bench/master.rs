@@ -58,7 +58,7 @@ pub struct BenchMasterArgs {
     /// Self-probe interval of the probing master in `--probe-compare`, seconds.
     #[arg(long, default_value_t = 5.0)]
     probe_interval: f64,
-    /// Rounds per master in `--probe-compare` and `--compare-insecure`.
+    /// Rounds per master in `--probe-compare`, `--compare-insecure` and `--against`.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Compare two masters, one with authentication and capabilities (the benchmark then acts
@@ -75,6 +75,13 @@ pub struct BenchMasterArgs {
     /// client, measured between them. Both masters run `--insecure`.
     #[arg(long)]
     oplog: bool,
+    /// This build's master against the master of another build of the same wire version (the
+    /// path of its `tycho` executable), both logging to etcd (HA, on an etcd the bench starts)
+    /// and `--insecure`, in alternating rounds of each workload: what a change of the master
+    /// costs. For the read gate: build the baseline with
+    /// `--features tycho-master/bench-no-read-gate`.
+    #[arg(long, value_name = "TYCHO")]
+    against: Option<std::path::PathBuf>,
     /// KVPT groups. Above 1 (with one master): a master of G groups against a master of one,
     /// in alternating rounds, by ops per master CPU-second, without and then with the OpLog
     /// (on an etcd the bench starts, whose request counts it reads per gRPC method).
@@ -145,6 +152,9 @@ pub fn run(args: BenchMasterArgs) -> Result<(), String> {
     }
     if args.oplog {
         return oplog_compare(&args);
+    }
+    if let Some(other) = &args.against {
+        return compare_builds(&args, other);
     }
     let ttl = if args.expire_during { 2 } else { 10 };
     let (child, addr) = match &args.master {
@@ -695,7 +705,6 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
     let first: &[&str] = if args.control { &["--insecure"] } else { &[] };
     let (secure_guard, secure_addr) = start_master(10, first)?;
     let (open_guard, open_addr) = start_master(10, &["--insecure"])?;
-    let (secure_pid, open_pid) = (Some(secure_guard.0.id()), Some(open_guard.0.id()));
     let label = if args.control { "control" } else { "secure" };
     println!(
         "{} vs --insecure: {} connections x {} in flight, {}s rounds, {} rounds each",
@@ -705,13 +714,67 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
         args.duration,
         args.rounds
     );
+    compare_masters(args, (label, &secure_guard, &secure_addr), ("insecure", &open_guard, &open_addr))
+}
+
+/// `--against`: this build's master and `other`'s, each the primary of a one-master cluster
+/// on one etcd, both `--insecure`.
+fn compare_builds(args: &BenchMasterArgs, other: &std::path::Path) -> Result<(), String> {
+    let etcd = tycho_testkit::EtcdServer::start_new()
+        .map_err(|e| format!("cannot start etcd (install etcd-server or set TYCHO_ETCD_BIN): {e}"))?;
+    let endpoint = etcd.endpoint();
+    // A long registration lease: the load saturates the machine (see `--oplog`).
+    let ha = |name: &'static str| {
+        ["--insecure", "--etcd-endpoints", &endpoint, "--cluster-name", name, "--ha-lease-ttl", "30"].map(String::from)
+    };
+    let (this_guard, this_addr) = start_master(10, &ha("bench-this").each_ref().map(String::as_str))?;
+    let mut cmd = std::process::Command::new(other);
+    cmd.args(["master", "--metrics-port", "0"]).args(ha("bench-other"));
+    let (other_guard, other_addr) = crate::bench::harness::start_master_with(10, cmd)?;
+    println!(
+        "this build vs {}: {} connections x {} in flight, {}s rounds, {} rounds each, both logging to etcd {endpoint}",
+        other.display(),
+        args.connections,
+        args.inflight,
+        args.duration,
+        args.rounds
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    // (Waits until each serves: an HA master serves once it has created its group.)
+    rt.block_on(async {
+        for addr in [&this_addr, &other_addr] {
+            let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                match c.call(&Request::Routes).await {
+                    Ok(Response::Routes(t)) if t.epochs.first().is_some_and(|&e| e > 0) => break,
+                    r if Instant::now() > deadline => {
+                        return Err(format!("the master at {addr} does not serve: {r:?}"))
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        Ok::<(), String>(())
+    })?;
+    compare_masters(args, ("this", &this_guard, &this_addr), ("other", &other_guard, &other_addr))
+}
+
+/// Each workload against master `a` and master `b` in alternating rounds: per workload the
+/// median ratio of `a`'s rate to `b`'s, its spread, and CPU per call.
+fn compare_masters(
+    args: &BenchMasterArgs,
+    (label, secure_guard, secure_addr): (&str, &ChildGuard, &str),
+    (other_label, open_guard, open_addr): (&str, &ChildGuard, &str),
+) -> Result<(), String> {
+    let (secure_pid, open_pid) = (Some(secure_guard.0.id()), Some(open_guard.0.id()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let keys: Rc<Vec<KeyRef>> = Rc::new((0..args.keys).map(|i| key_ref("", &format!("bench/key/{i:08}"))).collect());
     let alive = Arc::new(AtomicBool::new(true));
     let mut worst = f64::INFINITY;
     rt.block_on(async {
         let mut owners = Vec::new();
-        for addr in [&secure_addr, &open_addr] {
+        for addr in [secure_addr, open_addr] {
             let c = MasterClient::connect(addr).await.map_err(|e| format!("cannot reach master: {e}"))?;
             let owner = match c.call(&Request::Register { tenant: String::new() }).await {
                 Ok(Response::Registered { client, credential }) if credential != [0; 32] => {
@@ -740,8 +803,8 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
             let (mut on_idle, mut off_idle) = (Vec::new(), Vec::new());
             for round in 0..args.rounds {
                 // Alternate which master goes first.
-                let secure = || measure(&secure_addr, w, args, owners[0], keys.clone(), secure_pid);
-                let open = || measure(&open_addr, w, args, owners[1], keys.clone(), open_pid);
+                let secure = || measure(secure_addr, w, args, owners[0], keys.clone(), secure_pid);
+                let open = || measure(open_addr, w, args, owners[1], keys.clone(), open_pid);
                 let (a, b) = paired(round, secure, open).await?;
                 let per_call = |s: &Stats| s.server_cpu.unwrap_or(0.0) * 1e6 / s.ops.max(1) as f64;
                 on_cpu.push(per_call(&a));
@@ -754,7 +817,7 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 on_idle.push(a.machine.1 / a.secs);
                 off_idle.push(b.machine.1 / b.secs);
                 eprintln!(
-                    "  {w} round {}: {label} {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores), insecure {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores)",
+                    "  {w} round {}: {label} {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores), {other_label} {:.0} ops/s (p99 {} max {} us, idle {:.2} other {:.2} cores)",
                     round + 1,
                     a.ops_per_sec(),
                     a.pct(0.99),
@@ -779,7 +842,7 @@ fn compare_insecure(args: &BenchMasterArgs) -> Result<(), String> {
                 v[v.len() / 2]
             };
             println!(
-                "{w:<12} {label} {:>9.0} ops/s   insecure {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}   \
+                "{w:<12} {label} {:>9.0} ops/s   {other_label} {:>9.0} ops/s   ratio median {median:.3}   min..max {:.3}..{:.3}   \
                  master cpu/call {:.2} / {:.2} us   load cpu/call {:.2} / {:.2} us   idle {:.2} / {:.2} cores",
                 med(&mut on),
                 med(&mut off),

@@ -129,6 +129,19 @@ impl Master {
         }
     }
 
+    /// Makes the calling thread's answer wait until the records logged so far that changed
+    /// shard `shard` of `group` are durable: a read answers only state that a failover keeps
+    /// (a write it sees is committed, a removal it misses is too). Nothing to wait for in the
+    /// common case (no record of the shard in flight) costs two atomic loads.
+    pub(super) fn gate_read(&self, group: &Group, shard: usize) {
+        if cfg!(feature = "bench-no-read-gate") || self.sinks.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some((sink, seq)) = group.read_barrier(shard) {
+            note_logged(sink, seq);
+        }
+    }
+
     /// What the calling thread logged since its last call, and starts over. An RPC takes it
     /// before and after running a request on one thread, and answers only once those records
     /// are durable ([`Master::durable`]).

@@ -40,6 +40,14 @@ pub struct Group {
     pub(super) segments: SegmentTable,
     /// Where the group's records go while this master is its primary (its OpLog writer).
     sink: RwLock<Option<Arc<dyn RecordSink>>>,
+    /// Per shard: the sequence number of the last record logged that changed what a read of
+    /// one of its keys sees (a record of the group's segments counts for every shard). Set
+    /// under the shard's write lock, with the change, so that a reader that sees the change
+    /// sees its number (see `Master::gate_read`).
+    logged: Box<[AtomicU64]>,
+    /// The highest durable sequence number of the sink a reader has seen (a cache that spares
+    /// most reads a look at the log).
+    durable_seen: AtomicU64,
     /// The group's copy and move tasks.
     pub(super) tasks: Mutex<crate::state::task::Tasks>,
     /// The group's use sequence and eviction state (not logged; see [`crate::state::policy`]).
@@ -62,6 +70,8 @@ impl Group {
             applied: AtomicU64::new(0),
             log_stats: Default::default(),
             tombstones: (0..shards.len()).map(|_| Mutex::new(HashMap::new())).collect(),
+            logged: (0..shards.len()).map(|_| AtomicU64::new(0)).collect(),
+            durable_seen: AtomicU64::new(0),
             shards,
             tasks: Mutex::default(),
             uses: Default::default(),
@@ -148,7 +158,11 @@ impl Group {
     /// Sends the group's records to `sink` from now on (`None`: nowhere); returns the previous
     /// one.
     pub(super) fn set_sink(&self, sink: Option<Arc<dyn RecordSink>>) -> Option<Arc<dyn RecordSink>> {
-        std::mem::replace(&mut *self.sink.write(), sink)
+        let mut held = self.sink.write();
+        // A new log starts from state that is durable already (replayed, or empty).
+        self.logged.iter().for_each(|l| l.store(0, Ordering::Release));
+        self.durable_seen.store(0, Ordering::Release);
+        std::mem::replace(&mut *held, sink)
     }
 
     /// The group's record sink, if it has one.
@@ -161,7 +175,31 @@ impl Group {
     pub(super) fn append(&self, rec: Record) -> Option<(Arc<dyn RecordSink>, u64)> {
         let sink = self.sink.read();
         let s = sink.as_ref()?;
-        Some((s.clone(), s.append(rec)))
+        let shard = rec.key().map(|k| self.shards.index_of(partition_of_encoded(k)));
+        let seq = s.append(rec);
+        match shard {
+            Some(i) => {
+                self.logged[i].fetch_max(seq, Ordering::AcqRel);
+            }
+            None => self.logged.iter().for_each(|l| {
+                l.fetch_max(seq, Ordering::AcqRel);
+            }),
+        }
+        Some((s.clone(), seq))
+    }
+
+    /// The record a read of shard `shard` must find durable before it answers, with the
+    /// group's sink; `None` when there is none to wait for (nothing logged, or all of it known
+    /// durable).
+    pub(super) fn read_barrier(&self, shard: usize) -> Option<(Arc<dyn RecordSink>, u64)> {
+        let seq = self.logged.get(shard)?.load(Ordering::Acquire);
+        if seq == 0 || self.durable_seen.load(Ordering::Acquire) >= seq {
+            return None;
+        }
+        let sink = self.sink()?;
+        let durable = sink.committed();
+        self.durable_seen.fetch_max(durable, Ordering::AcqRel);
+        (durable < seq).then_some((sink, seq))
     }
 
     /// The metadata shards (for health checks and tests).
