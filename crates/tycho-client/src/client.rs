@@ -1635,26 +1635,43 @@ impl Inner {
                 // Every primary allocates on this client's segments and expires it on its own.
                 // A primary that fails a (re)mount gets it again on a later heartbeat; the call
                 // succeeds once one primary has it.
+                // When none took it because the groups were changing hands (a claim under way:
+                // the primary's log for the moving group ends), the route table again, and
+                // again, within [`FAILOVER_WAIT`].
                 let remount = matches!(req, Request::ReMountSegment { .. });
-                let mut first_error = None;
-                let mut done = false;
-                for owner in self.owners() {
-                    match call_patiently(&self.conn(&owner), req, self.patience(req)) {
-                        Ok(_) => {
-                            done = true;
-                            if remount {
-                                self.mounted_on.lock().insert(owner);
+                let deadline = Instant::now() + FAILOVER_WAIT;
+                let mut pause = Duration::from_millis(50);
+                loop {
+                    let mut first_error = None;
+                    let mut done = false;
+                    for owner in self.owners() {
+                        match call_patiently(&self.conn(&owner), req, self.patience(req)) {
+                            Ok(_) => {
+                                done = true;
+                                if remount {
+                                    self.mounted_on.lock().insert(owner);
+                                }
+                            }
+                            Err(e) => {
+                                tracing::warn!(master = %owner, error = %e, "a primary did not take this client's segments; retrying on the next heartbeat");
+                                first_error.get_or_insert(e);
                             }
                         }
-                        Err(e) => {
-                            tracing::warn!(master = %owner, error = %e, "a primary did not take this client's segments; retrying on the next heartbeat");
-                            first_error.get_or_insert(e);
-                        }
                     }
-                }
-                match (done, first_error) {
-                    (false, Some(e)) => Err(e),
-                    _ => Ok(Response::Done),
+                    match (done, first_error) {
+                        (false, Some(e))
+                            if matches!(
+                                e,
+                                ErrorCode::KVPT_NOT_OWNED | ErrorCode::STALE_EPOCH | ErrorCode::KVPT_MIGRATING
+                            ) && Instant::now() < deadline =>
+                        {
+                            self.reroute(&self.conn(""));
+                            std::thread::sleep(pause);
+                            pause = (pause * 2).min(Duration::from_millis(500));
+                        }
+                        (false, Some(e)) => return Err(e),
+                        _ => return Ok(Response::Done),
+                    }
                 }
             }
             _ => self.call_seeds(req),

@@ -940,7 +940,13 @@ fn snapshot_config(ha: &HaArgs, id: &str, master: &Arc<Master>) -> Result<tycho_
     let own: String =
         id.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
     let dir = base.join("snapshots").join(own);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create the data directory {}: {e}", dir.display()))?;
+    // Snapshots hold every tenant's keys: the directories are the master's user's alone.
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("cannot create the data directory {}: {e}", dir.display()))?;
     if on_tmpfs(&dir) {
         eprintln!(
             "WARNING: the data directory {} is on a tmpfs: its snapshots do not outlive this machine (set --data-dir)",

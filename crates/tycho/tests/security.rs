@@ -528,6 +528,17 @@ fn clients_act_only_for_themselves_and_their_tenant() {
     assert_eq!(call(Request::Remove(rm)), Response::Error(ErrorCode::PERMISSION_DENIED));
     let regex = Request::RemoveByRegex { tenant: "team-a".into(), regex: ".*".into(), force: true };
     assert_eq!(call(regex), Response::Error(ErrorCode::PERMISSION_DENIED));
+    // Snapshot files (every tenant's keys) are the cluster admin's alone.
+    let file = |name: &str| {
+        Request::SnapshotFile(tycho_proto::SnapshotFileQuery {
+            group: 0,
+            applied: 1,
+            epoch: 1,
+            writer: 1,
+            file: name.into(),
+        })
+    };
+    assert_eq!(call(file("manifest")), Response::Error(ErrorCode::PERMISSION_DENIED));
     // Its own tenant only: RemoveAll with force removes team-b's object, none of team-a's.
     assert_eq!(call(Request::RemoveAll { force: true }), Response::Removed(1));
     let Response::Keys(keys) = call(Request::ListKeys { tenant: None, regex: None, limit: 100 }) else { panic!() };
@@ -553,6 +564,9 @@ fn clients_act_only_for_themselves_and_their_tenant() {
     // The admin unmounts the victim's segment: its objects go, and the victim mounts it again.
     let admin = admin_rpc(&m.rpc, &secret);
     let admin_call = |r: Request| admin.call::<Request, Response>(&r, t).unwrap();
+    // (A master without a cluster holds no snapshot; names outside a snapshot are never read.)
+    assert_eq!(admin_call(file("manifest")), Response::SnapshotFile(None));
+    assert_eq!(admin_call(file("../../cluster.secret")), Response::SnapshotFile(None));
     assert_eq!(admin_call(Request::UnmountSegment { client: victim.id(), segment: seg }), Response::Done);
     assert_eq!(victim.exists("a-0"), Ok(false));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);

@@ -59,6 +59,9 @@ const STORE_RETRY: Duration = Duration::from_millis(200);
 /// Pause before trying again after a snapshot failed.
 const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
 
+/// How often a master compacts the coordination store's history (see [`compact_history`]).
+const HISTORY_COMPACTION: Duration = Duration::from_secs(300);
+
 /// Tries to keep a copy of a group's latest snapshot, per change seen.
 const COPY_TRIES: usize = 5;
 
@@ -279,6 +282,7 @@ pub async fn run(
         tracing::info!(id = %cfg.id, cluster = %cfg.cluster, groups, "registered");
         board.publish();
         let watchdog = tokio::spawn(fence_at_deadline(master.clone(), keeper.subscribe()));
+        let compactor = tokio::spawn(compact_history(store.clone(), keys.clone()));
         let ctx =
             Ctx { master: &master, store: &store, cfg: &cfg, keys: &keys, keeper: &keeper, snaps: snaps.as_ref() };
         // One loop per group; the first that must end the master's registration ends them all.
@@ -293,6 +297,7 @@ pub async fn run(
             r = loops => r.map(|_| ()),
         };
         watchdog.abort();
+        compactor.abort();
         match result {
             // A master that serves nothing loses nothing with its lease: it registers again
             // and goes on (a standby keeps its place in the log, and finds out there whether
@@ -412,6 +417,29 @@ async fn register_alone(
             }
             Err(e) => return Err(HaError::Store(e.to_string())),
         }
+    }
+}
+
+/// Compacts the coordination store's history every [`HISTORY_COMPACTION`], up to the revision
+/// it stood at one period before, whatever else happens (each snapshot publication compacts
+/// too, up to the publication before it): history grows with every write of the cluster,
+/// and nothing reads further back than a watcher that fell that far behind, which reads the
+/// log again. Every master does it; a compaction to a revision compacted already is refused
+/// by the store and ignored.
+async fn compact_history(store: Arc<dyn MetaStore>, keys: ClusterKeys) {
+    let mut tick = tokio::time::interval(HISTORY_COMPACTION);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut previous = None;
+    loop {
+        tick.tick().await;
+        let Ok(now) = store.get(&keys.all_snapshots()).await.map(|r| r.revision) else { continue };
+        if let Some(revision) = previous.filter(|&r| r > 0) {
+            match store.compact(revision).await {
+                Ok(()) => tracing::debug!(revision, "coordination store history compacted"),
+                Err(e) => tracing::debug!(revision, error = %e, "history compaction skipped"),
+            }
+        }
+        previous = Some(now);
     }
 }
 
