@@ -1693,7 +1693,8 @@ fn client_expiry_waits_while_the_master_itself_is_stalled() {
 #[test]
 fn descriptors_carry_capabilities_and_readers_share_one() {
     use tycho_proto::auth::capability::{SegmentKey, RIGHT_READ, RIGHT_WRITE};
-    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let secret =
+        Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret-of-enough-length").unwrap());
     let e = Env::with(MasterConfig { secret: Some(secret.clone()), ..MasterConfig::default() });
     let m = &e.m;
     mount(m, A, 1, MIB);
@@ -1730,7 +1731,8 @@ fn put_start_as(m: &Master, tenant: &str, key: KeyRef, size: u64) -> WireResult<
 #[test]
 fn freed_ranges_stay_with_their_tenant_while_a_grant_may_be_used() {
     use tycho_proto::auth::capability::{CLOCK_SKEW_MS, RIGHT_RETIRE};
-    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let secret =
+        Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret-of-enough-length").unwrap());
     let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
     let m = &e.m;
     mount(m, A, 1, MIB);
@@ -1783,7 +1785,8 @@ fn freed_ranges_stay_with_their_tenant_while_a_grant_may_be_used() {
 /// object inherits the hold.
 #[test]
 fn a_read_grant_holds_the_range_as_long_as_it_lasts_even_through_reuse() {
-    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let secret =
+        Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret-of-enough-length").unwrap());
     let cfg = MasterConfig {
         secret: Some(secret),
         default_kv_lease_ttl_ms: 40_000,
@@ -1821,7 +1824,8 @@ fn a_read_grant_holds_the_range_as_long_as_it_lasts_even_through_reuse() {
 /// every range as granted for the longest a grant lasts from the takeover on.
 #[test]
 fn a_new_primary_holds_freed_ranges_for_any_grant_its_predecessor_may_have_minted() {
-    let secret = Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret").unwrap());
+    let secret =
+        Arc::new(tycho_proto::auth::Secret::from_text(b"master-test-cluster-secret-of-enough-length").unwrap());
     let e = Env::with(MasterConfig { secret: Some(secret), ..MasterConfig::default() });
     let m = &e.m;
     mount(m, A, 1, MIB);

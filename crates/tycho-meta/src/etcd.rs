@@ -146,6 +146,87 @@ impl EtcdStore {
     }
 }
 
+/// One etcd member's defragmentation, as [`defragment_members`] ran it.
+#[derive(Debug, Clone)]
+pub struct MemberDefrag {
+    /// The member's name.
+    pub name: String,
+    /// The client URL it was reached at.
+    pub endpoint: String,
+    /// Its database file's size before, in bytes.
+    pub size_before: u64,
+    /// The part of it in use before (what a defragmentation leaves, roughly), in bytes.
+    pub in_use_before: u64,
+    /// Its database file's size after, in bytes.
+    pub size_after: u64,
+    /// How long the defragmentation call took.
+    pub took: Duration,
+    /// The longest a read at this member waited while it ran: the stall its clients saw.
+    pub longest_read: Duration,
+}
+
+/// Longest a defragmentation may take before it is reported as failed (a large database on a
+/// slow disk takes minutes).
+pub const DEFRAG_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Defragments every member of the etcd cluster `options` reaches, one after the other with
+/// `between` in between, so that only one member stalls at a time. A member stops serving
+/// reads and writes while it defragments (it rewrites its database file); a reader polls the
+/// member every 10 ms meanwhile, and the longest wait it saw is reported as the pause.
+/// `report` is called after each member. Stops at the first member that fails.
+pub async fn defragment_members(
+    options: &EtcdOptions,
+    between: Duration,
+    mut report: impl FnMut(&MemberDefrag),
+) -> MetaResult<Vec<MemberDefrag>> {
+    let mut client = with_timeout(options.request_timeout, Client::connect(&options.endpoints, None)).await?;
+    let members = with_timeout(options.request_timeout, client.member_list()).await?;
+    let mut done = Vec::new();
+    for (i, member) in members.members().iter().enumerate() {
+        let Some(endpoint) = member.client_urls().first().cloned() else {
+            return Err(MetaError::Other(format!("etcd member {:?} has no client URL", member.name())));
+        };
+        if i > 0 {
+            tokio::time::sleep(between).await;
+        }
+        let mut one = with_timeout(options.request_timeout, Client::connect([endpoint.as_str()], None)).await?;
+        let before = with_timeout(options.request_timeout, one.status()).await?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = tokio::spawn({
+            let (mut kv, stop) = (one.kv_client(), stop.clone());
+            async move {
+                let mut longest = Duration::ZERO;
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    let started = Instant::now();
+                    let _ = tokio::time::timeout(DEFRAG_TIMEOUT, kv.get("tycho-defrag-probe", None)).await;
+                    longest = longest.max(started.elapsed());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                longest
+            }
+        });
+        let started = Instant::now();
+        let defragmented = with_timeout(DEFRAG_TIMEOUT, one.defragment()).await;
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let longest_read = reader.await.unwrap_or_default();
+        defragmented?;
+        let after = with_timeout(options.request_timeout, one.status()).await?;
+        let d = MemberDefrag {
+            name: member.name().to_owned(),
+            endpoint,
+            size_before: before.db_size().max(0) as u64,
+            in_use_before: before.raft_used_db_size().max(0) as u64,
+            size_after: after.db_size().max(0) as u64,
+            took,
+            longest_read,
+        };
+        report(&d);
+        done.push(d);
+    }
+    Ok(done)
+}
+
 async fn with_timeout<T>(limit: Duration, fut: impl Future<Output = Result<T, etcd_client::Error>>) -> MetaResult<T> {
     match tokio::time::timeout(limit, fut).await {
         Ok(result) => result.map_err(map_error),

@@ -184,6 +184,8 @@ error_codes! {
     RESOURCE_LIMIT = -2207, Fail;
     /// The node serves payloads encrypted only, and the request asked for them in the clear.
     ENCRYPTION_REQUIRED = -2208, Fail;
+    /// The peers' clocks are further apart than held ranges allow (`CLOCK_SKEW_MS`).
+    CLOCK_SKEW = -2209, Fail;
 }
 
 impl ErrorCode {
@@ -229,6 +231,7 @@ impl ErrorCode {
             ENCRYPTION_REQUIRED => {
                 "the node encrypts payloads (tycho node --encrypt); set TYCHO_ENCRYPT=1 on this client"
             }
+            CLOCK_SKEW => "the hosts' clocks are more than 5 s apart; synchronize them (NTP)",
             _ => "see docs/errors.md",
         }
     }

@@ -15,8 +15,24 @@ use tycho_proto::{ErrorCode, RouteTag, MAX_KEY_LEN, MAX_TENANT_LEN};
 /// Number of fixed KV partitions (spec 01).
 pub const PARTITION_COUNT: u32 = 16384;
 
-/// Epoch of a KVPT group before its first ownership change.
+/// Epoch of a KVPT group before its first ownership change (in a cluster without an
+/// incarnation: a master alone, or a cluster made before incarnations existed).
 pub const INITIAL_GROUP_EPOCH: u64 = 1;
+
+/// The first epoch of every group of a cluster created as `incarnation` (its creation time, in
+/// Unix seconds; 0: none). The incarnation is the epoch's high 32 bits, so every epoch of a
+/// cluster started over is above every epoch of the one before: the fences that keep the
+/// highest epoch seen (nodes' write fences, clients' route caches) follow the new cluster
+/// without being reset, and a grant or route of the old one stays stale.
+pub fn first_epoch(incarnation: u64) -> u64 {
+    (incarnation.min(u64::from(u32::MAX)) << 32) | INITIAL_GROUP_EPOCH
+}
+
+/// `epoch` within its cluster's incarnation (its low 32 bits): what people read, counting
+/// ownership changes from 1.
+pub fn epoch_in_incarnation(epoch: u64) -> u64 {
+    epoch & u64::from(u32::MAX)
+}
 
 /// The bytes a key is identified by: length-prefixed tenant followed by the key.
 /// The master stores objects under these bytes, and the partition is their CRC32C.

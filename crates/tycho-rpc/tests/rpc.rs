@@ -54,7 +54,7 @@ impl Service for TestService {
 }
 
 fn secret() -> Arc<Secret> {
-    Arc::new(Secret::from_text(b"rpc-test-cluster-secret").unwrap())
+    Arc::new(Secret::from_text(b"rpc-test-cluster-secret-of-enough-length").unwrap())
 }
 
 /// A client configuration holding the test cluster's secret.
@@ -152,7 +152,7 @@ async fn connections_without_the_secret_are_refused() {
     let err = RpcClient::connect(&addr, &none).await.err().expect("refused");
     assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_REQUIRED, "{err}");
     assert!(err.to_string().contains("TYCHO_SECRET_FILE"), "{err}");
-    let other = Arc::new(Secret::from_text(b"another-cluster-secret").unwrap());
+    let other = Arc::new(Secret::from_text(b"another-cluster-secret-of-enough-length").unwrap());
     let wrong = ClientConfig { auth: ClientAuth::Secret(other), ..cfg() };
     let err = RpcClient::connect(&addr, &wrong).await.err().expect("refused");
     assert_eq!(err.code(), tycho_proto::ErrorCode::AUTH_FAILED, "{err}");

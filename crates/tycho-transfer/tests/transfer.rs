@@ -17,7 +17,7 @@ use tycho_transfer::wire::{
 use tycho_transfer::*;
 
 fn secret() -> Arc<Secret> {
-    Arc::new(Secret::from_text(b"transfer-test-cluster-secret").unwrap())
+    Arc::new(Secret::from_text(b"transfer-test-cluster-secret-of-enough-length").unwrap())
 }
 
 /// An engine of a process on `host` holding the cluster secret.
@@ -487,7 +487,7 @@ fn connections_must_prove_the_secret() {
     let err = none.read(&r, 0, &mut out).unwrap_err();
     assert_eq!(err.code(), ErrorCode::AUTH_REQUIRED, "{err}");
     assert!(err.to_string().contains("TYCHO_SECRET_FILE"), "{err}");
-    let other = Arc::new(Secret::from_text(b"another-cluster-secret").unwrap());
+    let other = Arc::new(Secret::from_text(b"another-cluster-secret-of-enough-length").unwrap());
     let wrong = TransferEngine::new("there", true, Arc::new(SegmentRegistry::default()), Some(other));
     assert_eq!(wrong.read(&r, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_FAILED);
     // Raw bytes without a greeting: the server answers its greeting, then closes.

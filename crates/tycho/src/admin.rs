@@ -1,6 +1,8 @@
 //! CLI commands that read or change master metadata: `stat`, `ls`, `exist`, `rm`, `segments`;
 //! and the cluster's layout from a master's admin HTTP: `groups`, `masters`.
 
+use std::time::Duration;
+
 use clap::Args;
 use tycho_proto::{ErrorCode, KeyQuery, KeyRef, RemoveKey, Request, Response};
 
@@ -89,7 +91,7 @@ pub fn groups(t: HttpTarget) -> i32 {
             "{:>5}  {:<28} {:>6}  {:<10} {:<9} {}",
             r["rank"].as_u64().unwrap_or(0),
             r["primary"].as_str().unwrap_or("?"),
-            r["epoch"].as_u64().unwrap_or(0),
+            tycho_routing::epoch_in_incarnation(r["epoch"].as_u64().unwrap_or(0)),
             r["state"].as_str().unwrap_or("?"),
             if r["caretaken"] == true { "yes" } else { "no" },
             if standbys.is_empty() { "-".to_string() } else { standbys.join(",") }
@@ -183,6 +185,57 @@ pub fn admin_token(a: TokenArgs) -> i32 {
     }
 }
 
+/// `tycho etcd-defrag`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct DefragArgs {
+    /// etcd client URLs, comma-separated (the masters' `--etcd-endpoints`); every member of that
+    /// etcd cluster is defragmented, one at a time.
+    #[arg(long = "etcd-endpoints", value_delimiter = ',', required = true, value_name = "URLS")]
+    etcd_endpoints: Vec<String>,
+    /// Pause between two members, in seconds.
+    #[arg(long, default_value_t = 10)]
+    between_secs: u64,
+}
+
+/// `tycho etcd-defrag`: defragments the etcd cluster's members one after the other (opt-in:
+/// the masters compact etcd's history themselves, which bounds what etcd keeps in use but not
+/// the size of its database file; a defragmentation returns the rest to the disk and stalls the
+/// member it runs on meanwhile). Prints each member's sizes and the stall a reader saw.
+pub fn etcd_defrag(a: DefragArgs) -> i32 {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let options = tycho_meta::EtcdOptions::new(a.etcd_endpoints.clone());
+    let mb = |b: u64| b as f64 / 1e6;
+    let ran = rt.block_on(tycho_meta::defragment_members(&options, Duration::from_secs(a.between_secs), |d| {
+        println!(
+            "{} ({}): {:.1} MB -> {:.1} MB ({:.1} MB in use before); defragmented in {} ms; longest read meanwhile {} ms",
+            d.name,
+            d.endpoint,
+            mb(d.size_before),
+            mb(d.size_after),
+            mb(d.in_use_before),
+            d.took.as_millis(),
+            d.longest_read.as_millis()
+        )
+    }));
+    match ran {
+        Ok(done) if done.is_empty() => {
+            eprintln!("error: the etcd cluster at {} lists no member", a.etcd_endpoints.join(","));
+            1
+        }
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("error: etcd at {}: {e}", a.etcd_endpoints.join(","));
+            1
+        }
+    }
+}
+
 /// `tycho reshard`: asks a master to move a group, then follows the move (the target carries
 /// it out from the request stored in the cluster; this command only watches) until the group
 /// is served by the target (exit 0) or the move is abandoned (exit 1).
@@ -233,7 +286,15 @@ fn reshard_watch(a: &ReshardArgs) -> Result<bool, String> {
         let Some(record) = record else { return Err(format!("group {} has no record", a.rank)) };
         let primary = record["primary"].as_str().unwrap_or("?");
         if primary == a.to {
-            show(5, format!("switched: {} serves group {} at epoch {}", a.to, a.rank, record["epoch"]));
+            show(
+                5,
+                format!(
+                    "switched: {} serves group {} at epoch {}",
+                    a.to,
+                    a.rank,
+                    tycho_routing::epoch_in_incarnation(record["epoch"].as_u64().unwrap_or(0))
+                ),
+            );
             if intent.is_none() {
                 println!("done in {:.2}s", started.elapsed().as_secs_f64());
                 return Ok(true);

@@ -63,7 +63,7 @@ impl Rng {
 }
 
 fn secret() -> Arc<Secret> {
-    Arc::new(Secret::from_text(b"fuzzing-cluster-secret").expect("long enough"))
+    Arc::new(Secret::from_text(b"fuzzing-cluster-secret-of-enough-length").expect("long enough"))
 }
 
 /// Runs one input through `target`'s decoders. Decoding errors are fine; only a panic fails.

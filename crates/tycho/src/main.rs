@@ -62,6 +62,9 @@ enum Command {
     Reshard(admin::ReshardArgs),
     /// Print the admin token of the cluster secret, for the admin HTTP server's listings.
     AdminToken(admin::TokenArgs),
+    /// Defragment the etcd cluster's members one at a time, reporting each one's stall (opt-in;
+    /// see docs/ha.md).
+    EtcdDefrag(admin::DefragArgs),
     /// Feed mutated bytes to every network decoder (see docs/security.md).
     Fuzz(fuzz::FuzzArgs),
 }
@@ -95,6 +98,7 @@ fn main() {
         Command::Task(a) => objects::task(a),
         Command::Bench(b) => bench::run(b),
         Command::AdminToken(a) => admin::admin_token(a),
+        Command::EtcdDefrag(a) => admin::etcd_defrag(a),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),
         Command::Exist(a) => admin::exist(a),

@@ -685,7 +685,7 @@ fn print_groups(routes: Option<&tycho_proto::RouteTable>, addrs: &[String]) {
     };
     for (rank, owner) in t.owners.iter().enumerate() {
         let name = addrs.iter().position(|a| a == owner).map_or("?".into(), |i| format!("m{i}"));
-        let epoch = t.epochs.get(rank).copied().unwrap_or(0);
+        let epoch = tycho_routing::epoch_in_incarnation(t.epochs.get(rank).copied().unwrap_or(0));
         println!("  group {rank:<5}    primary {name} ({owner}), epoch {epoch}");
     }
 }
@@ -1007,11 +1007,18 @@ async fn run_ha(
     let (status, mut seen) = tokio::sync::watch::channel(HaStatus::Starting);
     let probe = admin.probe().clone();
     let follow = tokio::spawn(async move {
+        let mut last_warning = None;
         loop {
             let now = seen.borrow_and_update().clone();
             probe.set_serving(now.serves());
             probe.set_note(now.describe());
             println!("tycho master role: {}", now.describe());
+            let warning = now.warning();
+            if warning.is_some() && warning != last_warning {
+                eprintln!("WARNING: {}", warning.as_deref().unwrap_or_default());
+            }
+            probe.set_warning(warning.clone());
+            last_warning = warning;
             if seen.changed().await.is_err() {
                 return;
             }

@@ -232,15 +232,10 @@ fn write_errors(m: &MasterProc) -> Vec<(String, u64)> {
 /// The body of `GET path` on `http` (host:port), showing the admin token of the clusters'
 /// secret (`common::secret_file`'s).
 fn http_get(http: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(http).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let token = common::admin_token(common::SECRET_TEXT);
-    write!(s, "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\r\n").unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {out:?}"));
-    assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
-    body.to_string()
+    let (status, body) = common::http_call(http, "GET", path, Some(&token), "");
+    assert_eq!(status, 200, "{path}: {body}");
+    body
 }
 
 /// One group as `/kvpt_groups` lists it: (primary, standbys, epoch, caretaken).
@@ -257,7 +252,9 @@ fn groups(master: &MasterProc) -> Vec<Row> {
         .take_while(|(i, r)| r["rank"].as_u64() == Some(*i as u64))
         .map(|(_, r)| {
             let standbys = r["standbys"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
-            (r["primary"].as_str().unwrap().to_string(), standbys, r["epoch"].as_u64().unwrap(), r["caretaken"] == true)
+            // (The epoch within the cluster's incarnation: 1 at creation.)
+            let epoch = tycho_routing::epoch_in_incarnation(r["epoch"].as_u64().unwrap());
+            (r["primary"].as_str().unwrap().to_string(), standbys, epoch, r["caretaken"] == true)
         })
         .collect()
 }
@@ -319,7 +316,9 @@ fn the_first_master_caretakes_every_group_and_joining_masters_claim_one_each() {
         let resp = raw.call::<tycho_proto::Request, tycho_proto::Response>(&tycho_proto::Request::Routes, t).unwrap();
         let tycho_proto::Response::Routes(routes) = resp else { panic!("no routes: {resp:?}") };
         assert_eq!(routes.groups, 4);
-        assert_eq!(routes.epochs, [1, 2, 2, 2]);
+        let epochs: Vec<u64> = routes.epochs.iter().map(|&e| tycho_routing::epoch_in_incarnation(e)).collect();
+        assert_eq!(epochs, [1, 2, 2, 2]);
+        assert!(routes.epochs.iter().all(|&e| e >> 32 == routes.epochs[0] >> 32), "one incarnation: {routes:?}");
         assert_eq!(routes.owners, masters.iter().map(|m| m.rpc.clone()).collect::<Vec<_>>());
     }
     // The same as tables, from the command line.
@@ -495,7 +494,12 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
     let (id, raw) = common::registered(&a.rpc, &secret, "");
     let t = Duration::from_secs(10);
     raw.call::<Request, Response>(&Request::ReMountSegment { client: id, segments: Vec::new() }, t).unwrap();
-    let late = KeyRef { key: ours[2].clone(), route: tycho_routing::route_for("", &ours[2], 1) };
+    // Group 1's epoch while the caretaker serves it (the cluster's first).
+    let Response::Routes(before) = raw.call::<Request, Response>(&Request::Routes, t).unwrap() else {
+        panic!("no route table")
+    };
+    let first = before.epochs[1];
+    let late = KeyRef { key: ours[2].clone(), route: tycho_routing::route_for("", &ours[2], first) };
     let start = WriteStart {
         client: id,
         tenant: String::new(),
@@ -533,7 +537,7 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
         assert!(Instant::now() < deadline, "a's route table never named b");
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert!(epoch > 1, "a claim raises the epoch");
+    assert!(epoch > first, "a claim raises the epoch");
     let fresh = KeyRef { key: ours[1].clone(), route: tycho_routing::route_for("", &ours[1], epoch) };
     let write = WriteStart {
         client: id,
@@ -549,7 +553,7 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
         }
         other => panic!("a write of a group a does not serve got {other:?}"),
     }
-    let stale = KeyRef { key: ours[0].clone(), route: tycho_routing::route_for("", &ours[0], 1) };
+    let stale = KeyRef { key: ours[0].clone(), route: tycho_routing::route_for("", &ours[0], first) };
     let query = tycho_proto::KeyQuery { tenant: String::new(), key: stale };
     match raw.call::<Request, Response>(&Request::GetReplicaList(query.clone()), t).unwrap() {
         Response::Replicas(list) => assert!(!list.replicas.is_empty(), "{list:?}"),
@@ -564,7 +568,7 @@ fn a_stale_route_is_redirected_and_a_delayed_put_end_at_the_former_primary_is_re
     let (id2, other) = common::registered(&a.rpc, &secret, "");
     other.call::<Request, Response>(&Request::ReMountSegment { client: id2, segments: Vec::new() }, t).unwrap();
     quiet.upsert(&ours[0], &value_of(&ours[0], 1500), &Default::default()).unwrap();
-    for route_epoch in [1, epoch] {
+    for route_epoch in [first, epoch] {
         let key = KeyRef { key: ours[0].clone(), route: tycho_routing::route_for("", &ours[0], route_epoch) };
         let at_a = tycho_proto::KeyQuery { tenant: String::new(), key };
         match other.call::<Request, Response>(&Request::GetReplicaList(at_a), t).unwrap() {
@@ -800,24 +804,6 @@ fn tycho_up_with_etcd_runs_the_masters_as_separate_processes() {
     }
 }
 
-/// `method path` on `http` (host:port) with an optional bearer token and body: status and body.
-fn http_call(http: &str, method: &str, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(http).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {out:?}"));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, body.to_string())
-}
-
 /// Group `rank`'s record as `master` reports it (JSON).
 fn record(master: &MasterProc, rank: u64) -> serde_json::Value {
     let rows: serde_json::Value = serde_json::from_str(&http_get(&master.http, "/kvpt_groups")).unwrap();
@@ -908,7 +894,7 @@ fn reshard_requests_are_checked_and_one_past_its_deadline_is_abandoned() {
     let b = c.master("primary of groups 1", &[]);
     let before = wait_groups(&a, "b claims group 1", |g| g.len() == 2 && g[1].0 == b.rpc && !g[1].3);
     let secret = common::admin_token(&std::fs::read_to_string(&c.secret).unwrap());
-    let post = |path: &str, bearer: Option<&str>| http_call(&a.http, "POST", path, bearer, "");
+    let post = |path: &str, bearer: Option<&str>| common::http_call(&a.http, "POST", path, bearer, "");
     let to_a = format!("/reshard?rank=1&target={}", a.rpc);
     assert_eq!(post(&to_a, None).0, 401, "no secret");
     assert_eq!(post(&to_a, Some("a-wrong-secret-of-enough-length")).0, 401, "a wrong secret");
@@ -950,7 +936,7 @@ fn a_reshard_whose_target_hangs_at_a_failpoint_is_abandoned_and_the_group_stays_
     let c = Cluster::new("reshard-hang");
     let (a, b, _node, client) = c.two_primaries();
     let before = groups(&a);
-    assert_eq!(http_call(&a.http, "PUT", "/fail/reshard::switch", None, "return").0, 200);
+    assert_eq!(common::http_call(&a.http, "PUT", "/fail/reshard::switch", None, "return").0, 200);
     let load = Load::new();
     let out = load.around(&client, "hang", 2000, 50, || c.reshard(&a, 1, &a.rpc));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -999,7 +985,7 @@ fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint
             _ => &s,
         };
         let secret = common::admin_token(&std::fs::read_to_string(&c.secret).unwrap());
-        assert_eq!(http_call(&by(victim).http, "PUT", &format!("/fail/{failpoint}"), None, "return").0, 200);
+        assert_eq!(common::http_call(&by(victim).http, "PUT", &format!("/fail/{failpoint}"), None, "return").0, 200);
         // The request goes through the third master when it is the victim, else through a.
         let door = if failpoint == "reshard::requested" { &s } else { &a };
         let load = Load::new();

@@ -69,6 +69,11 @@ impl Cluster {
 
     /// [`Cluster::master`] with `extra` flags.
     fn master_with(&self, role: &str, extra: &[&str]) -> MasterProc {
+        self.master_on(0, role, extra)
+    }
+
+    /// [`Cluster::master_with`] on RPC port `port` (0: any free one).
+    fn master_on(&self, port: u16, role: &str, extra: &[&str]) -> MasterProc {
         let endpoint = self.etcd.endpoint();
         let mut flags = vec![
             "--etcd-endpoints",
@@ -83,7 +88,7 @@ impl Cluster {
             self.secret.to_str().unwrap(),
         ];
         flags.extend_from_slice(extra);
-        let mut m = MasterProc::start(TYCHO, &flags);
+        let mut m = MasterProc::start_on(TYCHO, port, &flags);
         m.proc.wait_line(&format!("tycho master role: {role}"), ROLE_WAIT).unwrap_or_else(|e| panic!("{role}: {e}"));
         m
     }
@@ -528,6 +533,11 @@ fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
     let mut a = c.master("primary");
     let (_node, writer) = c.node_and_writer(&a.rpc);
     put_all(&writer);
+    // Alone, it says in /readyz (still ready) that its snapshots are on its disk alone.
+    eventually(
+        || format!("no warning in /readyz: {:?}", readyz(&a)),
+        || readyz(&a) == (200, "ready\n".to_owned() + &warning_of(&["0"])),
+    );
     a.proc.signal(libc::SIGKILL);
     // Only once the dead primary's registration is gone: the new master then finds no live
     // master in the record and takes the group over from the log, never as a standby.
@@ -536,6 +546,53 @@ fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
     let later = c.master("primary");
     println!("a new master served {:?} after it started", started.elapsed());
     check_all(&later, &c.secret);
+}
+
+/// Issue 47: G = 2 and two masters, each the primary of one group, neither a standby. SIGKILL
+/// of the second: the first takes its group over as caretaker, from its own copy of the
+/// group's latest snapshot (fetched from the dead master while it lived; snapshots every 20
+/// records) and the log's suffix, and serves every acknowledged object of both groups.
+#[test]
+fn without_a_standby_a_caretaker_restores_a_dead_primarys_group() {
+    let _one = serial();
+    let c = Cluster::new("caretake", "2");
+    let every = ["--kvpt-groups", "2", "--snapshot-every", "20"];
+    let a = c.master_with("primary of groups 0", &every);
+    let mut b = c.master_with("primary of groups 1", &every[2..]);
+    let both = format!("{},{}", a.rpc, b.rpc);
+    let (_node, writer) = c.node_and_writer(&both);
+    put_all(&writer);
+    // Enough records for several snapshots of each group.
+    let extra = |i: usize| format!("extra/{i}");
+    for i in 0..200 {
+        writer.put(&extra(i), &value(&extra(i), 100), &Default::default()).unwrap();
+    }
+    let keys = tycho_master::ownership::ClusterKeys::new(c.name);
+    let pointers =
+        || c.with_etcd(async |store| tycho_master::compaction::read_pointers(store, &keys, 1).await.unwrap().0);
+    // The log of group 1 was cut below a snapshot its primary took (no standby to take it).
+    eventually(|| format!("group 1 was never snapshotted: {:?}", pointers()), || pointers().floor > 0);
+    b.proc.signal(libc::SIGKILL);
+    let reader = client(&a.rpc, &c.secret);
+    let served = || (0..KEYS).all(|i| reader.get(&key(i)).is_ok());
+    eventually(|| "the caretaker never served every key".into(), served);
+    check_all(&a, &c.secret);
+    for i in 0..200 {
+        assert_eq!(reader.get(&extra(i)).unwrap(), value(&extra(i), 100), "{}", extra(i));
+    }
+    let groups: serde_json::Value = serde_json::from_str(
+        &common::http_call(
+            &a.http,
+            "GET",
+            "/kvpt_groups",
+            Some(&common::admin_token(&std::fs::read_to_string(&c.secret).unwrap())),
+            "",
+        )
+        .1,
+    )
+    .unwrap();
+    assert_eq!(groups[1]["primary"], a.rpc.as_str(), "{groups}");
+    assert_eq!(groups[1]["caretaken"], true, "{groups}");
 }
 
 /// The same with snapshots: the primary, alone, snapshots its group every 20 records and cuts
@@ -561,6 +618,82 @@ fn without_a_standby_a_later_master_restores_the_group_from_a_snapshot_and_the_l
     let latest = c.snapshot_pointers().latest.expect("a snapshot");
     println!("log cut below {}; a new master restored from {latest:?}", c.first_batch());
     check_all(&later, &c.secret);
+}
+
+/// `/readyz`'s status and body at `master`.
+fn readyz(master: &MasterProc) -> (u16, String) {
+    common::http_call(&master.http, "GET", "/readyz", None, "")
+}
+
+/// The warning `/readyz` gives on a master whose snapshots of `groups` are on its disk alone.
+fn warning_of(groups: &[&str]) -> String {
+    format!(
+        "warning: group {}: no other master is live, so the snapshots the log is cut below are on this master's \
+         disk alone; losing that disk loses the metadata below the latest snapshot (objects come back as their \
+         nodes remount). Start a second master.\n",
+        groups.join(", ")
+    )
+}
+
+/// Issue 47: docs/ha.md's "start a cluster over" with a node and a client that stay up. The
+/// cluster's records are deleted from etcd and a new master starts where the old one was, with
+/// an empty data directory: the new cluster's epochs carry its incarnation (its creation time)
+/// above every epoch of the old one, so the node's write fence and the client's route cache
+/// take the new cluster's grants and routes without a restart, and writes and reads succeed.
+#[test]
+fn a_cluster_started_over_serves_the_node_and_client_that_stayed_up() {
+    let _one = serial();
+    let c = Cluster::new("over", "2");
+    // Two masters: the second claims group 1, whose epoch rises to 2; the node's write fence
+    // has seen it once a write of group 1 went through.
+    let a = c.master_with("primary", &["--kvpt-groups", "2"]);
+    let b = c.master("primary of groups 1");
+    let both = format!("{},{}", a.rpc, b.rpc);
+    let (node, writer) = c.node_and_writer(&both);
+    put_all(&writer);
+    let meta_key = tycho_master::ownership::ClusterKeys::new(c.name).meta();
+    let meta = || {
+        c.with_etcd(async |store| store.get(&meta_key).await.unwrap().kv.map(|kv| kv.value))
+            .map(|v| tycho_master::ownership::ClusterMeta::decode(&v).unwrap())
+    };
+    let old = meta().expect("the cluster's record");
+    // The runbook: stop every master, delete the cluster's keys and data directories, start again.
+    let port = a.port();
+    for mut m in [a, b] {
+        m.proc.signal(libc::SIGTERM);
+        c.wait_unregistered(&m);
+    }
+    c.with_etcd(async |store| {
+        let page = store.range(RangeRequest::prefix(format!("/tycho/{}/", c.name), 100_000).keys_only()).await.unwrap();
+        for kv in page.kvs {
+            store.delete(&kv.key).await.unwrap();
+        }
+    });
+    // (Incarnations count seconds: a cluster started over within the second it was created
+    // would share its epochs.)
+    let deadline = Instant::now() + ROLE_WAIT;
+    while std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() <= old.incarnation {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let data = TempDir::new("tycho-ha-over").unwrap();
+    let fresh = c.master_on(port, "primary", &["--kvpt-groups", "2", "--data-dir", data.path().to_str().unwrap()]);
+    let new = meta().expect("the new cluster's record");
+    assert!(new.first_epoch() > old.first_epoch(), "{old:?} then {new:?}");
+    // The client and the node that stayed up: the node remounts its segment at the new
+    // cluster; once a write goes through, every key of both groups can be written and read.
+    let deadline = Instant::now() + ROLE_WAIT;
+    let mut failed = Vec::new();
+    while let Err(e) = writer.put("after", &value("after", 5000), &Default::default()) {
+        failed.push(e);
+        assert!(Instant::now() < deadline, "no write succeeded after the start-over: {failed:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!("the first write after the start-over went through after {} failures ({failed:?})", failed.len());
+    assert_eq!(writer.get(&key(0)).unwrap_err(), ErrorCode::OBJECT_NOT_FOUND, "the old cluster's metadata is gone");
+    put_all(&writer);
+    check_all(&fresh, &c.secret);
+    drop(node);
 }
 
 /// Waits (bounded by [`ROLE_WAIT`]) until `done` holds; `what` says what did not happen.
@@ -672,19 +805,8 @@ fn behind_the_floor(c: &Cluster, a_flags: &[&str], b_flags: &[&str]) -> (MasterP
 
 /// `master`'s admin HTTP `method path` with the cluster's admin credential: the status.
 fn admin_http(master: &MasterProc, secret: &Path, method: &str, path: &str, body: &str) -> u16 {
-    use std::io::Read;
     let token = common::admin_token(&std::fs::read_to_string(secret).unwrap());
-    let mut s = std::net::TcpStream::connect(&master.http).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    common::http_call(&master.http, method, path, Some(&token), body).0
 }
 
 /// Issue 46: a primary that hangs (SIGSTOP: its kernel still accepts connections and takes
@@ -699,6 +821,8 @@ fn calls_against_a_hung_primary_are_served_by_its_successor_within_the_lease() {
     let ttl = Duration::from_secs(2);
     let c = Cluster::new("hung", "2");
     let (mut a, mut b, both) = c.primary_and_standby();
+    // With a second master live, the primary's snapshots are kept on two disks: no warning.
+    eventually(|| format!("/readyz at the primary: {:?}", readyz(&a)), || readyz(&a) == (200, "ready\n".into()));
     let (_node, writer) = c.node_and_writer(&both);
     put_all(&writer);
     // Clients with open connections to the primary (pooled: the stopped master's sockets
@@ -826,17 +950,47 @@ fn client_when_served(master: &str, secret: &Path) -> Client {
 
 /// A figure of etcd's own `/metrics` page.
 fn etcd_metric(etcd: &EtcdServer, name: &str) -> f64 {
-    use std::io::Read;
-    let mut s = std::net::TcpStream::connect(etcd.client_addr()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
+    let (_, page) = common::http_call(&etcd.client_addr().to_string(), "GET", "/metrics", None, "");
     let prefix = format!("{name} ");
-    out.lines()
+    page.lines()
         .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} on etcd's metrics page"))
+}
+
+/// Issue 46: compaction bounds what etcd keeps in use, not its database file; `tycho
+/// etcd-defrag` (opt-in) returns the rest to the disk, member by member, and says how long
+/// each member stalled.
+#[test]
+fn etcd_defrag_returns_the_space_compaction_freed_and_reports_the_stall() {
+    let _one = serial();
+    let etcd = EtcdServer::start_new().unwrap();
+    // 8 MiB written over 2 MiB of keys, then the history compacted: ~6 MiB of free pages.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let store = tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new([etcd.endpoint()])).await.unwrap();
+        let value = vec![7u8; 64 << 10];
+        let mut last = 0;
+        for _ in 0..4 {
+            for i in 0..32 {
+                last = store.put(format!("defrag/{i}").as_bytes(), &value, None).await.unwrap();
+            }
+        }
+        store.compact(last).await.unwrap();
+    });
+    let before = etcd_metric(&etcd, "etcd_mvcc_db_total_size_in_bytes");
+    let out = std::process::Command::new(TYCHO)
+        .args(["etcd-defrag", "--etcd-endpoints", &etcd.endpoint(), "--between-secs", "0"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    println!("{said}");
+    let line = said.lines().next().expect("one line per member");
+    assert_eq!(said.lines().count(), 1, "one member: {said}");
+    assert!(line.contains(" MB -> ") && line.contains("longest read meanwhile"), "{line}");
+    let after = etcd_metric(&etcd, "etcd_mvcc_db_total_size_in_bytes");
+    assert!(after < before - 4e6, "the database file went from {before} to {after} bytes");
 }
 
 /// What the soak's writers know of a key: its last acknowledged version (`Some(0)`: removed),

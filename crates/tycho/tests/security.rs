@@ -47,7 +47,7 @@ struct Cluster {
 impl Cluster {
     fn start(name: &str, flags: &[&str], node: Option<&str>) -> Cluster {
         let home = TempDir::new(&format!("tycho-sec-{name}")).unwrap();
-        let path = secret_file(home.path(), &format!("{name}-cluster-secret"));
+        let path = secret_file(home.path(), &format!("{name}-cluster-secret-of-enough-length"));
         let file = path.to_str().unwrap().to_string();
         let mut all = vec!["--secret-file", file.as_str()];
         all.extend_from_slice(flags);
@@ -83,6 +83,12 @@ fn a_master_creates_its_secret_and_only_processes_holding_it_get_in() {
     let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &[], &[("TYCHO_RUNTIME_DIR", run)]);
     let put = tycho(&m.rpc, &["put", "k", "-"], &[("TYCHO_RUNTIME_DIR", run)], b"secret bytes");
     assert!(put.status.success(), "{}", text(&put.stderr));
+    // Issue 47: a client whose clock is 10 s off is refused, with both clocks named.
+    let skewed =
+        tycho(&m.rpc, &["get", "k"], &[("TYCHO_RUNTIME_DIR", run), ("TYCHO_TEST_CLOCK_OFFSET_MS", "10000")], b"");
+    assert_eq!(skewed.status.code(), Some(1));
+    let err = text(&skewed.stderr);
+    assert!(err.contains("the peer's clock reads") && err.contains("synchronize the hosts' clocks"), "{err}");
     // Without it: refused, with a message that says what to set.
     let other = elsewhere.to_str().unwrap();
     let denied = tycho(&m.rpc, &["get", "k"], &[("TYCHO_RUNTIME_DIR", other)], b"");
@@ -94,7 +100,7 @@ fn a_master_creates_its_secret_and_only_processes_holding_it_get_in() {
     let wrong = tycho(
         &m.rpc,
         &["get", "k"],
-        &[("TYCHO_RUNTIME_DIR", other), ("TYCHO_SECRET", "some-other-cluster-secret")],
+        &[("TYCHO_RUNTIME_DIR", other), ("TYCHO_SECRET", "some-other-cluster-secret-of-enough-length")],
         b"",
     );
     assert!(text(&wrong.stderr).contains("AUTH_FAILED"), "{}", text(&wrong.stderr));
@@ -108,6 +114,46 @@ fn a_master_creates_its_secret_and_only_processes_holding_it_get_in() {
     let loose = tycho(&m.rpc, &["get", "k"], &[("TYCHO_RUNTIME_DIR", other), ("TYCHO_SECRET_FILE", path)], b"");
     assert!(!loose.status.success());
     assert!(text(&loose.stderr).contains("other users may read it"), "{}", text(&loose.stderr));
+}
+
+/// Issue 47: another user who creates `$TMPDIR/tycho-<uid>` first (here a directory of uid
+/// 65534, made as root) does not stop the master: it keeps its secret and sockets under the
+/// user's home instead, where a node and a client of the same user find them by themselves.
+#[test]
+fn a_squatted_runtime_directory_does_not_stop_the_master() {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("not run: making a directory of another owner needs root");
+        return;
+    }
+    let root = TempDir::new("tycho-sec-squat").unwrap();
+    let (tmp, home) = (root.path().join("tmp"), root.path().join("home"));
+    std::fs::create_dir_all(&home).unwrap();
+    // SAFETY: getuid cannot fail.
+    let squatted = tmp.join(format!("tycho-{}", unsafe { libc::getuid() }));
+    std::fs::create_dir_all(&squatted).unwrap();
+    let c_path = std::ffi::CString::new(squatted.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string; chown only changes the directory's owner.
+    assert_eq!(unsafe { libc::chown(c_path.as_ptr(), 65534, 65534) }, 0, "chown the squatter's directory");
+    let env = [
+        ("TMPDIR", tmp.to_str().unwrap()),
+        ("HOME", home.to_str().unwrap()),
+        ("TYCHO_RUNTIME_DIR", ""),
+        ("XDG_RUNTIME_DIR", ""),
+        ("TYCHO_SECRET_FILE", ""),
+        ("TYCHO_SECRET", ""),
+    ];
+    let m = MasterProc::start_env(TYCHO, 0, &[], &env);
+    let file = home.join(".local/state/tycho/run").join(format!("master-{}.secret", m.port()));
+    let mode = std::fs::metadata(&file).expect("the secret under the home directory").permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let _node = NodeProc::start_env(TYCHO, &m.rpc, "16MB", &[], &env);
+    let put = tycho(&m.rpc, &["put", "k", "-"], &env, b"squat-proof bytes");
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    let got = tycho(&m.rpc, &["get", "k"], &env, b"");
+    assert!(got.status.success(), "{}", text(&got.stderr));
+    assert_eq!(got.stdout, b"squat-proof bytes");
+    assert_eq!(std::fs::read_dir(&squatted).unwrap().count(), 0, "nothing was written in the squatter's directory");
 }
 
 /// A raw transfer peer that knows a replica's segment, offset and length (all public) cannot
@@ -133,7 +179,7 @@ fn transfers_without_a_grant_are_refused_and_change_nothing() {
     let outsider = TransferEngine::new("attacker", true, Arc::new(SegmentRegistry::default()), None);
     assert_eq!(outsider.read(&r, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_REQUIRED);
     assert_eq!(outsider.write(&r, 0, &[0xaa; 64]).unwrap_err().code(), ErrorCode::AUTH_REQUIRED);
-    let impostor = Arc::new(Secret::from_text(b"a-guessed-cluster-secret").unwrap());
+    let impostor = Arc::new(Secret::from_text(b"a-guessed-cluster-secret-of-enough-length").unwrap());
     let guess = TransferEngine::new("attacker", true, Arc::new(SegmentRegistry::default()), Some(impostor));
     assert_eq!(guess.read(&r, 0, &mut out).unwrap_err().code(), ErrorCode::AUTH_FAILED);
 
@@ -228,7 +274,7 @@ fn master_calls_without_the_secret_never_run() {
         Request::RemoveAll { force: true },
         Request::Ping { client: segs[0].client },
     ];
-    for secret in [None, Some("not-the-cluster-secret")] {
+    for secret in [None, Some("not-the-cluster-secret-of-enough-length")] {
         let auth = match secret {
             None => ClientAuth::Insecure,
             Some(t) => ClientAuth::Secret(Arc::new(Secret::from_text(t.as_bytes()).unwrap())),
@@ -388,16 +434,7 @@ fn resource_caps_hold_under_huge_mounts_and_idle_connections() {
 
 /// `GET path` on the admin HTTP server, with the secret as a bearer token when given.
 fn http_get(addr: &str, path: &str, secret: Option<&str>) -> (u16, String) {
-    use std::io::Read;
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
-    let auth = secret.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}\r\n");
-    s.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    common::http_call(addr, "GET", path, secret, "")
 }
 
 /// The admin HTTP server binds loopback by default; its listings need the cluster secret while
@@ -405,7 +442,7 @@ fn http_get(addr: &str, path: &str, secret: Option<&str>) -> (u16, String) {
 #[test]
 fn admin_http_listings_need_the_secret_and_come_in_pages() {
     let home = TempDir::new("tycho-sec-http").unwrap();
-    let text = "admin-http-cluster-secret";
+    let text = "admin-http-cluster-secret-of-enough-length";
     let file = secret_file(home.path(), text);
     let f = file.to_str().unwrap();
     let m = MasterProc::start(TYCHO, &["--secret-file", f]);

@@ -135,11 +135,6 @@ impl Snapshots {
         pointers.latest.map_or(0, |l| l.applied) + self.every_records.max(objects / 2)
     }
 
-    /// Whether a snapshot of group `rank` at `applied` is due, given its pointers.
-    pub fn due(&self, pointers: &Pointers, applied: u64) -> bool {
-        applied >= pointers.latest.map_or(0, |l| l.applied) + self.every_records
-    }
-
     /// Writes `entries` as snapshot `id`, publishes it if it is newer than the latest, then
     /// deletes what it makes unneeded (older snapshots, batches below the new floor) and
     /// compacts the store's history. Returns the pointers now in force, or `None` if another
@@ -459,7 +454,8 @@ mod tests {
         assert!(snaps.save(id(40), mount(1)).await.unwrap().is_none());
         assert_eq!(files.list(0).unwrap(), vec![id(35), id(45)]);
         assert_eq!(snaps.pointers(0).await.unwrap().0.latest, Some(id(45)));
-        assert!(snaps.due(&p, 55) && !snaps.due(&p, 54));
+        assert_eq!(snaps.next_due(&p, 0), 55, "every 10 records");
+        assert_eq!(snaps.next_due(&p, 40), 65, "a group of 40 objects: every 20 records");
     }
 
     #[tokio::test]

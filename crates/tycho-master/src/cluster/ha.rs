@@ -117,6 +117,9 @@ pub enum GroupRole {
         epoch: u64,
         /// As caretaker.
         caretaker: bool,
+        /// No other master is live to hold a copy of the group's snapshots: the log is cut below
+        /// a snapshot on this master's disk alone (set by the board; callers pass `false`).
+        sole_copy: bool,
     },
 }
 
@@ -144,17 +147,20 @@ impl HaStatus {
         match self {
             HaStatus::Starting => "starting: registering in the coordination store".into(),
             HaStatus::Active(roles) if roles.len() == 1 => match roles[0] {
-                GroupRole::Primary { epoch, .. } => format!("primary of the group at epoch {epoch}"),
+                GroupRole::Primary { epoch, .. } => {
+                    format!("primary of the group at epoch {}", tycho_routing::epoch_in_incarnation(epoch))
+                }
                 GroupRole::Standby => "standby: replaying the primary's log".into(),
                 GroupRole::Idle => "idle: waiting for a role".into(),
             },
             HaStatus::Active(roles) => {
                 let primary: Vec<String> = (0..roles.len())
                     .filter_map(|r| match roles[r] {
-                        GroupRole::Primary { epoch, caretaker: false } => Some(format!("{r} (epoch {epoch})")),
-                        GroupRole::Primary { epoch, caretaker: true } => {
-                            Some(format!("{r} (epoch {epoch}, caretaker)"))
-                        }
+                        GroupRole::Primary { epoch, caretaker, .. } => Some(format!(
+                            "{r} (epoch {}{})",
+                            tycho_routing::epoch_in_incarnation(epoch),
+                            if caretaker { ", caretaker" } else { "" }
+                        )),
                         _ => None,
                     })
                     .collect();
@@ -172,6 +178,24 @@ impl HaStatus {
             HaStatus::Stopped => "stopped: told to stop; gave its registration up".into(),
             HaStatus::Failed(why) => format!("stopped: {why}"),
         }
+    }
+
+    /// What an operator should know while the master serves: the groups whose snapshots are on
+    /// this master's disk alone, and what losing that disk costs.
+    pub fn warning(&self) -> Option<String> {
+        let HaStatus::Active(roles) = self else { return None };
+        let sole: Vec<String> = (0..roles.len())
+            .filter(|&r| matches!(roles[r], GroupRole::Primary { sole_copy: true, .. }))
+            .map(|r| r.to_string())
+            .collect();
+        (!sole.is_empty()).then(|| {
+            format!(
+                "group {}: no other master is live, so the snapshots the log is cut below are on this master's \
+                 disk alone; losing that disk loses the metadata below the latest snapshot (objects come back as \
+                 their nodes remount). Start a second master.",
+                sole.join(", ")
+            )
+        })
     }
 }
 
@@ -237,13 +261,14 @@ pub async fn run(
     if cfg.writer.combiner.is_none() && groups > 1 {
         cfg.writer.combiner = Some(crate::log::oplog::TxnCombiner::start(store.clone()));
     }
+    master.advertise(&cfg.address);
     stand_by_all(&master);
     status.send_replace(HaStatus::Starting);
     let keys = ClusterKeys::new(&cfg.cluster);
     let snaps =
         cfg.snapshots.as_ref().map(|s| Snapshots::new(store.clone(), s.files.clone(), keys.clone(), s.every_records));
     let mut roles: Vec<Roles> = (0..groups).map(|_| Roles::default()).collect();
-    let board = Board { roles: Mutex::new(vec![GroupRole::Idle; groups as usize]), status: &status };
+    let board = Board { roles: Mutex::new((vec![GroupRole::Idle; groups as usize], false)), status: &status };
     let mut registered_before = false;
     let (result, keeper) = loop {
         let registered = async {
@@ -343,23 +368,46 @@ fn stand_by_all(master: &Master) {
 
 /// The roles of every group, published together as the master's status.
 struct Board<'a> {
-    roles: Mutex<Vec<GroupRole>>,
+    /// Each group's role, and whether this master keeps snapshots that no other live master
+    /// copies (which every primary role then carries as `sole_copy`).
+    roles: Mutex<(Vec<GroupRole>, bool)>,
     status: &'a watch::Sender<HaStatus>,
 }
 
 impl Board<'_> {
-    /// Notes the master's role in group `rank`.
+    /// Notes the master's role in group `rank` (a primary's `sole_copy` is the board's).
     fn set(&self, rank: u32, role: GroupRole) {
-        let mut roles = self.roles.lock();
+        let mut guard = self.roles.lock();
+        let (roles, alone) = &mut *guard;
+        let role = match role {
+            GroupRole::Primary { epoch, caretaker, .. } => GroupRole::Primary { epoch, caretaker, sole_copy: *alone },
+            other => other,
+        };
         if roles[rank as usize] != role {
             roles[rank as usize] = role;
             self.status.send_replace(HaStatus::Active(roles.clone()));
         }
     }
 
+    /// Notes whether this master's snapshots are copied by no other live master.
+    fn set_alone(&self, now: bool) {
+        let mut guard = self.roles.lock();
+        let (roles, alone) = &mut *guard;
+        if *alone == now {
+            return;
+        }
+        *alone = now;
+        for r in roles.iter_mut() {
+            if let GroupRole::Primary { sole_copy, .. } = r {
+                *sole_copy = now;
+            }
+        }
+        self.status.send_replace(HaStatus::Active(roles.clone()));
+    }
+
     /// Publishes the roles as they are (after registering).
     fn publish(&self) {
-        self.status.send_replace(HaStatus::Active(self.roles.lock().clone()));
+        self.status.send_replace(HaStatus::Active(self.roles.lock().0.clone()));
     }
 }
 
@@ -547,6 +595,10 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
     let mut changes = Changes::open(&**store, keys).await?;
     let groups = master.config().group_count.max(1);
     let (live, records, intents) = view(ctx, groups).await?;
+    // Snapshots in each master's own directory, and no other master to copy them.
+    board.set_alone(
+        ctx.cfg.snapshots.as_ref().is_some_and(|s| s.peers.is_some()) && !live.iter().any(|l| *l != ctx.cfg.id),
+    );
     // Every master keeps a copy of every group's latest snapshot (from the peers the view just
     // listed): whoever takes a group over finds one at home, and the log is cut only below
     // snapshots two masters hold.
@@ -578,7 +630,7 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
                 master.take_over(rank, created.0.epoch);
                 master.adopt_segments(rank);
                 master.note_route(rank, created.0.epoch, &cfg.address);
-                board.set(rank, GroupRole::Primary { epoch: created.0.epoch, caretaker: caretake });
+                board.set(rank, GroupRole::Primary { epoch: created.0.epoch, caretaker: caretake, sole_copy: false });
                 tracing::info!(group = rank, epoch = created.0.epoch, caretake, "created the group: serving it");
                 role.log = Some(log);
             }
@@ -606,8 +658,11 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
                 // The intent or the record changed: decide again.
                 return Ok(());
             }
+            // Snapshots in each master's own directory, and no other master to copy them.
+            let sole_copy =
+                ctx.cfg.snapshots.as_ref().is_some_and(|s| s.peers.is_some()) && !live.iter().any(|l| *l != cfg.id);
             if let Some((g, _)) = &group {
-                board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken });
+                board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken, sole_copy });
             }
             // Without a live standby to snapshot the group, the primary does, off its own state.
             let standby_alive = group
@@ -1142,7 +1197,7 @@ async fn promote_here(
     match promote(master, follower, promotion).await {
         Ok((record, log)) => {
             tracing::info!(group = rank, epoch = record.epoch, caretake, took = ?started.elapsed(), "took the group over");
-            board.set(rank, GroupRole::Primary { epoch: record.epoch, caretaker: record.caretaken });
+            board.set(rank, GroupRole::Primary { epoch: record.epoch, caretaker: record.caretaken, sole_copy: false });
             master.note_route(rank, record.epoch, &cfg.address);
             role.follower = None;
             role.log = Some(log);

@@ -21,7 +21,7 @@ pub use crate::log::fence::{GroupRecord, GroupState, OwnershipError, GROUP_RECOR
 pub use tycho_proto::cluster::OWNERSHIP_VERSION;
 
 /// Layout version of the cluster's layout record.
-pub const CLUSTER_META_VERSION: u16 = 1;
+pub const CLUSTER_META_VERSION: u16 = 2;
 
 /// Where a cluster's records live.
 #[derive(Debug, Clone)]
@@ -81,11 +81,27 @@ impl ClusterKeys {
 pub struct ClusterMeta {
     /// The number of KVPT groups G.
     pub groups: u32,
+    /// When the cluster was created, in Unix seconds: its groups' epochs start at
+    /// [`tycho_routing::first_epoch`] of it, above every epoch of a cluster of the same name
+    /// started over before. 0 in a record of version 1 (epochs then start at 1).
+    pub incarnation: u64,
+}
+
+/// Version 1 of the record, before incarnations.
+#[derive(Deserialize)]
+struct ClusterMetaV1 {
+    groups: u32,
 }
 
 pub use tycho_proto::cluster::{MasterRegistration, Role};
 
 impl ClusterMeta {
+    /// A new cluster's record: G and this moment as its incarnation.
+    pub fn new(groups: u32) -> ClusterMeta {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        ClusterMeta { groups, incarnation: now.max(1) }
+    }
+
     /// The record as stored.
     pub fn encode(&self) -> Vec<u8> {
         envelope::seal(
@@ -95,11 +111,31 @@ impl ClusterMeta {
         )
     }
 
-    /// Reads a stored record; refuses a newer version or damaged bytes.
+    /// Reads a stored record (of this version or version 1); refuses a newer version or damaged
+    /// bytes.
     pub fn decode(bytes: &[u8]) -> Result<ClusterMeta, OwnershipError> {
-        let (_, payload) = envelope::open(RecordKind::ClusterMeta, CLUSTER_META_VERSION, bytes)
+        let (version, payload) = envelope::open(RecordKind::ClusterMeta, CLUSTER_META_VERSION, bytes)
             .map_err(|e| OwnershipError::Corrupt(e.to_string()))?;
-        postcard::from_bytes(payload).map_err(|e| OwnershipError::Corrupt(e.to_string()))
+        let corrupt = |e: postcard::Error| OwnershipError::Corrupt(e.to_string());
+        match version {
+            1 => postcard::from_bytes::<ClusterMetaV1>(payload)
+                .map(|v1| ClusterMeta { groups: v1.groups, incarnation: 0 })
+                .map_err(corrupt),
+            _ => postcard::from_bytes(payload).map_err(corrupt),
+        }
+    }
+
+    /// The epoch every group of this cluster starts at.
+    pub fn first_epoch(&self) -> u64 {
+        tycho_routing::first_epoch(self.incarnation)
+    }
+}
+
+/// The cluster's record, if it has one.
+pub async fn cluster_meta(store: &dyn MetaStore, keys: &ClusterKeys) -> Result<Option<ClusterMeta>, OwnershipError> {
+    match store.get(&keys.meta()).await.map_err(store_error)?.kv {
+        Some(kv) => ClusterMeta::decode(&kv.value).map(Some),
+        None => Ok(None),
     }
 }
 
@@ -144,7 +180,7 @@ pub async fn cluster_groups(
         }
         let legacy = !store.range(RangeRequest::prefix(keys.groups(), 1)).await.map_err(store_error)?.kvs.is_empty();
         let groups = if legacy { 1 } else { wanted.unwrap_or(1) };
-        match store.create_if_absent(&keys.meta(), &ClusterMeta { groups }.encode(), None).await {
+        match store.create_if_absent(&keys.meta(), &ClusterMeta::new(groups).encode(), None).await {
             Ok(_) => return check(groups),
             // Another master stored it first: read it.
             Err(MetaError::CompareFailed { .. }) => continue,
@@ -183,7 +219,8 @@ pub async fn read_group(
     }
 }
 
-/// Creates group `rank` with `primary` at epoch 1, only if it does not exist.
+/// Creates group `rank` with `primary` at the cluster's first epoch (1 without a
+/// `cluster_meta` record, or with one of version 1), only if it does not exist.
 pub async fn create_group(
     store: &dyn MetaStore,
     keys: &ClusterKeys,
@@ -191,13 +228,14 @@ pub async fn create_group(
     primary: &str,
     caretaken: bool,
 ) -> Result<(GroupRecord, Revision), OwnershipError> {
+    let epoch = cluster_meta(store, keys).await?.map_or(tycho_routing::INITIAL_GROUP_EPOCH, |m| m.first_epoch());
     let record = GroupRecord {
         rank,
         primary: primary.to_string(),
         standbys: Vec::new(),
         state: GroupState::Stable,
         migrating_to: None,
-        epoch: 1,
+        epoch,
         caretaken,
     };
     let rev = store.create_if_absent(&keys.group(rank), &record.encode(), None).await.map_err(conflict)?;
@@ -356,8 +394,16 @@ mod tests {
         let cg = GroupRecord { caretaken: true, ..g };
         assert_eq!(envelope::open(RecordKind::Ownership, GROUP_RECORD_VERSION, &cg.encode()).unwrap().0, 2);
         assert_eq!(GroupRecord::decode(&cg.encode()), Ok(cg));
-        let meta = ClusterMeta { groups: 4 };
+        let meta = ClusterMeta::new(4);
         assert_eq!(ClusterMeta::decode(&meta.encode()), Ok(meta));
+        assert!(meta.first_epoch() > u64::from(u32::MAX), "an incarnation's epochs are above any of version 1");
+        // A version 1 record (before incarnations) reads with none: epochs start at 1.
+        let v1 = envelope::seal(RecordKind::ClusterMeta, 1, &postcard::to_stdvec(&4u32).unwrap());
+        let old = ClusterMeta::decode(&v1).unwrap();
+        assert_eq!((old, old.first_epoch()), (ClusterMeta { groups: 4, incarnation: 0 }, 1));
+        // A newer version is refused.
+        let v3 = envelope::seal(RecordKind::ClusterMeta, 3, &postcard::to_stdvec(&meta).unwrap());
+        assert!(matches!(ClusterMeta::decode(&v3), Err(OwnershipError::Corrupt(_))));
         assert!(ClusterMeta::decode(&reg("a").encode()).is_err(), "another kind of record is refused");
     }
 }

@@ -92,6 +92,8 @@ pub struct ProbeState {
     serving: AtomicBool,
     /// Why it does not serve, when it says (an HA master's role).
     note: parking_lot::Mutex<Option<String>>,
+    /// What an operator should know while it serves (`/readyz` gives it after `ready`).
+    warning: parking_lot::Mutex<Option<String>>,
     responsive: AtomicBool,
     latency_us: AtomicU64,
     failures: AtomicU64,
@@ -108,6 +110,12 @@ impl ProbeState {
     /// Says what the master does, for `/readyz` to give as the reason while it does not serve.
     pub fn set_note(&self, note: String) {
         *self.note.lock() = Some(note);
+    }
+
+    /// Sets (or clears) what `/readyz` adds to its answer while the master is ready: a risk the
+    /// operator should know of that does not stop it serving.
+    pub fn set_warning(&self, warning: Option<String>) {
+        *self.warning.lock() = warning;
     }
 
     /// Whether the master serves.
@@ -350,7 +358,10 @@ async fn readyz(State(s): State<Arc<AdminState>>) -> HttpResponse {
     let serving = s.probe.serving();
     let ready = serving && (!s.probe_enabled || s.probe.responsive());
     if ready {
-        (StatusCode::OK, "ready\n").into_response()
+        match s.probe.warning.lock().as_deref() {
+            Some(warning) => (StatusCode::OK, format!("ready\nwarning: {warning}\n")).into_response(),
+            None => (StatusCode::OK, "ready\n").into_response(),
+        }
     } else if !serving {
         let why = s.probe.note.lock().clone().unwrap_or_else(|| "the master is not serving".into());
         (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")).into_response()
@@ -911,7 +922,12 @@ fn group_metrics(out: &mut String, master: &Master) {
     /// A series: name, type, help, and its value for a group.
     type Series = (&'static str, &'static str, &'static str, fn(&Row) -> f64);
     let gauges: [Series; 12] = [
-        ("tycho_master_group_epoch", "gauge", "The ownership epoch this master holds the group at.", |g| g.1 as f64),
+        (
+            "tycho_master_group_epoch",
+            "gauge",
+            "The ownership epoch this master holds the group at, counted within the cluster's incarnation.",
+            |g| tycho_routing::epoch_in_incarnation(g.1) as f64,
+        ),
         ("tycho_master_group_serving", "gauge", "1 while this master answers the group's requests.", |g| {
             g.2 as u8 as f64
         }),

@@ -269,7 +269,8 @@ impl MasterRpc {
             return Some(Reply::Ready(Response::Error(ErrorCode::KVPT_MIGRATING)));
         }
         let table = self.master.route_table();
-        let owner = table.owners.get(rank as usize).filter(|o| !o.is_empty())?.clone();
+        // A table that still names this master is behind (it was deposed): no owner to name.
+        let owner = table.owners.get(rank as usize).filter(|o| !o.is_empty() && !self.master.is_me(o))?.clone();
         let epoch = table.epochs.get(rank as usize).copied().unwrap_or(0);
         let redirect = Response::NotOwned(tycho_proto::Redirect { group: rank, epoch, owner: owner.clone() });
         let mut forwarded = match req {
@@ -336,7 +337,7 @@ fn name_owners(m: &Master, partitions: &[u16], resp: Response) -> Response {
         if *e != Some(ErrorCode::KVPT_NOT_OWNED) || owners.iter().any(|r| r.group == rank) {
             continue;
         }
-        if let Some(owner) = table.owners.get(rank as usize).filter(|o| !o.is_empty()) {
+        if let Some(owner) = table.owners.get(rank as usize).filter(|o| !o.is_empty() && !m.is_me(o)) {
             let epoch = table.epochs.get(rank as usize).copied().unwrap_or(0);
             owners.push(tycho_proto::Redirect { group: rank, epoch, owner: owner.clone() });
         }
@@ -529,5 +530,39 @@ mod tests {
         assert!(!same_tenant("tenant-a", ""));
         assert!(!same_tenant("tenant-a", "tenant-b"));
         assert!(!same_tenant("tenant-a", "tenant-ab"));
+    }
+
+    /// Issue 47: a deposed master whose route table still names itself for a group refuses
+    /// that group's keys without naming an owner (the client refreshes its routes), never
+    /// sending the client back to itself.
+    #[test]
+    fn a_refusal_never_names_the_refusing_master_as_owner() {
+        use std::sync::Arc;
+
+        use tycho_proto::{ErrorCode, Response, RouteTable};
+
+        use super::name_owners;
+        use crate::state::clock::ManualClock;
+        use crate::{Master, MasterConfig};
+
+        let m = Master::new(MasterConfig { group_count: 2, ..Default::default() }, Arc::new(ManualClock::new(1_000)));
+        m.advertise("10.0.0.1:50051");
+        let p = (0..u16::MAX).find(|&p| tycho_routing::kvpt_to_rank(p, 2) == 1).unwrap();
+        let refused = || Response::BatchExists(vec![Err(ErrorCode::KVPT_NOT_OWNED)]);
+        let table = |owner: &str| RouteTable {
+            groups: 2,
+            epochs: vec![1, 3],
+            owners: vec!["10.0.0.1:50051".into(), owner.into()],
+            lease_ttl_ms: 0,
+        };
+        m.publish_routes(table("10.0.0.1:50051"));
+        assert_eq!(name_owners(&m, &[p], refused()), refused(), "a stale table names this master: no owner");
+        m.publish_routes(RouteTable { epochs: vec![1, 4], ..table("10.0.0.2:50051") });
+        match name_owners(&m, &[p], refused()) {
+            Response::Redirected { owners, .. } => {
+                assert_eq!((owners[0].group, owners[0].epoch, owners[0].owner.as_str()), (1, 4, "10.0.0.2:50051"))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -216,6 +216,8 @@ pub struct Master {
     routes: RwLock<Option<Arc<tycho_proto::RouteTable>>>,
     /// The directory of the snapshots this master holds, which it serves to its peers.
     snapshot_files: std::sync::OnceLock<Arc<crate::log::snapshot::DirSnapshotStore>>,
+    /// The address this master advertises to its cluster (set once it registers).
+    advertised: std::sync::OnceLock<String>,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -256,6 +258,7 @@ impl Master {
             sinks: std::sync::atomic::AtomicUsize::new(0),
             routes: RwLock::new(None),
             snapshot_files: std::sync::OnceLock::new(),
+            advertised: std::sync::OnceLock::new(),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
             heat,
@@ -1405,6 +1408,17 @@ impl Master {
     /// once, before serving.
     pub fn serve_snapshots(&self, files: Arc<crate::log::snapshot::DirSnapshotStore>) {
         let _ = self.snapshot_files.set(files);
+    }
+
+    /// Notes the address this master advertises to its cluster. Set once.
+    pub fn advertise(&self, address: &str) {
+        let _ = self.advertised.set(address.to_owned());
+    }
+
+    /// Whether `owner` (an address from the route table) is this master: a table that names it
+    /// for a group it does not serve is behind, and must not send clients back here.
+    pub fn is_me(&self, owner: &str) -> bool {
+        self.advertised.get().is_some_and(|me| me == owner)
     }
 
     /// The snapshot directory this master serves, if any.

@@ -174,13 +174,13 @@ mod tests {
     use super::*;
 
     fn key(inc: u32) -> SegmentKey {
-        SegmentKey::new(&Secret::from_text(b"capability-test-secret").unwrap(), SegmentId(77), inc)
+        SegmentKey::new(&Secret::from_text(b"capability-test-secret-of-enough-length").unwrap(), SegmentId(77), inc)
     }
 
     #[test]
     fn tags_are_the_inner_hash_of_hmac_sha256() {
         use sha2::Digest;
-        let secret = Secret::from_text(b"capability-test-secret").unwrap();
+        let secret = Secret::from_text(b"capability-test-secret-of-enough-length").unwrap();
         let k = key(9);
         let raw = secret.derive("segment key v3", &[&77u128.to_le_bytes(), &9u32.to_le_bytes()]);
         let c = Capability { rights: 3, expires_ms: 1 << 40, epoch: 12, group: 7, tenant: 0xfeed, mac: [0; 16] };

@@ -1,8 +1,9 @@
 //! Where the cluster secret lives on a host.
 //!
 //! A master started without a secret creates one in the user's runtime directory
-//! (`$TYCHO_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tycho`, else `/tmp/tycho-<uid>`), a directory
-//! of mode 0700 that this user owns, in a file of mode 0600 named after the master's RPC port
+//! (`$TYCHO_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tycho`, else `$TMPDIR/tycho-<uid>`; when
+//! another user holds that name first, `~/.local/state/tycho/run`), a directory of mode 0700
+//! that this user owns, in a file of mode 0600 named after the master's RPC port
 //! (`master-50051.secret`). A client connecting to that port on the same host, as the same
 //! user, finds it there without being told. Processes of other users, and other hosts, must be
 //! given the secret (`TYCHO_SECRET_FILE` or `TYCHO_SECRET`).
@@ -30,8 +31,21 @@ pub fn runtime_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         return Path::new(&d).join("tycho");
     }
-    // SAFETY: getuid cannot fail.
-    PathBuf::from(format!("/tmp/tycho-{}", unsafe { libc::getuid() }))
+    let shared = std::env::temp_dir().join(format!("tycho-{}", uid()));
+    if taken_by_another(&shared) {
+        // Any user may create a name in the temporary directory first, to keep this user's
+        // processes from starting; the home directory is this user's alone. Every process of
+        // the user sees the same squatter, so they all agree on the fallback.
+        if let Some(home) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+            return Path::new(&home).join(".local/state/tycho/run");
+        }
+    }
+    shared
+}
+
+/// Whether `path` exists as something other than a directory of this user (a squatter's).
+fn taken_by_another(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|md| !md.is_dir() || md.uid() != uid())
 }
 
 fn uid() -> u32 {
@@ -177,13 +191,13 @@ mod tests {
     fn loading_refuses_files_others_can_read() {
         with_dir(|d| {
             let p = d.join("s");
-            fs::write(&p, "0123456789abcdef0123\n").unwrap();
+            fs::write(&p, "0123456789abcdef0123456789abcdef\n").unwrap();
             fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).unwrap();
             let e = load(&p).unwrap_err();
             assert!(e.to_string().contains("other users may read it"), "{e}");
             fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).unwrap();
             let s = load(&p).unwrap();
-            assert_eq!(s.fingerprint(), Secret::from_text(b"0123456789abcdef0123").unwrap().fingerprint());
+            assert_eq!(s.fingerprint(), Secret::from_text(b"0123456789abcdef0123456789abcdef").unwrap().fingerprint());
         });
     }
 }

@@ -1,11 +1,12 @@
 //! The greeting at the start of every RPC and transfer connection.
 //!
 //! ```text
-//! server -> client  Hello frame: service (u8) | flags (u8, bit 0: secret required) | 0 x6
-//!                   | server nonce (16)
+//! server -> client  Hello frame: service (u8) | flags (u8, bit 0: secret required)
+//!                   | clock (u48, Unix ms) | server nonce (16)
 //! client -> server  Hello frame: service (u8) | flags (u8, bit 0: proof, bit 1: client
-//!                   credential, bit 2: admin credential) | 0 x6 | client nonce (16) | proof (32)
-//!                   | client id (16) | credential proof (32) | tenant length (u8) | tenant
+//!                   credential, bit 2: admin credential) | clock (u48, Unix ms)
+//!                   | client nonce (16) | proof (32) | client id (16) | credential proof (32)
+//!                   | tenant length (u8) | tenant
 //! server -> client  Hello frame: status (i32, 0 or an error code) | 0 x4 | server proof (32)
 //! ```
 //!
@@ -15,10 +16,16 @@
 //! both nonces and the service: a recorded greeting cannot be replayed on a new connection,
 //! and a connection to one service cannot be passed off on another. The server proves the
 //! secret too, so a client never talks to an impostor that took a master's port.
+//!
+//! Each side also sends its clock, and each refuses a peer whose clock is more than
+//! [`CLOCK_SKEW_MS`] from its own (held ranges and capabilities rely on that bound), naming
+//! both clocks. A clock of 0 is not checked. The clocks are not covered by the proofs: whoever
+//! can alter them can as well cut the connection.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
 
+use super::capability::CLOCK_SKEW_MS;
 use super::session::Session;
 use super::stream::StreamSession;
 use super::{mac32, random_bytes, same_mac, ResolvedAuth, Secret, SECRET_FILE_ENV};
@@ -166,6 +173,18 @@ pub enum HandshakeError {
         /// Where the client's secret came from.
         origin: String,
     },
+    /// The peer's clock is further from this host's than held ranges allow.
+    #[error(
+        "the peer's clock reads {theirs} ms since the Unix epoch and this host's {ours}: {apart} ms apart, more than \
+         the {CLOCK_SKEW_MS} ms Tycho's held ranges allow; synchronize the hosts' clocks (NTP)",
+        apart = .theirs.abs_diff(*.ours)
+    )]
+    ClockSkew {
+        /// This host's clock, Unix ms.
+        ours: u64,
+        /// The peer's, Unix ms.
+        theirs: u64,
+    },
     /// A client holding a secret (given or found) reached a server that asks for none.
     #[error(
         "the server asks for no cluster secret (an --insecure server, or an impostor on its port) but this client \
@@ -186,6 +205,7 @@ impl HandshakeError {
                 ErrorCode::INVALID_VERSION
             }
             HandshakeError::SecretRequired | HandshakeError::MissingProof => ErrorCode::AUTH_REQUIRED,
+            HandshakeError::ClockSkew { .. } => ErrorCode::CLOCK_SKEW,
             HandshakeError::Refused(c) => *c,
             HandshakeError::BadClientProof
             | HandshakeError::BadCredential
@@ -238,6 +258,35 @@ pub fn read_hello<R: Read>(r: &mut R) -> Result<Vec<u8>, HandshakeError> {
     Ok(payload)
 }
 
+/// This host's clock in Unix ms, as the greeting carries it. Builds with the `failpoints`
+/// feature (tests only) add `TYCHO_TEST_CLOCK_OFFSET_MS` to it, to play a host whose clock is
+/// off.
+pub fn clock_ms() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    #[cfg(feature = "failpoints")]
+    if let Some(off) = std::env::var("TYCHO_TEST_CLOCK_OFFSET_MS").ok().and_then(|v| v.parse::<i64>().ok()) {
+        return now.saturating_add_signed(off);
+    }
+    now
+}
+
+/// Writes `ms` into a greeting's 6 clock bytes.
+fn put_clock(dst: &mut [u8], ms: u64) {
+    dst.copy_from_slice(&ms.to_le_bytes()[..6]);
+}
+
+/// Refuses a peer whose greeting's clock (6 bytes, 0: not sent) is further than
+/// [`CLOCK_SKEW_MS`] from `ours`.
+fn check_clock(bytes: &[u8], ours: u64) -> Result<(), HandshakeError> {
+    let mut le = [0u8; 8];
+    le[..6].copy_from_slice(bytes);
+    let theirs = u64::from_le_bytes(le);
+    if theirs != 0 && theirs.abs_diff(ours) > CLOCK_SKEW_MS {
+        return Err(HandshakeError::ClockSkew { ours, theirs });
+    }
+    Ok(())
+}
+
 fn conn_key(secret: &Secret) -> [u8; 32] {
     secret.derive("connection v1", &[])
 }
@@ -257,6 +306,7 @@ impl ServerSide {
         let mut p = [0u8; SERVER_HELLO_LEN];
         p[0] = service as u8;
         p[1] = u8::from(secret.is_some());
+        put_clock(&mut p[2..8], clock_ms());
         p[8..24].copy_from_slice(&nonce);
         Ok((ServerSide { service, nonce, secret }, hello_frame(&p)))
     }
@@ -307,6 +357,7 @@ impl ServerSide {
         if service != self.service {
             return Err(HandshakeError::WrongService { found: self.service.name(), wanted: service.name() });
         }
+        check_clock(&p[2..8], clock_ms())?;
         let Some(secret) = &self.secret else {
             return Ok(Peer::default());
         };
@@ -366,6 +417,8 @@ impl ClientSide {
         if found != service {
             return Err(HandshakeError::WrongService { found: found.name(), wanted: service.name() });
         }
+        let now = clock_ms();
+        check_clock(&h[2..8], now)?;
         let required = h[1] & 1 != 0;
         let sn = &h[8..24];
         let secret = match (&auth.secret, required) {
@@ -381,6 +434,7 @@ impl ClientSide {
         random_bytes(&mut nonce).map_err(|e| HandshakeError::Io(std::io::Error::other(e.to_string())))?;
         let mut p = vec![0u8; CLIENT_HELLO_LEN];
         p[0] = service as u8;
+        put_clock(&mut p[2..8], now);
         p[8..24].copy_from_slice(&nonce);
         if let Some(s) = &secret {
             p[1] |= 1;
@@ -541,7 +595,7 @@ mod tests {
     use super::*;
 
     fn secret(t: &str) -> Option<Arc<Secret>> {
-        Some(Arc::new(Secret::from_text(t.as_bytes()).unwrap()))
+        Some(Arc::new(Secret::from_text(format!("{t}-of-enough-length").as_bytes()).unwrap()))
     }
 
     fn auth(s: Option<Arc<Secret>>) -> ResolvedAuth {
@@ -595,7 +649,7 @@ mod tests {
         let e = client.unwrap_err();
         assert!(matches!(e, HandshakeError::SecretRequired));
         assert!(e.to_string().contains("TYCHO_SECRET_FILE"), "{e}");
-        let (peer, client) = run(s.clone(), auth(secret("another-cluster-secret")), None);
+        let (peer, client) = run(s.clone(), auth(secret("another-cluster-secret-of-enough-length")), None);
         assert!(matches!(peer, Err(HandshakeError::BadClientProof)));
         assert_eq!(client.unwrap_err().code(), ErrorCode::AUTH_FAILED);
         // A client holding a secret, given or found, refuses a server without authentication;
@@ -607,6 +661,54 @@ mod tests {
         let (peer, client) = run(None, auth(None), None);
         assert_eq!(peer.unwrap(), Peer::default());
         assert!(!client.unwrap());
+    }
+
+    /// Issue 47: a peer whose clock is further than CLOCK_SKEW_MS from this host's is refused,
+    /// by the client (the server's clock comes first) and by the server, naming both clocks;
+    /// within the bound, and without a clock (0), it greets as before.
+    #[test]
+    fn a_peer_whose_clock_is_off_is_refused_naming_both_clocks() {
+        let s = secret("the-cluster-secret");
+        let off = |frame: &mut Vec<u8>, by: i64| {
+            let at = HEADER_LEN + 2;
+            put_clock(&mut frame[at..at + 6], clock_ms().saturating_add_signed(by));
+        };
+        // The server's clock 6 s ahead, then 6 s behind: the client refuses.
+        for by in [6_000, -6_000] {
+            let (_, mut hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
+            off(&mut hello, by);
+            let e = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s.clone()), None)
+                .err()
+                .expect("refused");
+            let HandshakeError::ClockSkew { ours, theirs } = e else { panic!("{e}") };
+            assert!(theirs.abs_diff(ours).abs_diff(6_000) < 1_000, "{ours} {theirs}");
+            let said = e.to_string();
+            assert!(said.contains(&ours.to_string()) && said.contains(&theirs.to_string()), "{said}");
+            assert_eq!(e.code(), ErrorCode::CLOCK_SKEW);
+        }
+        // The client's clock 6 s behind: the server refuses, and says why.
+        let (srv, hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
+        let (cli, mut reply) =
+            ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s.clone()), None).unwrap();
+        off(&mut reply, -6_000);
+        let (answer, verdict) = srv.finish(split_hello(&reply).unwrap());
+        assert!(matches!(verdict, Err(HandshakeError::ClockSkew { .. })), "{verdict:?}");
+        assert!(matches!(
+            cli.finish(split_hello(&answer).unwrap()),
+            Err(HandshakeError::Refused(ErrorCode::CLOCK_SKEW))
+        ));
+        // 4 s apart, or no clock at all: accepted.
+        for by in [Some(4_000), None] {
+            let (srv, mut hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
+            match by {
+                Some(by) => off(&mut hello, by),
+                None => hello[HEADER_LEN + 2..HEADER_LEN + 8].fill(0),
+            }
+            let (cli, reply) =
+                ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s.clone()), None).unwrap();
+            let (answer, verdict) = srv.finish(split_hello(&reply).unwrap());
+            assert!(verdict.is_ok() && cli.finish(split_hello(&answer).unwrap()).unwrap(), "{by:?}");
+        }
     }
 
     #[test]

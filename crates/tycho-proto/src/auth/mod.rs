@@ -29,8 +29,10 @@ pub const SECRET_FILE_ENV: &str = "TYCHO_SECRET_FILE";
 pub const SECRET_ENV: &str = "TYCHO_SECRET";
 /// Environment variable that, set to `1`, turns authentication off in a client.
 pub const INSECURE_ENV: &str = "TYCHO_INSECURE";
-/// Shortest secret accepted, in bytes of text.
-pub const MIN_SECRET_LEN: usize = 16;
+/// Shortest secret accepted, in bytes of text: 32 hex digits hold 128 bits. A recorded greeting
+/// lets whoever holds it test guesses offline, so a secret must be too large to guess, not only
+/// hard to type.
+pub const MIN_SECRET_LEN: usize = 32;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -152,7 +154,10 @@ pub fn hex(bytes: &[u8]) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// The secret text is too short to be a secret.
-    #[error("the cluster secret is {0} bytes long; it must be at least {MIN_SECRET_LEN}")]
+    #[error(
+        "the cluster secret is {0} characters long; it must be at least {MIN_SECRET_LEN} (128 bits as hex \
+         digits): make a new one with `openssl rand -hex 32`, give it to every process, and restart them"
+    )]
     WeakSecret(usize),
     /// A file or directory could not be read, written or trusted.
     #[error("{0}")]
@@ -214,13 +219,20 @@ mod tests {
 
     #[test]
     fn derived_keys_depend_on_every_input() {
-        let a = Secret::from_text(b"0123456789abcdef").unwrap();
-        let b = Secret::from_text(b"0123456789abcdeF").unwrap();
-        assert_eq!(a.derive("x", &[b"1"]), Secret::from_text(b" 0123456789abcdef\n").unwrap().derive("x", &[b"1"]));
+        let a = Secret::from_text(b"0123456789abcdef0123456789abcdef").unwrap();
+        let b = Secret::from_text(b"0123456789abcdef0123456789abcdeF").unwrap();
+        assert_eq!(
+            a.derive("x", &[b"1"]),
+            Secret::from_text(b" 0123456789abcdef0123456789abcdef\n").unwrap().derive("x", &[b"1"])
+        );
         assert_ne!(a.derive("x", &[b"1"]), b.derive("x", &[b"1"]));
         assert_ne!(a.derive("x", &[b"1"]), a.derive("y", &[b"1"]));
         assert_ne!(a.derive("x", &[b"12", b"3"]), a.derive("x", &[b"1", b"23"]));
         assert!(matches!(Secret::from_text(b"short"), Err(AuthError::WeakSecret(5))));
+        // 16 characters (the old minimum) is refused, 31 too; 32 is the least accepted.
+        assert!(matches!(Secret::from_text(b"0123456789abcdef"), Err(AuthError::WeakSecret(16))));
+        assert!(matches!(Secret::from_text(&[b'a'; 31]), Err(AuthError::WeakSecret(31))));
+        assert!(Secret::from_text(&[b'a'; 32]).is_ok());
         assert!(!format!("{a:?}").contains("0123"));
     }
 

@@ -120,7 +120,7 @@ mod tests {
     use crate::frame::{encode_frame, split_frame, FrameKind, DEFAULT_MAX_FRAME};
 
     fn pair() -> (Session, Session) {
-        let s = Secret::from_text(b"session-test-cluster-secret").unwrap();
+        let s = Secret::from_text(b"session-test-cluster-secret-of-enough-length").unwrap();
         (Session::derive(&s, 1, &[1; 16], &[2; 16], true), Session::derive(&s, 1, &[1; 16], &[2; 16], false))
     }
 
@@ -158,7 +158,7 @@ mod tests {
         let c = frame(&mut client.send, 3, "third");
         assert!(open(&mut client.recv.clone(), &c).is_err());
         let (_, mut other) = {
-            let s = Secret::from_text(b"session-test-cluster-secret").unwrap();
+            let s = Secret::from_text(b"session-test-cluster-secret-of-enough-length").unwrap();
             (0, Session::derive(&s, 1, &[1; 16], &[3; 16], false))
         };
         for _ in 0..2 {

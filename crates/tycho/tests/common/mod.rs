@@ -56,3 +56,23 @@ pub fn secret_file(dir: &Path) -> PathBuf {
 pub fn admin_token(text: &str) -> String {
     tycho_proto::auth::admin_http_token(&Secret::from_text(text.trim().as_bytes()).unwrap())
 }
+
+/// One HTTP/1.1 request to the admin server at `http`, with a bearer token when given: the
+/// status (0 when nothing came back) and the body.
+#[allow(dead_code)]
+pub fn http_call(http: &str, method: &str, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(http).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
