@@ -46,6 +46,26 @@ pub struct EtcdOptions {
     pub max_reconnect_backoff: Duration,
     /// The cluster's `--max-request-bytes` and `--max-txn-ops`.
     pub limits: Limits,
+    /// TLS to etcd (the endpoints are then `https://`); `None`: plain HTTP.
+    pub tls: Option<EtcdTls>,
+    /// An etcd user and its password, for a cluster with authentication enabled.
+    pub user: Option<(String, String)>,
+}
+
+/// How to speak TLS to etcd: the CA that signed its certificates, and this client's own
+/// certificate and key when etcd asks for one (`--client-cert-auth`). PEM bytes.
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// The CA certificate(s).
+    pub ca_pem: Vec<u8>,
+    /// This client's certificate and private key.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls").field("client_certificate", &self.identity.is_some()).finish_non_exhaustive()
+    }
 }
 
 impl EtcdOptions {
@@ -57,7 +77,31 @@ impl EtcdOptions {
             request_timeout: Duration::from_secs(5),
             max_reconnect_backoff: Duration::from_secs(2),
             limits: Limits::default(),
+            tls: None,
+            user: None,
         }
+    }
+
+    /// The options every connection to etcd is opened with: timeouts, keep-alives, TLS and
+    /// the user.
+    fn connect_options(&self) -> ConnectOptions {
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(self.connect_timeout)
+            // HTTP/2 pings notice a dead peer under an idle watch.
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+            .with_keep_alive_while_idle(true);
+        if let Some(tls) = &self.tls {
+            let mut config =
+                etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(&tls.ca_pem));
+            if let Some((cert, key)) = &tls.identity {
+                config = config.identity(etcd_client::Identity::from_pem(cert, key));
+            }
+            connect = connect.with_tls(config);
+        }
+        if let Some((name, password)) = &self.user {
+            connect = connect.with_user(name.clone(), password.clone());
+        }
+        connect
     }
 }
 
@@ -88,11 +132,7 @@ impl std::fmt::Debug for EtcdStore {
 impl EtcdStore {
     /// Connects to etcd. The connection is re-established by itself after a failure.
     pub async fn connect(options: EtcdOptions) -> MetaResult<EtcdStore> {
-        let connect = ConnectOptions::new()
-            .with_connect_timeout(options.connect_timeout)
-            // HTTP/2 pings notice a dead peer under an idle watch.
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
-            .with_keep_alive_while_idle(true);
+        let connect = options.connect_options();
         let client = tokio::time::timeout(options.request_timeout, Client::connect(&options.endpoints, Some(connect)))
             .await
             .map_err(|_| {
@@ -179,7 +219,9 @@ pub async fn defragment_members(
     between: Duration,
     mut report: impl FnMut(&MemberDefrag),
 ) -> MetaResult<Vec<MemberDefrag>> {
-    let mut client = with_timeout(options.request_timeout, Client::connect(&options.endpoints, None)).await?;
+    let mut client =
+        with_timeout(options.request_timeout, Client::connect(&options.endpoints, Some(options.connect_options())))
+            .await?;
     let members = with_timeout(options.request_timeout, client.member_list()).await?;
     let mut done = Vec::new();
     for (i, member) in members.members().iter().enumerate() {
@@ -189,7 +231,11 @@ pub async fn defragment_members(
         if i > 0 {
             tokio::time::sleep(between).await;
         }
-        let mut one = with_timeout(options.request_timeout, Client::connect([endpoint.as_str()], None)).await?;
+        let mut one = with_timeout(
+            options.request_timeout,
+            Client::connect([endpoint.as_str()], Some(options.connect_options())),
+        )
+        .await?;
         let before = with_timeout(options.request_timeout, one.status()).await?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reader = tokio::spawn({

@@ -47,7 +47,7 @@ mod watch;
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use error::{MetaError, MetaResult};
 #[cfg(feature = "etcd")]
-pub use etcd::{defragment_members, EtcdOptions, EtcdStore, MemberDefrag, DEFRAG_TIMEOUT};
+pub use etcd::{defragment_members, EtcdOptions, EtcdStore, EtcdTls, MemberDefrag, DEFRAG_TIMEOUT};
 pub use kv::{prefix_end, DeleteResponse, GetResponse, KeyValue, LeaseId, RangePage, RangeRequest, Revision};
 pub use lease::{LeaseGrant, LeaseInfo, LeaseKeeper, LeaseLost, LeaseState};
 pub use limits::{Limits, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS};

@@ -17,11 +17,90 @@ pub struct EtcdConfig {
     pub startup_timeout: Duration,
     /// Extra command-line flags, for example `--max-txn-ops=16`.
     pub extra_args: Vec<String>,
+    /// Also serve clients over TLS on a port of its own, asking for a client certificate signed
+    /// by the same CA ([`EtcdServer::tls_endpoint`]); the plain listener stays, for the test.
+    pub tls: Option<TestPki>,
 }
 
 impl Default for EtcdConfig {
     fn default() -> Self {
-        EtcdConfig { binary: None, startup_timeout: Duration::from_secs(20), extra_args: Vec::new() }
+        EtcdConfig { binary: None, startup_timeout: Duration::from_secs(20), extra_args: Vec::new(), tls: None }
+    }
+}
+
+/// Certificates for a TLS test, made with the `openssl` command in a directory of the test's:
+/// a CA, a server certificate for 127.0.0.1 and a client certificate (CN `root`), each with
+/// its key, as PEM files.
+#[derive(Debug, Clone)]
+pub struct TestPki {
+    /// The CA's certificate.
+    pub ca: PathBuf,
+    /// The server's certificate and key.
+    pub server: (PathBuf, PathBuf),
+    /// The client's certificate and key.
+    pub client: (PathBuf, PathBuf),
+}
+
+impl TestPki {
+    /// Makes a CA named `name` and the two certificates it signs, in `dir`.
+    pub fn generate(dir: &Path, name: &str) -> std::io::Result<TestPki> {
+        let path = |f: &str| dir.join(format!("{name}-{f}"));
+        let run = |args: &[&str]| -> std::io::Result<()> {
+            let out = Command::new("openssl").args(args).stdin(Stdio::null()).output()?;
+            if !out.status.success() {
+                return Err(std::io::Error::other(format!(
+                    "openssl {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+            Ok(())
+        };
+        let s = |p: &PathBuf| p.to_str().expect("a UTF-8 path").to_owned();
+        let (ca, ca_key) = (path("ca.pem"), path("ca.key"));
+        let curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        let mut args = vec!["req", "-x509"];
+        args.extend(curve);
+        let (ca_s, ca_key_s) = (s(&ca), s(&ca_key));
+        let subject = format!("/CN={name}-ca");
+        args.extend(["-keyout", &ca_key_s, "-out", &ca_s, "-days", "2", "-subj", &subject]);
+        run(&args)?;
+        let sign = |who: &str, cn: &str, ext: &str| -> std::io::Result<(PathBuf, PathBuf)> {
+            let (cert, key, csr, extfile) = (
+                path(&format!("{who}.pem")),
+                path(&format!("{who}.key")),
+                path(&format!("{who}.csr")),
+                path(&format!("{who}.ext")),
+            );
+            std::fs::write(&extfile, ext)?;
+            let (key_s, csr_s, cert_s, ext_s) = (s(&key), s(&csr), s(&cert), s(&extfile));
+            let subject = format!("/CN={cn}");
+            let mut args = vec!["req"];
+            args.extend(curve);
+            args.extend(["-keyout", &key_s, "-out", &csr_s, "-subj", &subject]);
+            run(&args)?;
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr_s,
+                "-CA",
+                &ca_s,
+                "-CAkey",
+                &ca_key_s,
+                "-CAcreateserial",
+                "-out",
+                &cert_s,
+                "-days",
+                "2",
+                "-extfile",
+                &ext_s,
+            ])?;
+            Ok((cert, key))
+        };
+        let server = sign("server", "127.0.0.1", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")?;
+        let client = sign("client", "root", "extendedKeyUsage=clientAuth\n")?;
+        Ok(TestPki { ca, server, client })
     }
 }
 
@@ -34,6 +113,8 @@ pub struct EtcdServer {
     binary: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// The TLS client listener's port, with [`EtcdConfig::tls`].
+    tls_port: Option<u16>,
     // Dropped after the child is killed (fields drop in order, and `Drop` kills first).
     dir: TempDir,
     child: Option<Child>,
@@ -55,9 +136,20 @@ impl EtcdServer {
         let mut last_error = None;
         for _ in 0..3 {
             let (client_port, peer_port) = free_port_pair()?;
+            let tls_port = match &config.tls {
+                Some(_) => Some(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port()),
+                None => None,
+            };
             let dir = TempDir::new("tycho-etcd")?;
-            let mut server =
-                EtcdServer { config: config.clone(), binary: binary.clone(), client_port, peer_port, dir, child: None };
+            let mut server = EtcdServer {
+                config: config.clone(),
+                binary: binary.clone(),
+                client_port,
+                peer_port,
+                tls_port,
+                dir,
+                child: None,
+            };
             match server.start() {
                 Ok(()) => return Ok(server),
                 Err(e) => last_error = Some(e),
@@ -69,6 +161,11 @@ impl EtcdServer {
     /// The client URL, `http://127.0.0.1:{port}`.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The TLS client URL, `https://127.0.0.1:{port}`, with [`EtcdConfig::tls`].
+    pub fn tls_endpoint(&self) -> Option<String> {
+        self.tls_port.map(|p| format!("https://127.0.0.1:{p}"))
     }
 
     /// The client address.
@@ -108,7 +205,17 @@ impl EtcdServer {
         if self.is_running() {
             return Ok(());
         }
-        let client = self.endpoint();
+        let mut client = self.endpoint();
+        let mut tls_args = Vec::new();
+        if let (Some(pki), Some(tls)) = (&self.config.tls, self.tls_endpoint()) {
+            client = format!("{client},{tls}");
+            tls_args = vec![
+                format!("--cert-file={}", pki.server.0.display()),
+                format!("--key-file={}", pki.server.1.display()),
+                format!("--trusted-ca-file={}", pki.ca.display()),
+                "--client-cert-auth".to_owned(),
+            ];
+        }
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
         let child = Command::new(&self.binary)
@@ -123,6 +230,7 @@ impl EtcdServer {
             .arg("--initial-cluster-token=tycho-test")
             .arg("--logger=zap")
             .arg("--log-level=warn")
+            .args(&tls_args)
             .args(&self.config.extra_args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -17,6 +17,6 @@ mod etcd;
 mod process;
 mod temp_dir;
 
-pub use etcd::{EtcdConfig, EtcdServer};
+pub use etcd::{EtcdConfig, EtcdServer, TestPki};
 pub use process::{run_cli, text, MasterProc, NodeProc, Proc};
 pub use temp_dir::TempDir;

@@ -195,6 +195,9 @@ pub struct DefragArgs {
     /// Pause between two members, in seconds.
     #[arg(long, default_value_t = 10)]
     between_secs: u64,
+    /// TLS and authentication to etcd.
+    #[command(flatten)]
+    etcd_access: crate::master_cmd::EtcdAccess,
 }
 
 /// `tycho etcd-defrag`: defragments the etcd cluster's members one after the other (opt-in:
@@ -209,7 +212,13 @@ pub fn etcd_defrag(a: DefragArgs) -> i32 {
             return 1;
         }
     };
-    let options = tycho_meta::EtcdOptions::new(a.etcd_endpoints.clone());
+    let options = match a.etcd_access.options(&a.etcd_endpoints) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
     let mb = |b: u64| b as f64 / 1e6;
     let ran = rt.block_on(tycho_meta::defragment_members(&options, Duration::from_secs(a.between_secs), |d| {
         println!(

@@ -140,6 +140,87 @@ pub struct MasterArgs {
     pub mooncake_flags: Vec<crate::mooncake_flags::Unhandled>,
 }
 
+/// How to reach etcd beyond its endpoints: TLS and a user (every command that talks to etcd).
+#[derive(Args, Debug, Clone, Default)]
+pub struct EtcdAccess {
+    /// PEM file of the CA that signed etcd's server certificates: speak TLS to etcd (endpoints
+    /// without a scheme become `https://`; `http://` ones are refused).
+    #[arg(long = "etcd-ca-file", value_name = "PATH")]
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM file of this process's client certificate, for an etcd run with
+    /// `--client-cert-auth` (with `--etcd-key-file`).
+    #[arg(long = "etcd-cert-file", value_name = "PATH", requires = "key_file")]
+    pub cert_file: Option<std::path::PathBuf>,
+    /// PEM file of the client certificate's private key.
+    #[arg(long = "etcd-key-file", value_name = "PATH", requires = "cert_file")]
+    pub key_file: Option<std::path::PathBuf>,
+    /// etcd user, for an etcd with authentication enabled (with `--etcd-password-file`).
+    #[arg(long = "etcd-user", value_name = "NAME", requires = "password_file")]
+    pub user: Option<String>,
+    /// File holding the etcd user's password (surrounding whitespace ignored).
+    #[arg(long = "etcd-password-file", value_name = "PATH", requires = "user")]
+    pub password_file: Option<std::path::PathBuf>,
+}
+
+impl EtcdAccess {
+    /// Connection options for `endpoints` with these settings; fails on unreadable files or
+    /// on plain-HTTP endpoints given with TLS.
+    pub fn options(&self, endpoints: &[String]) -> Result<tycho_meta::EtcdOptions, String> {
+        let read = |p: &std::path::Path, what: &str| {
+            std::fs::read(p).map_err(|e| format!("cannot read the {what} {}: {e}", p.display()))
+        };
+        let mut endpoints = endpoints.to_vec();
+        let tls = match &self.ca_file {
+            None if self.cert_file.is_some() => return Err("--etcd-cert-file needs --etcd-ca-file".into()),
+            None => None,
+            Some(ca) => {
+                for e in &mut endpoints {
+                    if e.starts_with("http://") {
+                        return Err(format!("TLS to etcd (--etcd-ca-file) needs https:// endpoints, not {e}"));
+                    }
+                    if !e.starts_with("https://") {
+                        *e = format!("https://{e}");
+                    }
+                }
+                let identity = match (&self.cert_file, &self.key_file) {
+                    (Some(c), Some(k)) => Some((read(c, "etcd client certificate")?, read(k, "etcd client key")?)),
+                    _ => None,
+                };
+                Some(tycho_meta::EtcdTls { ca_pem: read(ca, "etcd CA file")?, identity })
+            }
+        };
+        let user = match (&self.user, &self.password_file) {
+            (Some(u), Some(p)) => {
+                let password = String::from_utf8(read(p, "etcd password file")?)
+                    .map_err(|_| format!("the etcd password file {} is not UTF-8", p.display()))?;
+                Some((u.clone(), password.trim().to_owned()))
+            }
+            _ => None,
+        };
+        let mut options = tycho_meta::EtcdOptions::new(endpoints);
+        options.tls = tls;
+        options.user = user;
+        Ok(options)
+    }
+
+    /// These settings as command-line flags, for a child process.
+    pub fn flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut add = |flag: &str, v: Option<String>| {
+            if let Some(v) = v {
+                out.extend([flag.to_owned(), v]);
+            }
+        };
+        let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        add("--etcd-ca-file", path(&self.ca_file));
+        add("--etcd-cert-file", path(&self.cert_file));
+        add("--etcd-key-file", path(&self.key_file));
+        add("--etcd-user", self.user.clone());
+        add("--etcd-password-file", path(&self.password_file));
+        out
+    }
+}
+
 /// High availability: with etcd endpoints, the master joins a cluster in etcd and logs its
 /// metadata there (docs/ha.md); without, it keeps everything in memory.
 #[derive(Args, Debug, Clone)]
@@ -158,6 +239,9 @@ pub struct HaArgs {
     /// Name of the cluster in etcd: its keys live under `/tycho/NAME/`.
     #[arg(long = "cluster-name", alias = "cluster_id", default_value = "tycho", value_name = "NAME")]
     pub cluster_name: String,
+    /// TLS and authentication to etcd.
+    #[command(flatten)]
+    pub etcd_access: EtcdAccess,
     /// This master's id in the cluster (default: its advertised address). A master restarted
     /// with the same id knows it held the group before.
     #[arg(long = "master-id", value_name = "ID")]
@@ -337,6 +421,9 @@ pub struct UpArgs {
     /// Name of the cluster in etcd (with `--etcd-endpoints`).
     #[arg(long = "cluster-name", default_value = "tycho-up", value_name = "NAME")]
     pub cluster_name: String,
+    /// TLS and authentication to etcd (with `--etcd-endpoints`).
+    #[command(flatten)]
+    pub etcd_access: EtcdAccess,
     /// Cluster secret and authentication.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -466,10 +553,26 @@ async fn connect_etcd(ha: &HaArgs) -> Result<Option<Arc<dyn tycho_meta::MetaStor
     if ha.etcd_endpoints.is_empty() {
         return Ok(None);
     }
-    match tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new(ha.etcd_endpoints.0.clone())).await {
-        Ok(s) => Ok(Some(Arc::new(s))),
-        Err(e) => Err(format!("etcd at {}: {e}", ha.etcd_endpoints.0.join(","))),
+    let options = ha.etcd_access.options(&ha.etcd_endpoints.0)?;
+    let at = options.endpoints.join(",");
+    let hint = match options.tls.is_some() {
+        true => {
+            " (TLS: is --etcd-ca-file the CA that signed etcd's certificate, and does etcd accept this client's \
+             certificate?)"
+        }
+        false => "",
+    };
+    let store = match tycho_meta::EtcdStore::connect(options).await {
+        Ok(s) => s,
+        Err(e) => return Err(format!("etcd at {at}: {e}{hint}")),
+    };
+    // One read of the cluster's record, so that a wrong CA, certificate or user stops the
+    // master here, with the reason, rather than in its first role step.
+    let meta = tycho_master::ownership::ClusterKeys::new(&ha.cluster_name).meta();
+    if let Err(e) = tycho_meta::MetaStore::get(&store, &meta).await {
+        return Err(format!("etcd at {at}: {e}{hint}"));
     }
+    Ok(Some(Arc::new(store)))
 }
 
 /// `tycho up --masters N --groups G`: N masters of a G-group cluster in this process, on an
@@ -778,6 +881,7 @@ fn run_up_processes(args: UpArgs) -> i32 {
         cmd.args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", &rpc.to_string()])
             .args(["--metrics-address", "127.0.0.1", "--metrics-port", &admin.to_string()])
             .args(["--etcd-endpoints", &endpoints, "--cluster-name", &args.cluster_name])
+            .args(args.etcd_access.flags())
             .args(["--kvpt-groups", &args.groups.to_string(), "--master-id", &format!("m{i}")])
             .args(&secret_flags)
             .stdout(std::process::Stdio::null());

@@ -39,6 +39,11 @@ fn value(key: &str, len: usize) -> Vec<u8> {
 /// An etcd, a shared secret, and the flags of masters of one cluster on them.
 struct Cluster {
     etcd: EtcdServer,
+    /// The endpoint the masters are given, and their flags for reaching it (TLS, user).
+    endpoint: String,
+    access: Vec<String>,
+    /// The etcd user the test itself reads etcd as, when authentication is on.
+    user: Option<(String, String)>,
     _home: TempDir,
     secret: PathBuf,
     name: &'static str,
@@ -49,9 +54,15 @@ struct Cluster {
 impl Cluster {
     fn new(name: &'static str, lease_ttl: &'static str) -> Cluster {
         let etcd = EtcdServer::start_new().expect("etcd starts (scripts/test installs it)");
+        Cluster::on(etcd, name, lease_ttl)
+    }
+
+    /// A cluster on `etcd`, reached at its plain endpoint without credentials.
+    fn on(etcd: EtcdServer, name: &'static str, lease_ttl: &'static str) -> Cluster {
         let home = TempDir::new("tycho-ha").unwrap();
         let secret = secret_file(home.path());
-        Cluster { etcd, _home: home, secret, name, lease_ttl }
+        let endpoint = etcd.endpoint();
+        Cluster { etcd, endpoint, access: Vec::new(), user: None, _home: home, secret, name, lease_ttl }
     }
 
     /// A primary and its standby, and both their addresses as a client is given them.
@@ -74,10 +85,9 @@ impl Cluster {
 
     /// [`Cluster::master_with`] on RPC port `port` (0: any free one).
     fn master_on(&self, port: u16, role: &str, extra: &[&str]) -> MasterProc {
-        let endpoint = self.etcd.endpoint();
         let mut flags = vec![
             "--etcd-endpoints",
-            endpoint.as_str(),
+            self.endpoint.as_str(),
             "--cluster-name",
             self.name,
             "--ha-lease-ttl",
@@ -87,6 +97,7 @@ impl Cluster {
             "--secret-file",
             self.secret.to_str().unwrap(),
         ];
+        flags.extend(self.access.iter().map(String::as_str));
         flags.extend_from_slice(extra);
         let mut m = MasterProc::start_on(TYCHO, port, &flags);
         m.proc.wait_line(&format!("tycho master role: {role}"), ROLE_WAIT).unwrap_or_else(|e| panic!("{role}: {e}"));
@@ -97,7 +108,8 @@ impl Cluster {
     fn with_etcd<T>(&self, f: impl AsyncFnOnce(&tycho_meta::EtcdStore) -> T) -> T {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
-            let opts = tycho_meta::EtcdOptions::new([self.etcd.endpoint()]);
+            let mut opts = tycho_meta::EtcdOptions::new([self.etcd.endpoint()]);
+            opts.user = self.user.clone();
             let store = tycho_meta::EtcdStore::connect(opts).await.unwrap();
             f(&store).await
         })
@@ -546,6 +558,71 @@ fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
     let later = c.master("primary");
     println!("a new master served {:?} after it started", started.elapsed());
     check_all(&later, &c.secret);
+}
+
+/// Issue 47: masters that speak TLS to etcd, with client certificates (etcd runs with
+/// `--client-cert-auth`) and an etcd user (authentication enabled): a master given another
+/// CA refuses to start, saying why; a primary and a standby given the right settings serve,
+/// and the standby takes over a killed primary with every acknowledged object.
+#[test]
+fn failover_through_an_etcd_with_tls_client_certificates_and_authentication() {
+    let _one = serial();
+    let dir = TempDir::new("tycho-ha-tls").unwrap();
+    let pki = tycho_testkit::TestPki::generate(dir.path(), "good").expect("openssl makes the test's certificates");
+    let other = tycho_testkit::TestPki::generate(dir.path(), "other").unwrap();
+    let config = tycho_testkit::EtcdConfig { tls: Some(pki.clone()), ..Default::default() };
+    let etcd = EtcdServer::start_with(config).expect("etcd starts with TLS");
+    // A root user and authentication on, set up through the plain listener the test keeps.
+    let plain = etcd.client_addr().to_string();
+    for (path, body) in [
+        ("/v3/auth/user/add", r#"{"name":"root","password":"tls-test-password"}"#),
+        ("/v3/auth/role/add", r#"{"name":"root"}"#),
+        ("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#),
+        ("/v3/auth/enable", "{}"),
+    ] {
+        let (status, answer) = common::http_call(&plain, "POST", path, None, body);
+        assert_eq!(status, 200, "{path}: {answer}");
+    }
+    let password = dir.path().join("etcd-password");
+    std::fs::write(&password, "tls-test-password\n").unwrap();
+    let path = |p: &Path| p.to_str().unwrap().to_owned();
+    let mut c = Cluster::on(etcd, "tls", "2");
+    c.endpoint = c.etcd.tls_endpoint().unwrap();
+    c.user = Some(("root".into(), "tls-test-password".into()));
+    let access = |ca: &Path| {
+        vec![
+            "--etcd-ca-file".to_owned(),
+            path(ca),
+            "--etcd-cert-file".into(),
+            path(&pki.client.0),
+            "--etcd-key-file".into(),
+            path(&pki.client.1),
+            "--etcd-user".into(),
+            "root".into(),
+            "--etcd-password-file".into(),
+            path(&password),
+        ]
+    };
+    // Another CA: the master cannot verify etcd's certificate and stops at once, saying so.
+    let wrong = std::process::Command::new(TYCHO)
+        .args(["master", "--rpc-address", "127.0.0.1", "--rpc-port", "0", "--metrics-port", "0"])
+        .args(["--etcd-endpoints", &c.endpoint, "--cluster-name", c.name, "--secret-file", &path(&c.secret)])
+        .args(access(&other.ca))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&wrong.stderr);
+    assert_eq!(wrong.status.code(), Some(1), "{said}");
+    assert!(said.contains("invalid peer certificate") && said.contains("is --etcd-ca-file the CA"), "{said}");
+    // The right settings: a primary and a standby, then a failover.
+    c.access = access(&pki.ca);
+    let (mut a, mut b, both) = c.primary_and_standby();
+    let (_node, writer) = c.node_and_writer(&both);
+    put_all(&writer);
+    a.proc.signal(libc::SIGKILL);
+    b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
+    check_all(&b, &c.secret);
+    // The test reads etcd as root too: the masters' records are there.
+    assert!(c.durable_prefix() > 0);
 }
 
 /// Issue 47: G = 2 and two masters, each the primary of one group, neither a standby. SIGKILL
