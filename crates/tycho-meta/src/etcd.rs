@@ -99,7 +99,8 @@ impl EtcdOptions {
             connect = connect.with_tls(config);
         }
         if let Some((name, password)) = &self.user {
-            connect = connect.with_user(name.clone(), password.clone());
+            // etcd forgets its tokens when it restarts, and expires them: log in again then.
+            connect = connect.with_user(name.clone(), password.clone()).with_auto_token_refresh(true);
         }
         connect
     }
@@ -225,8 +226,14 @@ pub async fn defragment_members(
     let members = with_timeout(options.request_timeout, client.member_list()).await?;
     let mut done = Vec::new();
     for (i, member) in members.members().iter().enumerate() {
-        let Some(endpoint) = member.client_urls().first().cloned() else {
-            return Err(MetaError::Other(format!("etcd member {:?} has no client URL", member.name())));
+        // A member may advertise plain and TLS URLs: the one of the scheme the options speak.
+        let scheme = if options.tls.is_some() { "https://" } else { "http://" };
+        let Some(endpoint) = member.client_urls().iter().find(|u| u.starts_with(scheme)).cloned() else {
+            return Err(MetaError::Other(format!(
+                "etcd member {:?} advertises no {scheme} client URL ({:?})",
+                member.name(),
+                member.client_urls()
+            )));
         };
         if i > 0 {
             tokio::time::sleep(between).await;
@@ -675,6 +682,14 @@ async fn run_watch(
             match opened {
                 Ok((stream, _)) => break stream,
                 Err(e) => tracing::debug!(error = %e, "watch reconnect failed"),
+            }
+            // Streams do not log in again by themselves (unary calls do): a restarted etcd has
+            // forgotten the login, and a watcher may make no other call to renew it.
+            if store.options.user.is_some() {
+                let refreshed = with_timeout(store.options.request_timeout, store.client.refresh_token()).await;
+                if let Err(e) = refreshed {
+                    tracing::debug!(error = %e, "could not log in to etcd again");
+                }
             }
             backoff = (backoff * 2).min(store.options.max_reconnect_backoff);
         };

@@ -197,6 +197,9 @@ impl EtcdAccess {
             }
             _ => None,
         };
+        if user.is_some() && tls.is_none() {
+            eprintln!("WARNING: --etcd-user without --etcd-ca-file sends the etcd password in the clear");
+        }
         let mut options = tycho_meta::EtcdOptions::new(endpoints);
         options.tls = tls;
         options.user = user;

@@ -563,7 +563,8 @@ fn without_a_standby_a_later_master_restores_the_group_from_the_log() {
 /// Issue 47: masters that speak TLS to etcd, with client certificates (etcd runs with
 /// `--client-cert-auth`) and an etcd user (authentication enabled): a master given another
 /// CA refuses to start, saying why; a primary and a standby given the right settings serve,
-/// and the standby takes over a killed primary with every acknowledged object.
+/// log in again after an etcd restart (which forgets every login), and the standby takes over
+/// from a stopped primary with every acknowledged object.
 #[test]
 fn failover_through_an_etcd_with_tls_client_certificates_and_authentication() {
     let _one = serial();
@@ -586,7 +587,8 @@ fn failover_through_an_etcd_with_tls_client_certificates_and_authentication() {
     let password = dir.path().join("etcd-password");
     std::fs::write(&password, "tls-test-password\n").unwrap();
     let path = |p: &Path| p.to_str().unwrap().to_owned();
-    let mut c = Cluster::on(etcd, "tls", "2");
+    // A lease that outlasts the etcd restart below.
+    let mut c = Cluster::on(etcd, "tls", "30");
     c.endpoint = c.etcd.tls_endpoint().unwrap();
     c.user = Some(("root".into(), "tls-test-password".into()));
     let access = |ca: &Path| {
@@ -618,9 +620,17 @@ fn failover_through_an_etcd_with_tls_client_certificates_and_authentication() {
     let (mut a, mut b, both) = c.primary_and_standby();
     let (_node, writer) = c.node_and_writer(&both);
     put_all(&writer);
-    a.proc.signal(libc::SIGKILL);
+    c.etcd.stop();
+    c.etcd.start().expect("etcd starts again");
+    let deadline = Instant::now() + ROLE_WAIT;
+    while let Err(e) = writer.put("after-restart", b"logged in again", &Default::default()) {
+        assert!(Instant::now() < deadline, "no write after etcd restarted: {e:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    a.proc.signal(libc::SIGTERM);
     b.proc.wait_line("tycho master role: primary", ROLE_WAIT).expect("the standby takes over");
     check_all(&b, &c.secret);
+    assert_eq!(client(&b.rpc, &c.secret).get("after-restart").unwrap(), b"logged in again");
     // The test reads etcd as root too: the masters' records are there.
     assert!(c.durable_prefix() > 0);
 }

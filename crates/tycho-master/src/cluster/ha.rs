@@ -658,11 +658,8 @@ async fn step(ctx: &Ctx<'_>, rank: u32, role: &mut Roles, board: &Board<'_>) -> 
                 // The intent or the record changed: decide again.
                 return Ok(());
             }
-            // Snapshots in each master's own directory, and no other master to copy them.
-            let sole_copy =
-                ctx.cfg.snapshots.as_ref().is_some_and(|s| s.peers.is_some()) && !live.iter().any(|l| *l != cfg.id);
             if let Some((g, _)) = &group {
-                board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken, sole_copy });
+                board.set(rank, GroupRole::Primary { epoch: g.epoch, caretaker: g.caretaken, sole_copy: false });
             }
             // Without a live standby to snapshot the group, the primary does, off its own state.
             let standby_alive = group

@@ -1,7 +1,7 @@
 //! Where the cluster secret lives on a host.
 //!
 //! A master started without a secret creates one in the user's runtime directory
-//! (`$TYCHO_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tycho`, else `$TMPDIR/tycho-<uid>`; when
+//! (`$TYCHO_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tycho`, else `/tmp/tycho-<uid>`; when
 //! another user holds that name first, `~/.local/state/tycho/run`), a directory of mode 0700
 //! that this user owns, in a file of mode 0600 named after the master's RPC port
 //! (`master-50051.secret`). A client connecting to that port on the same host, as the same
@@ -31,16 +31,33 @@ pub fn runtime_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         return Path::new(&d).join("tycho");
     }
-    let shared = std::env::temp_dir().join(format!("tycho-{}", uid()));
+    let shared = shared_tmp().join(format!("tycho-{}", uid()));
     if taken_by_another(&shared) {
-        // Any user may create a name in the temporary directory first, to keep this user's
-        // processes from starting; the home directory is this user's alone. Every process of
-        // the user sees the same squatter, so they all agree on the fallback.
-        if let Some(home) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-            return Path::new(&home).join(".local/state/tycho/run");
+        // Any user may create a name in /tmp first, to keep this user's processes from
+        // starting; the home directory is this user's alone. Every process of the user sees
+        // the same squatter, so they all agree on the fallback.
+        if let Some(home) = home_runtime_dir() {
+            return home;
         }
     }
     shared
+}
+
+/// The directory every user shares: `/tmp` (not `$TMPDIR`, which batch schedulers set per
+/// job, so that processes of one user would not find each other). Test builds may name
+/// another in `TYCHO_TEST_SHARED_TMP`.
+fn shared_tmp() -> PathBuf {
+    #[cfg(feature = "failpoints")]
+    if let Some(d) = std::env::var_os("TYCHO_TEST_SHARED_TMP").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    PathBuf::from("/tmp")
+}
+
+/// `~/.local/state/tycho/run`, where the runtime directory goes when another user holds the
+/// shared one's name.
+fn home_runtime_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|home| Path::new(&home).join(".local/state/tycho/run"))
 }
 
 /// Whether `path` exists as something other than a directory of this user (a squatter's).
@@ -57,9 +74,22 @@ fn uid() -> u32 {
 /// else may enter it.
 pub fn ensure_runtime_dir() -> Result<PathBuf, AuthError> {
     let dir = runtime_dir();
-    match fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir) {
-        Ok(()) => {}
-        Err(e) => return Err(AuthError::Io(format!("cannot create {}: {e}", dir.display()))),
+    let made = fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir);
+    // Another user may have taken the shared name between the choice and the creation: the
+    // home directory then, as `runtime_dir` will say from now on.
+    if taken_by_another(&dir) {
+        if let Some(home) = home_runtime_dir().filter(|h| *h != dir) {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&home)
+                .map_err(|e| AuthError::Io(format!("cannot create {}: {e}", home.display())))?;
+            check_private(&home, true)?;
+            return Ok(home);
+        }
+    }
+    if let Err(e) = made {
+        return Err(AuthError::Io(format!("cannot create {}: {e}", dir.display())));
     }
     check_private(&dir, true)?;
     Ok(dir)

@@ -176,7 +176,8 @@ pub enum HandshakeError {
     /// The peer's clock is further from this host's than held ranges allow.
     #[error(
         "the peer's clock reads {theirs} ms since the Unix epoch and this host's {ours}: {apart} ms apart, more than \
-         the {CLOCK_SKEW_MS} ms Tycho's held ranges allow; synchronize the hosts' clocks (NTP)",
+         the {CLOCK_SKEW_MS} ms Tycho's held ranges allow (or the greeting waited over {GREETING_DELAY_MS} ms more); \
+         synchronize the hosts' clocks (NTP)",
         apart = .theirs.abs_diff(*.ours)
     )]
     ClockSkew {
@@ -275,13 +276,21 @@ fn put_clock(dst: &mut [u8], ms: u64) {
     dst.copy_from_slice(&ms.to_le_bytes()[..6]);
 }
 
-/// Refuses a peer whose greeting's clock (6 bytes, 0: not sent) is further than
-/// [`CLOCK_SKEW_MS`] from `ours`.
+/// How long a greeting frame may have waited before it is read (a peer's accept queue, a
+/// stalled process; the greeting's own deadline): a clock that far behind is its delay, not
+/// skew.
+pub const GREETING_DELAY_MS: u64 = 5_000;
+
+/// Refuses a peer whose greeting's clock (6 bytes, 0: not sent) is more than
+/// [`CLOCK_SKEW_MS`] ahead of `ours`, or more than that plus [`GREETING_DELAY_MS`] behind (the
+/// frame may have waited that long).
 fn check_clock(bytes: &[u8], ours: u64) -> Result<(), HandshakeError> {
     let mut le = [0u8; 8];
     le[..6].copy_from_slice(bytes);
     let theirs = u64::from_le_bytes(le);
-    if theirs != 0 && theirs.abs_diff(ours) > CLOCK_SKEW_MS {
+    let ahead = theirs > ours.saturating_add(CLOCK_SKEW_MS);
+    let behind = theirs.saturating_add(CLOCK_SKEW_MS + GREETING_DELAY_MS) < ours;
+    if theirs != 0 && (ahead || behind) {
         return Err(HandshakeError::ClockSkew { ours, theirs });
     }
     Ok(())
@@ -673,32 +682,33 @@ mod tests {
             let at = HEADER_LEN + 2;
             put_clock(&mut frame[at..at + 6], clock_ms().saturating_add_signed(by));
         };
-        // The server's clock 6 s ahead, then 6 s behind: the client refuses.
-        for by in [6_000, -6_000] {
+        // The server's clock 6 s ahead, then 11 s behind (more than the skew and a greeting's
+        // delay): the client refuses.
+        for (by, apart) in [(6_000, 6_000), (-11_000, 11_000)] {
             let (_, mut hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
             off(&mut hello, by);
             let e = ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s.clone()), None)
                 .err()
                 .expect("refused");
             let HandshakeError::ClockSkew { ours, theirs } = e else { panic!("{e}") };
-            assert!(theirs.abs_diff(ours).abs_diff(6_000) < 1_000, "{ours} {theirs}");
+            assert!(theirs.abs_diff(ours).abs_diff(apart) < 1_000, "{ours} {theirs}");
             let said = e.to_string();
             assert!(said.contains(&ours.to_string()) && said.contains(&theirs.to_string()), "{said}");
             assert_eq!(e.code(), ErrorCode::CLOCK_SKEW);
         }
-        // The client's clock 6 s behind: the server refuses, and says why.
+        // The client's clock 6 s ahead: the server refuses, and says why.
         let (srv, hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
         let (cli, mut reply) =
             ClientSide::answer(Service::Rpc, split_hello(&hello).unwrap(), &auth(s.clone()), None).unwrap();
-        off(&mut reply, -6_000);
+        off(&mut reply, 6_000);
         let (answer, verdict) = srv.finish(split_hello(&reply).unwrap());
         assert!(matches!(verdict, Err(HandshakeError::ClockSkew { .. })), "{verdict:?}");
         assert!(matches!(
             cli.finish(split_hello(&answer).unwrap()),
             Err(HandshakeError::Refused(ErrorCode::CLOCK_SKEW))
         ));
-        // 4 s apart, or no clock at all: accepted.
-        for by in [Some(4_000), None] {
+        // 4 s ahead, 9 s behind (a greeting that waited), or no clock at all: accepted.
+        for by in [Some(4_000), Some(-9_000), None] {
             let (srv, mut hello) = ServerSide::start(Service::Rpc, s.clone()).unwrap();
             match by {
                 Some(by) => off(&mut hello, by),

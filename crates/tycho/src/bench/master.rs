@@ -401,6 +401,21 @@ pub(crate) async fn drive(
     for _ in 0..args.connections {
         conns.push(MasterClient::connect(addr).await.map_err(|e| format!("connect: {e}"))?);
     }
+    // Without routes given, a master of a cluster in etcd is asked for its groups' epochs
+    // (they start above 1 there: they carry the cluster's incarnation) and serves them all.
+    let (routing, keys) = match (routing, conns.first()) {
+        (None, Some(c)) => match c.call(&Request::Routes).await {
+            Ok(Response::Routes(t)) if t.epochs.iter().any(|&e| e > tycho_routing::INITIAL_GROUP_EPOCH) => {
+                let mut cache = tycho_routing::RouteCache::new();
+                cache.learn(&t);
+                let routing = Routing { cache, mine: vec![true; t.groups as usize] };
+                let keys: Vec<KeyRef> = keys.iter().filter_map(|k| routing.tag(&k.key)).collect();
+                (Some(Rc::new(routing)), Rc::new(keys))
+            }
+            _ => (None, keys),
+        },
+        (routing, _) => (routing, keys),
+    };
     let mut tasks = Vec::new();
     // With a rate: each call slot calls once per `interval`, the slots' turns spread over it.
     let slots = (args.connections * args.inflight).max(1);
