@@ -120,8 +120,12 @@ fn a_peer_whose_clock_is_off_is_refused_naming_both_clocks() {
     let run = home.path().join("run");
     let run = run.to_str().unwrap();
     let m = MasterProc::start_env(TYCHO, 0, &[], &[("TYCHO_RUNTIME_DIR", run)]);
-    let skewed =
-        tycho(&m.rpc, &["put", "k", "-"], &[("TYCHO_RUNTIME_DIR", run), ("TYCHO_TEST_CLOCK_OFFSET_MS", "-10000")], b"v");
+    let skewed = tycho(
+        &m.rpc,
+        &["put", "k", "-"],
+        &[("TYCHO_RUNTIME_DIR", run), ("TYCHO_TEST_CLOCK_OFFSET_MS", "-10000")],
+        b"v",
+    );
     assert_eq!(skewed.status.code(), Some(1));
     let err = text(&skewed.stderr);
     assert!(err.contains("the peer's clock reads") && err.contains("synchronize the hosts' clocks"), "{err}");
