@@ -73,6 +73,39 @@ const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
 struct Segment {
     desc: SegmentDesc,
     memory: Arc<Mapping>,
+    /// In a cluster of several groups, per group's slice: whether no master has mounted the
+    /// slice under its current incarnation yet (see [`Inner::mount_slices_at`]).
+    fresh: Vec<bool>,
+}
+
+impl Segment {
+    /// A segment not mounted anywhere yet.
+    fn new(desc: SegmentDesc, memory: Arc<Mapping>) -> Segment {
+        Segment { desc, memory, fresh: Vec::new() }
+    }
+
+    /// Gives the segment an incarnation per slice of `groups` (a new one for all of them) unless
+    /// it has them already, so that a primary expiring this client costs only its own groups'
+    /// slices. Without slices (one group, or more than the header keeps), a segment keeps one
+    /// incarnation.
+    fn slice(&mut self, groups: u32) {
+        if self.memory.slices() == groups || !self.memory.set_slices(groups) {
+            return;
+        }
+        self.desc.incarnation = self.memory.bump_incarnation();
+        self.fresh = vec![true; groups as usize];
+    }
+
+    /// The segment as MountSlices carries it.
+    fn sliced(&self) -> SlicedSegment {
+        let slices = (0..self.memory.slices())
+            .map(|r| SliceIncarnation {
+                incarnation: self.memory.slice_incarnation(r),
+                fresh: self.fresh.get(r as usize).copied().unwrap_or(true),
+            })
+            .collect();
+        SlicedSegment { desc: SegmentDesc { incarnation: self.memory.incarnation(), ..self.desc.clone() }, slices }
+    }
 }
 
 /// A 64-bit mix (splitmix64's finalizer): every input bit moves every output bit.
@@ -344,7 +377,7 @@ impl Client {
                 incarnation: 0,
             };
             registry.register(desc.id, memory.clone());
-            segments.push(Segment { desc, memory });
+            segments.push(Segment::new(desc, memory));
         }
         let limits = ServerLimits {
             idle_timeout: cfg.transfer_idle_timeout,
@@ -451,7 +484,11 @@ impl Client {
         // Listed before the master hears of it, so that a remount the call itself makes (the
         // master forgot this client) carries it too; the mount of the same incarnation is
         // idempotent.
-        inner.segments.lock().push(Segment { desc: desc.clone(), memory });
+        let mut segment = Segment::new(desc.clone(), memory);
+        if let Some(groups) = inner.sliced_groups() {
+            segment.slice(groups);
+        }
+        inner.segments.lock().push(segment);
         if let Err(e) = inner.call(&Request::MountSegment { client: inner.id, segment: desc.clone() }) {
             inner.segments.lock().retain(|s| s.desc.id != desc.id);
             inner.registry.unregister(desc.id);
@@ -1639,13 +1676,21 @@ impl Inner {
                 // the primary's log for the moving group ends), the route table again, and
                 // again, within [`FAILOVER_WAIT`].
                 let remount = matches!(req, Request::ReMountSegment { .. });
+                // Segments with an incarnation per slice are (re)mounted whole at each primary
+                // with MountSlices, which carries them all.
+                let sliced = !matches!(req, Request::UnmountSegment { .. }) && self.sliced_groups().is_some();
                 let deadline = Instant::now() + FAILOVER_WAIT;
                 let mut pause = Duration::from_millis(50);
                 loop {
                     let mut first_error = None;
                     let mut done = false;
                     for owner in self.owners() {
-                        match call_patiently(&self.conn(&owner), req, self.patience(req)) {
+                        let answer = if sliced {
+                            self.mount_slices_at(&owner).map(|()| Response::Done)
+                        } else {
+                            call_patiently(&self.conn(&owner), req, self.patience(req))
+                        };
+                        match answer {
                             Ok(_) => {
                                 done = true;
                                 if remount {
@@ -1733,7 +1778,14 @@ impl Inner {
             let _mounting = self.mounts.lock();
             let segments: Vec<SegmentDesc> = self.segments.lock().iter().map(|s| s.desc.clone()).collect();
             let again = Request::ReMountSegment { client: self.id, segments };
+            let sliced = self.sliced_groups().is_some();
             for owner in missing {
+                if sliced {
+                    if let Err(e) = self.mount_slices_at(&owner) {
+                        tracing::debug!(master = %owner, error = %e, "could not mount on a primary; will retry");
+                    }
+                    continue;
+                }
                 match self.conn(&owner).call::<Request, Response>(&again, self.cfg.rpc_timeout) {
                     Ok(Response::Done) => {
                         self.mounted_on.lock().insert(owner);
@@ -1742,15 +1794,29 @@ impl Inner {
                 }
             }
         }
+        // Tests cut this client off from one master (`return(host:port)`, for as many beats as
+        // the failpoint's count says): its pings there are lost.
+        #[cfg(feature = "failpoints")]
+        let cut_off: Option<String> = fail::eval("client::drop_pings_to", |to| to).flatten();
+        #[cfg(not(feature = "failpoints"))]
+        let cut_off: Option<String> = None;
         let answers: Vec<Result<Response, ErrorCode>> = std::thread::scope(|s| {
             let calls: Vec<_> = owners
                 .iter()
                 .map(|owner| {
                     let conn = self.conn(owner);
-                    s.spawn(move || match conn.call::<Request, Response>(req, self.cfg.rpc_timeout) {
-                        Ok(r) if r.error_code().is_some() => Err(r.error_code().unwrap_or(ErrorCode::INTERNAL_ERROR)),
-                        Ok(r) => Ok(r),
-                        Err(e) => Err(e.code()),
+                    let lost = cut_off.as_deref() == Some(owner.as_str());
+                    s.spawn(move || {
+                        if lost {
+                            return Err(ErrorCode::RPC_TIMEOUT);
+                        }
+                        match conn.call::<Request, Response>(req, self.cfg.rpc_timeout) {
+                            Ok(r) if r.error_code().is_some() => {
+                                Err(r.error_code().unwrap_or(ErrorCode::INTERNAL_ERROR))
+                            }
+                            Ok(r) => Ok(r),
+                            Err(e) => Err(e.code()),
+                        }
                     })
                 })
                 .collect();
@@ -1923,14 +1989,70 @@ impl Inner {
         let _mounting = self.mounts.lock();
         self.leases.lock().clear();
         self.mounted_on.lock().clear();
+        let sliced = self.sliced_groups();
         let segments = {
             let mut segs = self.segments.lock();
             for s in segs.iter_mut() {
-                s.desc.incarnation = s.memory.bump_incarnation();
+                match sliced {
+                    // Each primary says which of its groups dropped the segments (MountSlices):
+                    // only their slices start over.
+                    Some(groups) => s.slice(groups),
+                    None => s.desc.incarnation = s.memory.bump_incarnation(),
+                }
             }
             segs.iter().map(|s| s.desc.clone()).collect()
         };
         self.call(&Request::ReMountSegment { client: self.id, segments }).map(|_| ())
+    }
+
+    /// The cluster's group count when this client's segments keep an incarnation per group's
+    /// slice: a partitioned cluster of at most [`tycho_proto::MAX_SLICES`] groups.
+    fn sliced_groups(&self) -> Option<u32> {
+        let routes = self.routes.read();
+        let groups = routes.table().groups;
+        (routes.partitioned() && (2..=tycho_proto::MAX_SLICES).contains(&groups)).then_some(groups)
+    }
+
+    /// Mounts this client's segments at `owner` with an incarnation per slice (MountSlices). A
+    /// group of `owner`'s that dropped them (it expired this client, or an admin unmounted
+    /// one) is answered with new incarnations of its slice, so that only that group's replicas
+    /// are lost; the other groups keep theirs, and so do other primaries.
+    fn mount_slices_at(&self, owner: &str) -> Result<(), ErrorCode> {
+        let _mounting = self.mounts.lock();
+        let conn = self.conn(owner);
+        // A group refuses a slice's incarnation once at most (a fresh one is always taken);
+        // another round covers a group that moved to `owner` meanwhile.
+        for _ in 0..3 {
+            let segments: Vec<SlicedSegment> = self.segments.lock().iter().map(Segment::sliced).collect();
+            let req = Request::MountSlices { client: self.id, segments };
+            match call_patiently(&conn, &req, self.patience(&req))? {
+                Response::Slices { mounted, stale } if stale.is_empty() => {
+                    for s in self.segments.lock().iter_mut() {
+                        for &r in &mounted {
+                            if let Some(f) = s.fresh.get_mut(r as usize) {
+                                *f = false;
+                            }
+                        }
+                    }
+                    self.mounted_on.lock().insert(owner.to_string());
+                    return Ok(());
+                }
+                Response::Slices { stale, .. } => {
+                    tracing::info!(master = %owner, groups = ?stale, "a primary dropped this client's segments in its groups; their slices start over");
+                    for s in self.segments.lock().iter_mut() {
+                        s.memory.bump_slices(&stale);
+                        s.desc.incarnation = s.memory.incarnation();
+                        for &r in &stale {
+                            if let Some(f) = s.fresh.get_mut(r as usize) {
+                                *f = true;
+                            }
+                        }
+                    }
+                }
+                _ => return Err(ErrorCode::INTERNAL_ERROR),
+            }
+        }
+        Err(ErrorCode::RPC_FAIL)
     }
 
     /// Notes the master instance a heartbeat reported; a new instance (a restarted master)

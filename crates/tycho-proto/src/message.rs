@@ -321,6 +321,15 @@ pub enum Request {
     /// One file of a group snapshot this master holds in its data directory (masters of the
     /// cluster fetch snapshots from each other this way; the cluster's admin only).
     SnapshotFile(SnapshotFileQuery),
+    /// Mount (or mount again) the caller's segments with an incarnation per group's slice, in
+    /// the groups this master serves; registers the caller (as ReMountSegment does). Answered
+    /// with [`Response::Slices`].
+    MountSlices {
+        /// The owner.
+        client: ClientId,
+        /// Its segments.
+        segments: Vec<SlicedSegment>,
+    },
 }
 
 /// Which snapshot file [`Request::SnapshotFile`] asks for: the snapshot's identity (as
@@ -564,6 +573,16 @@ pub enum Response {
         /// The owners of the groups of the refused keys.
         owners: Vec<Redirect>,
     },
+    /// Answer to MountSlices. With `stale` empty, the segments are mounted in the groups of
+    /// `mounted` (those this master serves). Otherwise nothing was mounted: the groups of
+    /// `stale` no longer hold the caller's segments under the incarnations offered, which were
+    /// not fresh; the caller starts new incarnations of those slices and asks again.
+    Slices {
+        /// The groups the segments are mounted in.
+        mounted: Vec<u32>,
+        /// The groups that need fresh incarnations.
+        stale: Vec<u32>,
+    },
 }
 
 /// Where a group is served, as the master that refused a request knows it.
@@ -709,6 +728,7 @@ impl Request {
         "copy_end",
         "copy_revoke",
         "snapshot_file",
+        "mount_slices",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -758,6 +778,7 @@ impl Request {
             Request::CopyEnd(_) => 36,
             Request::CopyRevoke(_) => 37,
             Request::SnapshotFile(_) => 38,
+            Request::MountSlices { .. } => 39,
         }
     }
 
@@ -767,6 +788,7 @@ impl Request {
             Request::Ping { client }
             | Request::MountSegment { client, .. }
             | Request::ReMountSegment { client, .. }
+            | Request::MountSlices { client, .. }
             | Request::UnmountSegment { client, .. } => Some(*client),
             Request::PutStart(r) | Request::UpsertStart(r) => Some(r.client),
             Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
@@ -916,6 +938,8 @@ mod tests {
             file: "manifest".into(),
         });
         assert_eq!(last.name(), "snapshot_file");
+        let last = Request::MountSlices { client: ClientId(1), segments: Vec::new() };
+        assert_eq!(last.name(), "mount_slices");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

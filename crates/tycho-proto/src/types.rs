@@ -88,6 +88,68 @@ pub struct SegmentDesc {
     pub incarnation: u32,
 }
 
+/// Most KVPT groups a segment keeps an incarnation per slice for (its memory header has room
+/// for this many): with more groups, a segment has one incarnation for all of them.
+pub const MAX_SLICES: u32 = 512;
+
+/// Where group `rank`'s slice of a `size`-byte segment starts, of `groups` slices: whole
+/// blocks of `unit` bytes, divided as evenly as they go.
+pub fn slice_start(size: u64, unit: u64, rank: u32, groups: u32) -> u64 {
+    let blocks = size / unit;
+    (blocks as u128 * rank as u128 / groups.max(1) as u128) as u64 * unit
+}
+
+/// Group `rank`'s slice `[start, end)` of a segment of `size` bytes, of `groups` slices: the
+/// bytes that group's primary allocates in. The master, the segment's owner and its transfer
+/// server compute it with this one function.
+pub fn slice_of(size: u64, rank: u32, groups: u32) -> std::ops::Range<u64> {
+    let unit = segment_block_size(size);
+    let end = if rank + 1 >= groups.max(1) { size } else { slice_start(size, unit, rank + 1, groups) };
+    slice_start(size, unit, rank, groups)..end
+}
+
+/// The slice of `groups` that byte `offset` of a `size`-byte segment lies in (the last one for
+/// an offset past the end).
+pub fn slice_rank(size: u64, offset: u64, groups: u32) -> u32 {
+    let unit = segment_block_size(size);
+    // The largest rank whose slice starts at or before `offset`: starts grow with the rank.
+    let (mut lo, mut hi) = (0u32, groups.max(1) - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if slice_start(size, unit, mid, groups) <= offset {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// The incarnation of one group's slice of a segment, as its owner mounts it (see
+/// [`SlicedSegment`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct SliceIncarnation {
+    /// The slice's incarnation.
+    pub incarnation: u32,
+    /// Whether no master has mounted the slice under this incarnation yet. A master whose
+    /// group no longer has the segment (it dropped it: an expiry, an admin's unmount, a
+    /// cluster started over) takes only a fresh incarnation there, so that no range of a
+    /// dropped incarnation is ever handed out again.
+    pub fresh: bool,
+}
+
+/// A segment with an incarnation per KVPT group's slice: what `MountSlices` carries, so that a
+/// master that drops the segment's replicas in its groups costs only those groups' slices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(test, derive(Arbitrary))]
+pub struct SlicedSegment {
+    /// The segment (its `incarnation` is the highest of its slices').
+    pub desc: SegmentDesc,
+    /// One per group, by rank (as many as the cluster has groups).
+    pub slices: Vec<SliceIncarnation>,
+}
+
 /// Where one replica of an object lives.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(Arbitrary))]
@@ -341,4 +403,29 @@ pub struct CopyGrant {
     pub source: ReplicaDesc,
     /// The new ranges, one per target segment, with write grants.
     pub targets: Vec<ReplicaDesc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_byte_lies_in_the_slice_slice_rank_names() {
+        for (size, groups) in
+            [(1u64 << 20, 1u32), (1 << 20, 2), (1 << 20, 3), (1 << 20, 7), (4096 + 64, 512), (64 * 5, 8)]
+        {
+            let mut covered = 0;
+            for rank in 0..groups {
+                let slice = slice_of(size, rank, groups);
+                assert_eq!(slice.start, covered, "slices of {size} bytes in {groups} are contiguous");
+                covered = slice.end;
+                for offset in [slice.start, slice.start + (slice.end - slice.start) / 2, slice.end.saturating_sub(1)] {
+                    if slice.start < slice.end {
+                        assert_eq!(slice_rank(size, offset, groups), rank, "{offset} of {size} in {groups}");
+                    }
+                }
+            }
+            assert_eq!(covered, size);
+        }
+    }
 }

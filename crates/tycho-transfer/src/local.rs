@@ -242,7 +242,7 @@ fn serve_one(s: &UnixStream, registry: &SegmentRegistry, guard: &Guard) -> Resul
         return refuse(code);
     }
     let Some(m) = registry.get(req.segment) else { return refuse(ErrorCode::SEGMENT_NOT_FOUND) };
-    if m.incarnation() != req.incarnation {
+    if m.incarnation_of(req.grant_offset, req.grant_len as usize) != req.incarnation {
         return refuse(ErrorCode::RANGE_REUSED);
     }
     if !m.is_shareable() {

@@ -19,6 +19,7 @@
 //!
 //! ```text
 //! [0, 4096)              header: magic | version | block size | data size | blocks | incarnation
+//!                                | slices | one incarnation per slice
 //! [4096, 4096 + size)    data
 //! [G, ...)               one u32 generation per block   (G = 4096 + size rounded up to a page)
 //! ```
@@ -31,6 +32,16 @@
 //! of returning the bytes. A range's generation is unique within an incarnation (the counter
 //! would have to wrap 2^32 times within one lease-bounded read to repeat).
 //!
+//! ## Slices
+//!
+//! In a cluster of G KVPT groups each group's primary allocates in its own slice of the
+//! segment (`tycho_proto::slice_of`), and each judges the owner's liveness on its own. The
+//! owner then keeps one incarnation per slice ([`Mapping::set_slices`]): a primary that expired
+//! it makes it start new incarnations of that primary's slices only ([`Mapping::bump_slices`]),
+//! and the ranges of other slices stay good. Incarnations come from one counter (the header's
+//! `incarnation` word), so that none is ever given to two slices, and a range is checked
+//! against the slice it lies in.
+//!
 //! A second array holds one word per 4 KiB page of data, the *page summary*: a writer stores
 //! its generation there too, for every page it writes into. A page that lies wholly inside a
 //! reader's range can only be written by a range that overlaps the reader's, so for such pages
@@ -41,7 +52,7 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 
-use tycho_proto::{segment_block_size, ErrorCode};
+use tycho_proto::{segment_block_size, slice_rank, ErrorCode, MAX_SLICES};
 
 use crate::error::TransferError;
 
@@ -49,7 +60,7 @@ const PAGE: usize = 4096;
 /// First word of a segment's generation header.
 const GEN_MAGIC: u64 = u64::from_le_bytes(*b"TYGENS\0\0");
 /// Layout version of the generation area; a mapping of another version is refused.
-const GEN_VERSION: u32 = 2;
+const GEN_VERSION: u32 = 3;
 /// Incarnation an owner writes when it lets go of a segment: peers drop their mappings of it,
 /// and every range of it fails its check. Never handed out.
 const CLOSED: u32 = u32::MAX;
@@ -64,8 +75,15 @@ struct GenHeader {
     block_shift: u32,
     data_len: u64,
     blocks: u64,
+    /// The last incarnation handed out (or CLOSED); with no slices, the segment's.
     incarnation: AtomicU32,
+    /// How many slices have incarnations of their own (0: none, the segment has one).
+    slices: AtomicU32,
+    /// The incarnation of each slice, by group rank.
+    slice_incarnations: [AtomicU32; MAX_SLICES as usize],
 }
+
+const _: () = assert!(std::mem::size_of::<GenHeader>() <= PAGE);
 
 /// Where the block generation words start and how large the whole file is, for `len` data
 /// bytes. The page summaries follow the block words (see [`summary_offset`]).
@@ -397,21 +415,101 @@ impl Mapping {
         (words.as_ptr() as *mut u32, words.len())
     }
 
-    /// The current incarnation of the segment's memory.
+    /// The last incarnation handed out: the segment's, when it has no slices (see
+    /// [`Mapping::incarnation_of`] for a range's).
     pub fn incarnation(&self) -> u32 {
         self.header().incarnation.load(Ordering::Acquire)
     }
 
-    /// Starts a new incarnation (before the owner mounts the segment again) and returns it:
-    /// every reader and writer holding ranges of an earlier one fails from now on.
-    pub fn bump_incarnation(&self) -> u32 {
+    /// A new incarnation from the counter (never 0 nor CLOSED).
+    fn next_incarnation(&self) -> u32 {
         let h = &self.header().incarnation;
-        let mut n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
-        if n == CLOSED {
-            n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        loop {
+            let n = h.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+            if n != CLOSED && n != 0 {
+                return n;
+            }
+        }
+    }
+
+    /// Starts a new incarnation of the whole segment, every slice included (before the owner
+    /// mounts it again) and returns it: every reader and writer holding ranges of an earlier one
+    /// fails from now on.
+    pub fn bump_incarnation(&self) -> u32 {
+        let n = self.next_incarnation();
+        let h = self.header();
+        let slices = h.slices.load(Ordering::Acquire) as usize;
+        for s in &h.slice_incarnations[..slices] {
+            s.store(n, Ordering::Release);
         }
         fence(Ordering::SeqCst);
         n
+    }
+
+    /// Gives each of `groups` slices an incarnation of its own, all the segment's current one
+    /// (before the owner first mounts it in a cluster of `groups` groups). False, and nothing
+    /// changed, when `groups` is below 2 or above [`MAX_SLICES`]: the segment keeps one
+    /// incarnation.
+    pub fn set_slices(&self, groups: u32) -> bool {
+        if !(2..=MAX_SLICES).contains(&groups) {
+            return false;
+        }
+        let h = self.header();
+        let now = h.incarnation.load(Ordering::Acquire);
+        for s in &h.slice_incarnations[..groups as usize] {
+            s.store(now, Ordering::Release);
+        }
+        h.slices.store(groups, Ordering::Release);
+        fence(Ordering::SeqCst);
+        true
+    }
+
+    /// How many slices have incarnations of their own (0: none).
+    pub fn slices(&self) -> u32 {
+        self.header().slices.load(Ordering::Acquire)
+    }
+
+    /// The incarnation of slice `rank` (the segment's, without slices).
+    pub fn slice_incarnation(&self, rank: u32) -> u32 {
+        let h = self.header();
+        match h.slices.load(Ordering::Acquire) {
+            n if rank < n => h.slice_incarnations[rank as usize].load(Ordering::Acquire),
+            _ => h.incarnation.load(Ordering::Acquire),
+        }
+    }
+
+    /// Starts one new incarnation for the slices of `ranks` and returns it: readers and writers
+    /// holding ranges of those slices fail from now on; other slices keep theirs. Without
+    /// slices, a new incarnation of the whole segment.
+    pub fn bump_slices(&self, ranks: &[u32]) -> u32 {
+        let h = self.header();
+        let slices = h.slices.load(Ordering::Acquire);
+        if slices == 0 {
+            return self.bump_incarnation();
+        }
+        let n = self.next_incarnation();
+        for &r in ranks.iter().filter(|&&r| r < slices) {
+            h.slice_incarnations[r as usize].store(n, Ordering::Release);
+        }
+        fence(Ordering::SeqCst);
+        n
+    }
+
+    /// The incarnation `[offset, offset + len)` was handed out under: its slice's. CLOSED once
+    /// the owner let go, and 0 (which is never handed out) for a range across two slices.
+    pub fn incarnation_of(&self, offset: u64, len: usize) -> u32 {
+        let h = self.header();
+        let whole = h.incarnation.load(Ordering::Acquire);
+        let slices = h.slices.load(Ordering::Acquire);
+        if whole == CLOSED || slices == 0 {
+            return whole;
+        }
+        let size = self.len as u64;
+        let first = slice_rank(size, offset, slices);
+        if len > 0 && slice_rank(size, offset.saturating_add(len as u64 - 1), slices) != first {
+            return 0;
+        }
+        h.slice_incarnations[first as usize].load(Ordering::Acquire)
     }
 
     fn refuse_read_only(&self) -> Result<(), TransferError> {
@@ -445,7 +543,7 @@ impl Mapping {
         if len == 0 {
             return Ok(());
         }
-        if self.incarnation() != incarnation {
+        if self.incarnation_of(offset, len) != incarnation {
             return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
         }
         let (words, n) = self.gen_words(offset, len);
@@ -468,7 +566,7 @@ impl Mapping {
     pub fn retire(&self, offset: u64, len: usize, incarnation: u32, gen: u32) -> Result<(), TransferError> {
         self.check(offset, len)?;
         self.refuse_read_only()?;
-        if len == 0 || self.incarnation() != incarnation {
+        if len == 0 || self.incarnation_of(offset, len) != incarnation {
             return Ok(());
         }
         for g in self.gens(offset, len) {
@@ -505,7 +603,7 @@ impl Mapping {
         } else {
             self.blocks_differ(offset, len, gen)
         };
-        if self.incarnation() != incarnation || changed != 0 {
+        if self.incarnation_of(offset, len) != incarnation || changed != 0 {
             return Err(TransferError::Remote(ErrorCode::RANGE_REUSED));
         }
         Ok(())
@@ -655,6 +753,48 @@ mod tests {
         assert!(reader.peer_still_open());
         drop(m);
         assert!(!reader.peer_still_open());
+    }
+
+    #[test]
+    fn a_new_incarnation_of_some_slices_fails_only_their_ranges() {
+        let size = 1usize << 20;
+        let m = Mapping::create("slices", size).unwrap();
+        let first = m.bump_incarnation();
+        assert!(!m.set_slices(1) && !m.set_slices(MAX_SLICES + 1), "one group, or too many: no slices");
+        assert!(m.set_slices(4));
+        let quarter = (size / 4) as u64;
+        // A range in each slice, written under the first incarnation.
+        for rank in 0..4u64 {
+            m.stamp(rank * quarter, 4096, first, 7).unwrap();
+            m.verify(rank * quarter, 4096, first, 7).unwrap();
+        }
+        // Slices 1 and 3 start over (their primary expired the owner): only their ranges fail,
+        // for readers and writers alike, and a peer's mapping sees the same.
+        let peer = peer_of(&m, false);
+        let next = m.bump_slices(&[1, 3]);
+        assert!(next > first);
+        for rank in 0..4u32 {
+            let at = rank as u64 * quarter;
+            let kept = rank % 2 == 0;
+            assert_eq!(m.verify(at, 4096, first, 7).is_ok(), kept, "slice {rank}");
+            assert_eq!(peer.verify(at, 4096, first, 7).is_ok(), kept, "slice {rank}, by a peer");
+            assert_eq!(m.stamp(at, 4096, first, 8).is_ok(), kept, "slice {rank}");
+            assert_eq!(m.slice_incarnation(rank), if kept { first } else { next });
+        }
+        m.stamp(quarter, 4096, next, 9).unwrap();
+        m.verify(quarter, 4096, next, 9).unwrap();
+        // A range across two slices belongs to neither.
+        assert_eq!(m.incarnation_of(quarter - 64, 128), 0);
+        assert!(m.verify(quarter - 64, 128, first, 7).is_err());
+        // The whole segment starting over fails every slice; incarnations are never reused.
+        let all = m.bump_incarnation();
+        assert!(all > next);
+        assert!((0..4).all(|r| m.slice_incarnation(r) == all));
+        assert!(m.verify(0, 4096, first, 8).is_err());
+        // An owner letting go closes every slice.
+        drop(m);
+        assert!(peer.verify(quarter, 4096, next, 9).is_err());
+        assert!(!peer.peer_still_open());
     }
 
     #[test]

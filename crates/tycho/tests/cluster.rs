@@ -1033,6 +1033,71 @@ fn a_reshard_ends_with_one_primary_and_every_object_whichever_master_a_failpoint
     }
 }
 
+// ---- per-group node liveness (issue 47) ---------------------------------------------------------
+
+/// `name`'s value in `master`'s metrics (0 when absent).
+fn metric(master: &MasterProc, name: &str) -> u64 {
+    let page = http_get(&master.http, "/metrics");
+    page.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .map_or(0, |n| n.trim().parse::<f64>().unwrap() as u64)
+}
+
+/// A node whose heartbeats to one master are lost (a failpoint: after 5 beats, for 6, about 6 s,
+/// past the masters' client TTL of 2 s) is expired by that master alone, which drops the node's replicas
+/// in its group. Once its pings get through again, the node mounts its segment there under a
+/// new incarnation of that group's slice only: every object of the other group stays readable
+/// through it, with its bytes, and the other master never expired it.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_node_cut_off_from_one_master_loses_only_that_masters_groups_replicas_failpoint() {
+    let _one = serial();
+    let c = Cluster::new("t-slices");
+    let a = c.master("primary of groups 0", &["--kvpt-groups", "2", "--client-ttl", "2"]);
+    let b = c.master("primary of groups 1", &["--client-ttl", "2"]);
+    wait_groups(&a, "b claims group 1", |g| g.len() == 2 && g[1].0 == b.rpc && !g[1].3);
+    let cut = format!("client::drop_pings_to=5*off->6*return({})", a.rpc);
+    let secret = ["--secret-file", c.secret.to_str().unwrap()];
+    let _node = NodeProc::start_env(TYCHO, &a.rpc, "64MB", &secret, &[("FAILPOINTS", &cut)]);
+    let client = c.client(&a.rpc);
+    let (kept, dropped) = (keys_of_group("kept/", 1, 2, 40), keys_of_group("dropped/", 0, 2, 40));
+    // The node's segment is the only memory: every put lands there, in the slice of its group.
+    let deadline = Instant::now() + ROLE_WAIT;
+    for k in kept.iter().chain(&dropped) {
+        while let Err(e) = client.put(k, &value_of(k, 4096), &Default::default()) {
+            assert!(Instant::now() < deadline, "put {k}: {e:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // (The node's first 5 beats reach a: these puts are well within them.)
+    assert_eq!(metric(&a, "tycho_master_clients_expired_total"), 0, "a expired the node while the test wrote");
+    // a expires the node (its pings are lost); b hears from it all along.
+    let deadline = Instant::now() + ROLE_WAIT;
+    while metric(&a, "tycho_master_clients_expired_total") == 0 {
+        assert!(Instant::now() < deadline, "a never expired the node");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Once its pings reach a again, the node mounts its segment there anew: a put of group 0
+    // finds memory.
+    let deadline = Instant::now() + ROLE_WAIT;
+    while let Err(e) = client.put("dropped/after", b"back", &Default::default()) {
+        assert!(Instant::now() < deadline, "the node never mounted its segment on a again: {e:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(&b, "tycho_master_clients_expired_total"), 0, "b expired a node that pinged it");
+    // Group 1's objects, on the node's slice of b's group, are all there with their bytes.
+    let fresh = c.client(&b.rpc);
+    for k in &kept {
+        let got = fresh.get(k).unwrap_or_else(|e| panic!("{k} of group 1 lost with a's expiry: {e:?}"));
+        assert_eq!(got, value_of(k, 4096), "{k}");
+    }
+    // Group 0's went with the expiry.
+    for k in &dropped {
+        assert_eq!(fresh.get(k), Err(tycho_proto::ErrorCode::OBJECT_NOT_FOUND), "{k}");
+    }
+    assert_eq!(fresh.get("dropped/after").unwrap(), b"back");
+}
+
 // ---- copy and move tasks (issue 15) ------------------------------------------------------------
 
 /// A master with a secret, alone (no etcd), with `extra` flags, and a way to reach it.

@@ -453,6 +453,13 @@ impl MasterRpc {
             Request::ReMountSegment { client, segments } => {
                 return self.blocking(move |m| done(m.remount_segments(client, segments)))
             }
+            Request::MountSlices { client, segments } => {
+                return self.blocking(move |m| match m.mount_slices(client, segments) {
+                    Ok(Ok(mounted)) => Response::Slices { mounted, stale: Vec::new() },
+                    Ok(Err(stale)) => Response::Slices { mounted: Vec::new(), stale },
+                    Err(code) => Response::Error(code),
+                })
+            }
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }

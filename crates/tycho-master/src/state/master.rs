@@ -458,6 +458,54 @@ impl Master {
     /// Mounts a segment for `client` (idempotent) in every group this master serves, and
     /// registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
+        let incarnation = desc.incarnation;
+        self.mount_in_each(client, desc, |_| incarnation)
+    }
+
+    /// Mounts `client`'s segments with an incarnation per group's slice (MountSlices) in every
+    /// group this master serves, and registers the client; the groups mounted in. A group that
+    /// does not hold a segment under its slice's incarnation, or an earlier one, takes only a
+    /// fresh incarnation: one that held it and dropped it (an expiry, an admin's unmount) may
+    /// still have readers of its ranges, and a range of the same incarnation handed out again
+    /// could pass their check. Those groups come back as `Err(stale)` and nothing is mounted.
+    pub fn mount_slices(
+        &self,
+        client: ClientId,
+        segments: Vec<SlicedSegment>,
+    ) -> WireResult<Result<Vec<u32>, Vec<u32>>> {
+        let groups = self.cfg.group_count.max(1) as usize;
+        if segments.iter().any(|s| s.slices.len() != groups) {
+            return Err(ErrorCode::INVALID_PARAMS);
+        }
+        let serving: Vec<&Group> = self.serving().collect();
+        let mut stale: Vec<u32> = serving
+            .iter()
+            .filter(|g| {
+                segments.iter().any(|s| {
+                    let slice = s.slices[g.rank() as usize];
+                    let holds = g
+                        .segments
+                        .get(s.desc.id)
+                        .is_some_and(|held| held.client == client && held.desc.incarnation <= slice.incarnation);
+                    !holds && !slice.fresh
+                })
+            })
+            .map(|g| g.rank())
+            .collect();
+        if !stale.is_empty() {
+            stale.sort_unstable();
+            return Ok(Err(stale));
+        }
+        self.register_client(client).must_remount.store(false, Ordering::Relaxed);
+        for s in segments {
+            let slices = s.slices;
+            self.mount_in_each(client, s.desc, |rank| slices[rank as usize].incarnation)?;
+        }
+        Ok(Ok(serving.iter().map(|g| g.rank()).collect()))
+    }
+
+    /// Mounts `desc` in every group this master serves, under `incarnation(rank)` in each.
+    fn mount_in_each(&self, client: ClientId, desc: SegmentDesc, incarnation: impl Fn(u32) -> u32) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
         // Caps first, so that a refused mount changes nothing: a huge segment would inflate the
         // capacity eviction is measured against; many segments, the master's tables.
@@ -472,6 +520,7 @@ impl Master {
         // Every group's table holds the same segments (natively mounted ones, at least), so a
         // mount one refuses (another client's id, overlapping memory) the first refuses.
         for group in self.serving() {
+            let desc = SegmentDesc { incarnation: incarnation(group.rank()), ..desc.clone() };
             self.mount_in(group, client, &desc)?;
         }
         self.register_client(client).host.lock().get_or_insert(host);

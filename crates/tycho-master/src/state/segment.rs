@@ -118,19 +118,7 @@ pub struct MountedSegment {
     alloc: Mutex<RangeAllocator>,
 }
 
-/// Where group `rank`'s slice of a `size`-byte segment with blocks of `unit` bytes starts, of
-/// `groups` slices: whole blocks, divided as evenly as they go.
-pub fn slice_start(size: u64, unit: u64, rank: u32, groups: u32) -> u64 {
-    let blocks = size / unit;
-    (blocks as u128 * rank as u128 / groups.max(1) as u128) as u64 * unit
-}
-
-/// Group `rank`'s slice `[start, end)` of a segment of `size` bytes, of `groups` slices.
-pub fn slice_of(size: u64, rank: u32, groups: u32) -> std::ops::Range<u64> {
-    let unit = segment_block_size(size);
-    let end = if rank + 1 >= groups.max(1) { size } else { slice_start(size, unit, rank + 1, groups) };
-    slice_start(size, unit, rank, groups)..end
-}
+pub use tycho_proto::slice_of;
 
 impl MountedSegment {
     fn new(
