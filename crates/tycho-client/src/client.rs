@@ -73,15 +73,15 @@ const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
 struct Segment {
     desc: SegmentDesc,
     memory: Arc<Mapping>,
-    /// In a cluster of several groups, per group's slice: whether no master has mounted the
-    /// slice under its current incarnation yet (see [`Inner::mount_slices_at`]).
-    fresh: Vec<bool>,
+    /// In a cluster of several groups: which slices some master has mounted under their
+    /// current incarnations (see [`Inner::mount_slices_at`]).
+    book: SliceBook,
 }
 
 impl Segment {
     /// A segment not mounted anywhere yet.
     fn new(desc: SegmentDesc, memory: Arc<Mapping>) -> Segment {
-        Segment { desc, memory, fresh: Vec::new() }
+        Segment { desc, memory, book: SliceBook::default() }
     }
 
     /// Gives the segment an incarnation per slice of `groups` (a new one for all of them) unless
@@ -93,17 +93,12 @@ impl Segment {
             return;
         }
         self.desc.incarnation = self.memory.bump_incarnation();
-        self.fresh = vec![true; groups as usize];
+        self.book = SliceBook::new(groups);
     }
 
     /// The segment as MountSlices carries it.
     fn sliced(&self) -> SlicedSegment {
-        let slices = (0..self.memory.slices())
-            .map(|r| SliceIncarnation {
-                incarnation: self.memory.slice_incarnation(r),
-                fresh: self.fresh.get(r as usize).copied().unwrap_or(true),
-            })
-            .collect();
+        let slices = self.book.offer(|r| self.memory.slice_incarnation(r));
         SlicedSegment { desc: SegmentDesc { incarnation: self.memory.incarnation(), ..self.desc.clone() }, slices }
     }
 }
@@ -2028,11 +2023,7 @@ impl Inner {
             match call_patiently(&conn, &req, self.patience(&req))? {
                 Response::Slices { mounted, stale } if stale.is_empty() => {
                     for s in self.segments.lock().iter_mut() {
-                        for &r in &mounted {
-                            if let Some(f) = s.fresh.get_mut(r as usize) {
-                                *f = false;
-                            }
-                        }
+                        s.book.mounted(&mounted);
                     }
                     self.mounted_on.lock().insert(owner.to_string());
                     return Ok(());
@@ -2042,11 +2033,7 @@ impl Inner {
                     for s in self.segments.lock().iter_mut() {
                         s.memory.bump_slices(&stale);
                         s.desc.incarnation = s.memory.incarnation();
-                        for &r in &stale {
-                            if let Some(f) = s.fresh.get_mut(r as usize) {
-                                *f = true;
-                            }
-                        }
+                        s.book.started_over(&stale);
                     }
                 }
                 _ => return Err(ErrorCode::INTERNAL_ERROR),

@@ -1643,3 +1643,357 @@ fn schedules_second_half() {
 fn reshard_schedules() {
     seeds(RESHARD_SEEDS..RESHARD_SEEDS + total() / 5);
 }
+
+// ---- per-group node liveness (issue 47) --------------------------------------------------------
+
+/// Nodes judged alive per group: each group's primary expires a node on its own, and drops the
+/// node's replicas in its own groups only. The node's side ([`SliceBook`]: which slices some
+/// master mounted under their current incarnation) and the master's verdict on a MountSlices
+/// ([`stale_slices`]) are the production code; around them a model of the rest: a node keeps
+/// an incarnation per slice (one counter, as the segment header does), pings every primary
+/// each tick unless cut off from it, and on NeedRemount mounts its segment at every primary
+/// with MountSlices, starting over the slices a primary answers stale; a master forgets a node
+/// silent for a TTL and unmounts it in its groups; groups move between masters with their
+/// state (as a replay of their log carries it), and a crash loses a master's table of clients.
+///
+/// After every step: every group that holds a node holds it under the node's current
+/// incarnation of that slice (so every replica it lists passes the node's check); no group
+/// mounts again an incarnation it dropped (a reader of the dropped ranges could pass its check);
+/// and a replica is lost only when its own group's primary expired its node. At the end, after
+/// a quiet phase, every node is mounted in every group and every replica not lost is readable.
+mod liveness {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use tycho_proto::{stale_slices, SliceBook};
+
+    use super::Rng;
+
+    /// Ticks without a ping after which a master forgets a node (its client TTL).
+    const TTL: u64 = 3;
+
+    struct Group {
+        owner: usize,
+        /// The nodes whose segment the group holds, each under one incarnation of its slice.
+        mounts: BTreeMap<usize, u32>,
+        /// Every (node, incarnation) the group held and dropped.
+        dropped: BTreeSet<(usize, u32)>,
+        /// Replicas it lists: (replica, node, incarnation).
+        replicas: Vec<(u64, usize, u32)>,
+    }
+
+    struct Node {
+        /// The segment header's counter and its slices' incarnations.
+        counter: u32,
+        incarnations: Vec<u32>,
+        book: SliceBook,
+        /// Per master: cut off from it until this tick.
+        cut_until: Vec<u64>,
+        /// The masters that took its segment since its last remount (the client's
+        /// `mounted_on`): the others get it at the next tick.
+        mounted_on: BTreeSet<usize>,
+    }
+
+    #[derive(Debug, Default, Clone, Copy)]
+    pub struct Figures {
+        pub expiries: usize,
+        pub remounts: usize,
+        pub started_over: usize,
+        pub lost: usize,
+        pub kept_through_expiry: usize,
+        pub moves: usize,
+    }
+
+    struct World {
+        rng: Rng,
+        now: u64,
+        groups: Vec<Group>,
+        /// Per master: the nodes it knows and when each last pinged.
+        heard: Vec<BTreeMap<usize, u64>>,
+        nodes: Vec<Node>,
+        next_replica: u64,
+        lost: BTreeSet<u64>,
+        figures: Figures,
+    }
+
+    impl World {
+        fn owned(&self, m: usize) -> Vec<u32> {
+            (0..self.groups.len() as u32).filter(|&r| self.groups[r as usize].owner == m).collect()
+        }
+
+        /// Node `n`'s MountSlices at master `m`, with the node's reaction to a stale answer.
+        fn mount_slices(&mut self, n: usize, m: usize) {
+            for _ in 0..3 {
+                let node = &self.nodes[n];
+                let offered = node.book.offer(|r| node.incarnations[r as usize]);
+                let serving = self.owned(m);
+                let groups = &self.groups;
+                let stale =
+                    stale_slices(serving.iter().copied(), |r| groups[r as usize].mounts.get(&n).copied(), &offered);
+                if !stale.is_empty() {
+                    let node = &mut self.nodes[n];
+                    node.counter += 1;
+                    for &r in &stale {
+                        node.incarnations[r as usize] = node.counter;
+                    }
+                    node.book.started_over(&stale);
+                    self.figures.started_over += 1;
+                    continue;
+                }
+                for &r in &serving {
+                    let inc = offered[r as usize].incarnation;
+                    let g = &mut self.groups[r as usize];
+                    assert!(
+                        !g.dropped.contains(&(n, inc)),
+                        "group {r} mounts node {n}'s incarnation {inc} again after dropping it"
+                    );
+                    match g.mounts.get(&n).copied() {
+                        Some(held) if held == inc => {}
+                        Some(held) => {
+                            assert!(held < inc, "group {r} holds node {n} under {held}, newer than {inc}");
+                            // A newer incarnation replaces an older one: its replicas go. The
+                            // node starts a slice over only where its group does not hold it.
+                            assert!(
+                                !g.replicas.iter().any(|&(_, rn, _)| rn == n),
+                                "group {r}'s replicas on node {n} dropped by a remount at master {m}"
+                            );
+                            g.dropped.insert((n, held));
+                            g.mounts.insert(n, inc);
+                        }
+                        None => {
+                            g.mounts.insert(n, inc);
+                        }
+                    }
+                }
+                self.nodes[n].book.mounted(&serving);
+                self.nodes[n].mounted_on.insert(m);
+                self.heard[m].insert(n, self.now);
+                self.figures.remounts += 1;
+                return;
+            }
+            panic!("node {n} could not mount at master {m} in three rounds");
+        }
+
+        /// Master `m` forgets the nodes silent for a TTL and unmounts them in its groups.
+        fn expire(&mut self, m: usize) {
+            let now = self.now;
+            let silent: Vec<usize> =
+                self.heard[m].iter().filter(|&(_, &at)| at + TTL <= now).map(|(&n, _)| n).collect();
+            for n in silent {
+                self.heard[m].remove(&n);
+                self.figures.expiries += 1;
+                let mine = self.owned(m);
+                for r in 0..self.groups.len() as u32 {
+                    let g = &mut self.groups[r as usize];
+                    if !mine.contains(&r) {
+                        self.figures.kept_through_expiry += g.replicas.iter().filter(|&&(_, rn, _)| rn == n).count();
+                        continue;
+                    }
+                    if let Some(inc) = g.mounts.remove(&n) {
+                        g.dropped.insert((n, inc));
+                        let (gone, kept): (Vec<_>, Vec<_>) = g.replicas.drain(..).partition(|&(_, rn, _)| rn == n);
+                        g.replicas = kept;
+                        self.figures.lost += gone.len();
+                        self.lost.extend(gone.into_iter().map(|(id, _, _)| id));
+                    }
+                }
+            }
+        }
+
+        /// A tick: every node first mounts at the masters that have not taken its segment since
+        /// its last remount, then pings every master it is not cut off from (some pings are
+        /// lost); a master that does not know it, or one of whose groups lacks its segment,
+        /// answers NeedRemount, and the node mounts again at every primary it reaches; then
+        /// every master expires the silent.
+        fn tick(&mut self, loss: usize) {
+            self.now += 1;
+            for n in 0..self.nodes.len() {
+                for m in 0..self.heard.len() {
+                    if !self.nodes[n].mounted_on.contains(&m) && self.nodes[n].cut_until[m] <= self.now {
+                        self.mount_slices(n, m);
+                    }
+                }
+                let mut remount = false;
+                for m in 0..self.heard.len() {
+                    if self.nodes[n].cut_until[m] > self.now || self.rng.below(100) < loss {
+                        continue;
+                    }
+                    let lacks = self.owned(m).iter().any(|&r| !self.groups[r as usize].mounts.contains_key(&n));
+                    match self.heard[m].get_mut(&n) {
+                        Some(at) => {
+                            *at = self.now;
+                            remount |= lacks;
+                        }
+                        None => remount = true,
+                    }
+                }
+                if remount {
+                    self.nodes[n].mounted_on.clear();
+                    for m in 0..self.heard.len() {
+                        if self.nodes[n].cut_until[m] <= self.now {
+                            self.mount_slices(n, m);
+                        }
+                    }
+                }
+            }
+            for m in 0..self.heard.len() {
+                self.expire(m);
+            }
+        }
+
+        /// A write to group `r` on some node it holds, stamped with the node's incarnation.
+        fn put(&mut self, r: usize) {
+            let held: Vec<(usize, u32)> = self.groups[r].mounts.iter().map(|(&n, &i)| (n, i)).collect();
+            if held.is_empty() {
+                return;
+            }
+            let (n, inc) = held[self.rng.below(held.len())];
+            assert_eq!(self.nodes[n].incarnations[r], inc, "group {r} places on node {n} under a dead incarnation");
+            self.next_replica += 1;
+            self.groups[r].replicas.push((self.next_replica, n, inc));
+        }
+
+        /// Group `r` moves to master `to` with its state; `to` counts the nodes it knows as just
+        /// heard (as `take_over` does), and the others get NeedRemount at their next ping.
+        fn hand_over(&mut self, r: usize, to: usize) {
+            self.groups[r].owner = to;
+            let now = self.now;
+            self.heard[to].values_mut().for_each(|at| *at = now);
+            self.figures.moves += 1;
+        }
+
+        fn check(&self) {
+            for (r, g) in self.groups.iter().enumerate() {
+                for (&n, &inc) in &g.mounts {
+                    assert_eq!(
+                        self.nodes[n].incarnations[r], inc,
+                        "group {r} holds node {n} under {inc}, which no longer verifies"
+                    );
+                }
+                for &(id, n, inc) in &g.replicas {
+                    assert_eq!(
+                        g.mounts.get(&n),
+                        Some(&inc),
+                        "replica {id} of group {r} lists a segment it does not hold"
+                    );
+                }
+            }
+        }
+    }
+
+    pub fn run(seed: u64) -> Figures {
+        let mut rng = Rng(seed ^ 0x5eed_11fe);
+        let g = 2 + rng.below(3);
+        let masters = 2 + rng.below(2);
+        let nodes = 1 + rng.below(3);
+        let loss = rng.below(20);
+        let mut w = World {
+            groups: (0..g)
+                .map(|r| Group {
+                    owner: r % masters,
+                    mounts: BTreeMap::new(),
+                    dropped: BTreeSet::new(),
+                    replicas: Vec::new(),
+                })
+                .collect(),
+            heard: vec![BTreeMap::new(); masters],
+            nodes: (0..nodes)
+                .map(|_| Node {
+                    counter: 1,
+                    incarnations: vec![1; g],
+                    book: SliceBook::new(g as u32),
+                    cut_until: vec![0; masters],
+                    mounted_on: BTreeSet::new(),
+                })
+                .collect(),
+            rng,
+            now: 0,
+            next_replica: 0,
+            lost: BTreeSet::new(),
+            figures: Figures::default(),
+        };
+        // Each node mounts at every primary first.
+        for n in 0..nodes {
+            for m in 0..masters {
+                w.mount_slices(n, m);
+            }
+        }
+        w.check();
+        for _ in 0..200 {
+            match w.rng.below(20) {
+                0..=7 => w.tick(loss),
+                8..=13 => {
+                    let r = w.rng.below(g);
+                    w.put(r);
+                }
+                14..=16 => {
+                    // A node cut off from one master for a while (past the TTL, or not).
+                    let (n, m) = (w.rng.below(nodes), w.rng.below(masters));
+                    w.nodes[n].cut_until[m] = w.now + 1 + w.rng.below(2 * TTL as usize) as u64;
+                }
+                17 | 18 => {
+                    let (r, to) = (w.rng.below(g), w.rng.below(masters));
+                    w.hand_over(r, to);
+                }
+                _ => {
+                    // A master crashes and comes back: it knows no node; its groups move to
+                    // the others with their state, or stay (it restores them from its log).
+                    let m = w.rng.below(masters);
+                    w.heard[m].clear();
+                    for r in 0..g {
+                        if w.groups[r].owner == m && w.rng.below(2) == 0 {
+                            let to = w.rng.below(masters);
+                            w.hand_over(r, to);
+                        }
+                    }
+                }
+            }
+            w.check();
+        }
+        // Quiet: no cut, no lost ping; every node ends up mounted in every group.
+        for node in &mut w.nodes {
+            node.cut_until.iter_mut().for_each(|c| *c = 0);
+        }
+        for _ in 0..3 {
+            w.tick(0);
+            w.check();
+        }
+        for (r, group) in w.groups.iter().enumerate() {
+            for n in 0..nodes {
+                assert_eq!(
+                    group.mounts.get(&n),
+                    Some(&w.nodes[n].incarnations[r]),
+                    "node {n} is not mounted in group {r}"
+                );
+            }
+            for &(id, _, _) in &group.replicas {
+                assert!(!w.lost.contains(&id));
+            }
+        }
+        w.figures
+    }
+}
+
+#[test]
+fn per_group_node_liveness_schedules() {
+    let n = (total() / 4).max(1);
+    let mut all = liveness::Figures::default();
+    for seed in 0..n {
+        let f = std::panic::catch_unwind(|| liveness::run(seed)).unwrap_or_else(|e| {
+            let why = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+            panic!("liveness schedule {seed} failed: {}", why.unwrap_or_default())
+        });
+        all.expiries += f.expiries;
+        all.remounts += f.remounts;
+        all.started_over += f.started_over;
+        all.lost += f.lost;
+        all.kept_through_expiry += f.kept_through_expiry;
+        all.moves += f.moves;
+    }
+    eprintln!("{n} liveness schedules: every invariant held; {all:?}");
+    if n >= 1000 {
+        assert!(
+            all.expiries > 0 && all.started_over > 0 && all.lost > 0 && all.kept_through_expiry > 0 && all.moves > 0,
+            "the liveness schedules exercised too little: {all:?}"
+        );
+    }
+}

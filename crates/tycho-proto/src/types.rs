@@ -150,6 +150,71 @@ pub struct SlicedSegment {
     pub slices: Vec<SliceIncarnation>,
 }
 
+/// The groups of `serving` that must refuse a MountSlices of one segment: those that do not
+/// hold it under its slice's offered incarnation or an earlier one (`held(rank)`: the
+/// incarnation group `rank` holds it under, if any), where that incarnation is not fresh. A
+/// group that held the segment and dropped it may still have readers of its ranges; a range of
+/// the same incarnation handed out again could pass their check.
+pub fn stale_slices(
+    serving: impl IntoIterator<Item = u32>,
+    held: impl Fn(u32) -> Option<u32>,
+    offered: &[SliceIncarnation],
+) -> Vec<u32> {
+    serving
+        .into_iter()
+        .filter(|&rank| {
+            let Some(slice) = offered.get(rank as usize) else { return true };
+            let holds = held(rank).is_some_and(|h| h <= slice.incarnation);
+            !holds && !slice.fresh
+        })
+        .collect()
+}
+
+/// What a segment's owner knows of each slice's incarnation: whether some master has mounted
+/// it (then a group that no longer holds it must get a new one, see [`stale_slices`]). The
+/// incarnations themselves live in the segment's memory, where its readers check them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SliceBook {
+    fresh: Vec<bool>,
+}
+
+impl SliceBook {
+    /// `groups` slices, none mounted yet.
+    pub fn new(groups: u32) -> SliceBook {
+        SliceBook { fresh: vec![true; groups as usize] }
+    }
+
+    /// How many slices it keeps.
+    pub fn groups(&self) -> u32 {
+        self.fresh.len() as u32
+    }
+
+    /// The slices as MountSlices offers them, with `incarnation(rank)` each.
+    pub fn offer(&self, incarnation: impl Fn(u32) -> u32) -> Vec<SliceIncarnation> {
+        (0..self.groups())
+            .map(|r| SliceIncarnation { incarnation: incarnation(r), fresh: self.fresh[r as usize] })
+            .collect()
+    }
+
+    /// A master mounted the slices of `ranks` (its groups) under their current incarnations.
+    pub fn mounted(&mut self, ranks: &[u32]) {
+        self.set(ranks, false);
+    }
+
+    /// The slices of `ranks` started new incarnations.
+    pub fn started_over(&mut self, ranks: &[u32]) {
+        self.set(ranks, true);
+    }
+
+    fn set(&mut self, ranks: &[u32], fresh: bool) {
+        for &r in ranks {
+            if let Some(f) = self.fresh.get_mut(r as usize) {
+                *f = fresh;
+            }
+        }
+    }
+}
+
 /// Where one replica of an object lives.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(test, derive(Arbitrary))]
@@ -408,6 +473,26 @@ pub struct CopyGrant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_group_that_dropped_a_segment_takes_only_a_fresh_incarnation_of_its_slice() {
+        let mut book = SliceBook::new(3);
+        let incs = [5u32, 5, 5];
+        let offered = book.offer(|r| incs[r as usize]);
+        // Never mounted: every group takes it.
+        assert!(stale_slices(0..3, |_| None, &offered).is_empty());
+        book.mounted(&[0, 1, 2]);
+        let offered = book.offer(|r| incs[r as usize]);
+        // Held under it (or under an earlier one, which it replaces): taken again.
+        assert!(stale_slices(0..3, |r| Some(if r == 2 { 4 } else { 5 }), &offered).is_empty());
+        // Group 1 dropped it: only group 1 refuses, until its slice starts over.
+        assert_eq!(stale_slices(0..3, |r| (r != 1).then_some(5), &offered), vec![1]);
+        book.started_over(&[1]);
+        let incs = [5u32, 6, 5];
+        assert!(stale_slices(0..3, |r| (r != 1).then_some(5), &book.offer(|r| incs[r as usize])).is_empty());
+        // A group the offer has no slice for refuses.
+        assert_eq!(stale_slices([3], |_| None, &book.offer(|r| incs[r as usize])), vec![3]);
+    }
 
     #[test]
     fn every_byte_lies_in_the_slice_slice_rank_names() {

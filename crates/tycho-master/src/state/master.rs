@@ -423,7 +423,7 @@ impl Master {
         let status = match self.clients.read().get(&client) {
             Some(c) => {
                 c.last_ping.store(self.now(), Ordering::Relaxed);
-                if c.must_remount.load(Ordering::Relaxed) {
+                if c.must_remount.load(Ordering::Relaxed) || self.lacks_segments_of(c) {
                     ClientStatus::NeedRemount
                 } else {
                     ClientStatus::Ok
@@ -432,6 +432,18 @@ impl Master {
             None => ClientStatus::NeedRemount,
         };
         PingReply { status, master_instance: self.instance }
+    }
+
+    /// Whether a group this master serves lacks a segment the client has mounted in another
+    /// (the group came from a master that had dropped it, or a mount reached some groups
+    /// only): the client mounts its segments again, and MountSlices fills the gap. Only where
+    /// segments keep an incarnation per slice, so that the remount costs no other group.
+    fn lacks_segments_of(&self, c: &ClientEntry) -> bool {
+        if !(2..=MAX_SLICES).contains(&self.cfg.group_count) {
+            return false;
+        }
+        let segments = c.segments.lock();
+        !segments.is_empty() && self.serving().any(|g| segments.iter().any(|&id| g.segments.get(id).is_none()))
     }
 
     fn register_client(&self, client: ClientId) -> Arc<ClientEntry> {
@@ -478,22 +490,17 @@ impl Master {
             return Err(ErrorCode::INVALID_PARAMS);
         }
         let serving: Vec<&Group> = self.serving().collect();
-        let mut stale: Vec<u32> = serving
-            .iter()
-            .filter(|g| {
-                segments.iter().any(|s| {
-                    let slice = s.slices[g.rank() as usize];
-                    let holds = g
-                        .segments
-                        .get(s.desc.id)
-                        .is_some_and(|held| held.client == client && held.desc.incarnation <= slice.incarnation);
-                    !holds && !slice.fresh
-                })
-            })
-            .map(|g| g.rank())
-            .collect();
+        let mut stale: Vec<u32> = Vec::new();
+        for s in &segments {
+            let held = |rank: u32| {
+                let group = serving.iter().find(|g| g.rank() == rank)?;
+                group.segments.get(s.desc.id).filter(|h| h.client == client).map(|h| h.desc.incarnation)
+            };
+            stale.extend(tycho_proto::stale_slices(serving.iter().map(|g| g.rank()), held, &s.slices));
+        }
         if !stale.is_empty() {
             stale.sort_unstable();
+            stale.dedup();
             return Ok(Err(stale));
         }
         self.register_client(client).must_remount.store(false, Ordering::Relaxed);
