@@ -73,7 +73,7 @@ const AUTO_PORT_RANGE: std::ops::Range<u16> = 12300..14300;
 struct Segment {
     desc: SegmentDesc,
     memory: Arc<Mapping>,
-    /// In a cluster of several groups: which slices some master has mounted under their
+    /// In a cluster of several groups: which slices were offered to a master under their
     /// current incarnations (see [`Inner::mount_slices_at`]).
     book: SliceBook,
 }
@@ -85,7 +85,7 @@ impl Segment {
     }
 
     /// Gives the segment an incarnation per slice of `groups` (a new one for all of them) unless
-    /// it has them already, so that a primary expiring this client costs only its own groups'
+    /// it has them already (never offered: fresh), so that a primary expiring this client costs only its own groups'
     /// slices. Without slices (one group, or more than the header keeps), a segment keeps one
     /// incarnation.
     fn slice(&mut self, groups: u32) {
@@ -96,9 +96,10 @@ impl Segment {
         self.book = SliceBook::new(groups);
     }
 
-    /// The segment as MountSlices carries it.
-    fn sliced(&self) -> SlicedSegment {
-        let slices = self.book.offer(|r| self.memory.slice_incarnation(r));
+    /// The segment as MountSlices carries it (from now on, none of its slices is fresh).
+    fn sliced(&mut self) -> SlicedSegment {
+        let memory = &self.memory;
+        let slices = self.book.offer_once(|r| memory.slice_incarnation(r));
         SlicedSegment { desc: SegmentDesc { incarnation: self.memory.incarnation(), ..self.desc.clone() }, slices }
     }
 }
@@ -1992,7 +1993,11 @@ impl Inner {
                     // Each primary says which of its groups dropped the segments (MountSlices):
                     // only their slices start over.
                     Some(groups) => s.slice(groups),
-                    None => s.desc.incarnation = s.memory.bump_incarnation(),
+                    None => {
+                        s.memory.clear_slices();
+                        s.book = SliceBook::default();
+                        s.desc.incarnation = s.memory.bump_incarnation();
+                    }
                 }
             }
             segs.iter().map(|s| s.desc.clone()).collect()
@@ -2018,13 +2023,10 @@ impl Inner {
         // A group refuses a slice's incarnation once at most (a fresh one is always taken);
         // another round covers a group that moved to `owner` meanwhile.
         for _ in 0..3 {
-            let segments: Vec<SlicedSegment> = self.segments.lock().iter().map(Segment::sliced).collect();
+            let segments: Vec<SlicedSegment> = self.segments.lock().iter_mut().map(Segment::sliced).collect();
             let req = Request::MountSlices { client: self.id, segments };
             match call_patiently(&conn, &req, self.patience(&req))? {
-                Response::Slices { mounted, stale } if stale.is_empty() => {
-                    for s in self.segments.lock().iter_mut() {
-                        s.book.mounted(&mounted);
-                    }
+                Response::Slices { stale, .. } if stale.is_empty() => {
                     self.mounted_on.lock().insert(owner.to_string());
                     return Ok(());
                 }

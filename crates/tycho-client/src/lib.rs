@@ -12,6 +12,9 @@ mod retry;
 pub use aggregate::PartialRemoval;
 pub use client::{Client, Lookup, WriteMode};
 pub use config::{default_host_id, parse_size, ClientAuth, ClientConfig, Protocol};
-pub use discover::{EtcdAddress, CLUSTER_ENV, ETCD_SCHEME};
+pub use discover::{
+    EtcdAddress, CLUSTER_ENV, ETCDS_SCHEME, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV, ETCD_PASSWORD_FILE_ENV,
+    ETCD_SCHEME, ETCD_USER_ENV,
+};
 pub use retry::{call_with_retry, is_idempotent, MAX_ATTEMPTS};
 pub use tycho_transfer::Mapping;

@@ -1713,6 +1713,8 @@ mod liveness {
         next_replica: u64,
         lost: BTreeSet<u64>,
         figures: Figures,
+        /// Mount requests and answers may be lost (not in the quiet phase).
+        lossy: bool,
     }
 
     impl World {
@@ -1722,13 +1724,26 @@ mod liveness {
 
         /// Node `n`'s MountSlices at master `m`, with the node's reaction to a stale answer.
         fn mount_slices(&mut self, n: usize, m: usize) {
+            let mut lost_answer = false;
             for _ in 0..3 {
-                let node = &self.nodes[n];
-                let offered = node.book.offer(|r| node.incarnations[r as usize]);
+                let node = &mut self.nodes[n];
+                let incarnations = &node.incarnations;
+                let offered = node.book.offer_once(|r| incarnations[r as usize]);
+                if self.lossy && self.rng.below(10) == 0 {
+                    // The request, or its answer, is lost: the master may have mounted or not.
+                    // The slices offered are no longer fresh either way.
+                    if self.rng.below(2) == 0 {
+                        return;
+                    }
+                    lost_answer = true;
+                }
                 let serving = self.owned(m);
                 let groups = &self.groups;
                 let stale =
                     stale_slices(serving.iter().copied(), |r| groups[r as usize].mounts.get(&n).copied(), &offered);
+                if !stale.is_empty() && lost_answer {
+                    return;
+                }
                 if !stale.is_empty() {
                     let node = &mut self.nodes[n];
                     node.counter += 1;
@@ -1764,13 +1779,14 @@ mod liveness {
                         }
                     }
                 }
-                self.nodes[n].book.mounted(&serving);
-                self.nodes[n].mounted_on.insert(m);
                 self.heard[m].insert(n, self.now);
                 self.figures.remounts += 1;
+                if !lost_answer {
+                    self.nodes[n].mounted_on.insert(m);
+                }
                 return;
             }
-            panic!("node {n} could not mount at master {m} in three rounds");
+            // Three stale answers in a row: the next tick tries again (the client's next beat).
         }
 
         /// Master `m` forgets the nodes silent for a TTL and unmounts them in its groups.
@@ -1910,6 +1926,7 @@ mod liveness {
             next_replica: 0,
             lost: BTreeSet::new(),
             figures: Figures::default(),
+            lossy: true,
         };
         // Each node mounts at every primary first.
         for n in 0..nodes {
@@ -1953,6 +1970,7 @@ mod liveness {
         for node in &mut w.nodes {
             node.cut_until.iter_mut().for_each(|c| *c = 0);
         }
+        w.lossy = false;
         for _ in 0..3 {
             w.tick(0);
             w.check();

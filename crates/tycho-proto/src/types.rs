@@ -151,10 +151,11 @@ pub struct SlicedSegment {
 }
 
 /// The groups of `serving` that must refuse a MountSlices of one segment: those that do not
-/// hold it under its slice's offered incarnation or an earlier one (`held(rank)`: the
-/// incarnation group `rank` holds it under, if any), where that incarnation is not fresh. A
-/// group that held the segment and dropped it may still have readers of its ranges; a range of
-/// the same incarnation handed out again could pass their check.
+/// hold it under its slice's offered incarnation (`held(rank)`: the incarnation group `rank`
+/// holds it under, if any), where that incarnation is not fresh. A group that held the segment
+/// and dropped it may still have readers of its ranges; a range of the same incarnation handed
+/// out again could pass their check. (A group that holds an earlier incarnation takes a fresh
+/// one, which replaces it.)
 pub fn stale_slices(
     serving: impl IntoIterator<Item = u32>,
     held: impl Fn(u32) -> Option<u32>,
@@ -164,15 +165,16 @@ pub fn stale_slices(
         .into_iter()
         .filter(|&rank| {
             let Some(slice) = offered.get(rank as usize) else { return true };
-            let holds = held(rank).is_some_and(|h| h <= slice.incarnation);
+            let holds = held(rank) == Some(slice.incarnation);
             !holds && !slice.fresh
         })
         .collect()
 }
 
-/// What a segment's owner knows of each slice's incarnation: whether some master has mounted
-/// it (then a group that no longer holds it must get a new one, see [`stale_slices`]). The
-/// incarnations themselves live in the segment's memory, where its readers check them.
+/// What a segment's owner knows of each slice's incarnation: whether it was ever offered to a
+/// master (then a master may have mounted it, even if its answer was lost, and a group that does
+/// not hold it must get a new one, see [`stale_slices`]). The incarnations themselves live in
+/// the segment's memory, where its readers check them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SliceBook {
     fresh: Vec<bool>,
@@ -196,9 +198,13 @@ impl SliceBook {
             .collect()
     }
 
-    /// A master mounted the slices of `ranks` (its groups) under their current incarnations.
-    pub fn mounted(&mut self, ranks: &[u32]) {
-        self.set(ranks, false);
+    /// The slices as MountSlices offers them, with `incarnation(rank)` each; from now on none
+    /// is fresh (whatever becomes of the offer: an answer lost is a mount that may have
+    /// happened).
+    pub fn offer_once(&mut self, incarnation: impl Fn(u32) -> u32) -> Vec<SliceIncarnation> {
+        let offer = self.offer(incarnation);
+        self.fresh.iter_mut().for_each(|f| *f = false);
+        offer
     }
 
     /// The slices of `ranks` started new incarnations.
@@ -478,13 +484,15 @@ mod tests {
     fn a_group_that_dropped_a_segment_takes_only_a_fresh_incarnation_of_its_slice() {
         let mut book = SliceBook::new(3);
         let incs = [5u32, 5, 5];
-        let offered = book.offer(|r| incs[r as usize]);
-        // Never mounted: every group takes it.
+        let offered = book.offer_once(|r| incs[r as usize]);
+        // Never offered: every group takes it.
         assert!(stale_slices(0..3, |_| None, &offered).is_empty());
-        book.mounted(&[0, 1, 2]);
+        // Offered once (taken, or the answer lost): no longer fresh.
         let offered = book.offer(|r| incs[r as usize]);
-        // Held under it (or under an earlier one, which it replaces): taken again.
-        assert!(stale_slices(0..3, |r| Some(if r == 2 { 4 } else { 5 }), &offered).is_empty());
+        assert!(offered.iter().all(|s| !s.fresh));
+        // Held under it: taken again; held under an earlier one: only a fresh one replaces it.
+        assert!(stale_slices(0..3, |_| Some(5), &offered).is_empty());
+        assert_eq!(stale_slices(0..3, |r| Some(if r == 2 { 4 } else { 5 }), &offered), vec![2]);
         // Group 1 dropped it: only group 1 refuses, until its slice starts over.
         assert_eq!(stale_slices(0..3, |r| (r != 1).then_some(5), &offered), vec![1]);
         book.started_over(&[1]);

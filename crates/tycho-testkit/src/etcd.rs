@@ -39,6 +39,10 @@ pub struct TestPki {
     pub server: (PathBuf, PathBuf),
     /// The client's certificate and key.
     pub client: (PathBuf, PathBuf),
+    /// A client certificate and key without a CommonName: what a client of etcd's JSON gateway
+    /// presents where authentication is on (etcd refuses one with a CommonName there, since
+    /// the gateway cannot log in by it).
+    pub gateway_client: (PathBuf, PathBuf),
 }
 
 impl TestPki {
@@ -65,7 +69,7 @@ impl TestPki {
         let subject = format!("/CN={name}-ca");
         args.extend(["-keyout", &ca_key_s, "-out", &ca_s, "-days", "2", "-subj", &subject]);
         run(&args)?;
-        let sign = |who: &str, cn: &str, ext: &str| -> std::io::Result<(PathBuf, PathBuf)> {
+        let sign = |who: &str, subject: &str, ext: &str| -> std::io::Result<(PathBuf, PathBuf)> {
             let (cert, key, csr, extfile) = (
                 path(&format!("{who}.pem")),
                 path(&format!("{who}.key")),
@@ -74,10 +78,9 @@ impl TestPki {
             );
             std::fs::write(&extfile, ext)?;
             let (key_s, csr_s, cert_s, ext_s) = (s(&key), s(&csr), s(&cert), s(&extfile));
-            let subject = format!("/CN={cn}");
             let mut args = vec!["req"];
             args.extend(curve);
-            args.extend(["-keyout", &key_s, "-out", &csr_s, "-subj", &subject]);
+            args.extend(["-keyout", &key_s, "-out", &csr_s, "-subj", subject]);
             run(&args)?;
             run(&[
                 "x509",
@@ -98,9 +101,12 @@ impl TestPki {
             ])?;
             Ok((cert, key))
         };
-        let server = sign("server", "127.0.0.1", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")?;
-        let client = sign("client", "root", "extendedKeyUsage=clientAuth\n")?;
-        Ok(TestPki { ca, server, client })
+        // Client use too: etcd's JSON gateway dials etcd's own listener with it.
+        let server =
+            sign("server", "/CN=127.0.0.1", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")?;
+        let client = sign("client", "/CN=root", "extendedKeyUsage=clientAuth\n")?;
+        let gateway_client = sign("gateway-client", "/O=tycho-test", "extendedKeyUsage=clientAuth\n")?;
+        Ok(TestPki { ca, server, client, gateway_client })
     }
 }
 

@@ -288,5 +288,13 @@ pub(crate) fn request_mapping(r: &ReplicaDesc, write: bool) -> Result<Option<Map
     let fd = recv_with_fd(&s, &mut answer)?;
     decode_answer(&answer)?;
     let fd = fd.ok_or_else(|| TransferError::Protocol("the holder answered without a descriptor".into()))?;
-    Mapping::from_fd(fd, write, holder_pid).map(Some)
+    match Mapping::from_fd(fd, write, holder_pid) {
+        // A holder of another build (its segment layout differs, as during a rolling upgrade):
+        // TCP instead, which both understand.
+        Err(TransferError::InvalidRange(why)) if why.contains("generation layout version") => {
+            tracing::debug!(%why, "a same-host peer of another build: over TCP");
+            Ok(None)
+        }
+        r => r.map(Some),
+    }
 }

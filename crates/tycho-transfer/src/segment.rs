@@ -438,7 +438,7 @@ impl Mapping {
     pub fn bump_incarnation(&self) -> u32 {
         let n = self.next_incarnation();
         let h = self.header();
-        let slices = h.slices.load(Ordering::Acquire) as usize;
+        let slices = self.slices() as usize;
         for s in &h.slice_incarnations[..slices] {
             s.store(n, Ordering::Release);
         }
@@ -466,13 +466,20 @@ impl Mapping {
 
     /// How many slices have incarnations of their own (0: none).
     pub fn slices(&self) -> u32 {
-        self.header().slices.load(Ordering::Acquire)
+        self.header().slices.load(Ordering::Acquire).min(MAX_SLICES)
+    }
+
+    /// Back to one incarnation for the whole segment (before mounting it where the cluster has
+    /// one group, or more than [`MAX_SLICES`]); the caller then starts a new incarnation.
+    pub fn clear_slices(&self) {
+        self.header().slices.store(0, Ordering::Release);
+        fence(Ordering::SeqCst);
     }
 
     /// The incarnation of slice `rank` (the segment's, without slices).
     pub fn slice_incarnation(&self, rank: u32) -> u32 {
         let h = self.header();
-        match h.slices.load(Ordering::Acquire) {
+        match self.slices() {
             n if rank < n => h.slice_incarnations[rank as usize].load(Ordering::Acquire),
             _ => h.incarnation.load(Ordering::Acquire),
         }
@@ -483,7 +490,7 @@ impl Mapping {
     /// slices, a new incarnation of the whole segment.
     pub fn bump_slices(&self, ranks: &[u32]) -> u32 {
         let h = self.header();
-        let slices = h.slices.load(Ordering::Acquire);
+        let slices = self.slices();
         if slices == 0 {
             return self.bump_incarnation();
         }
@@ -503,6 +510,10 @@ impl Mapping {
         let slices = h.slices.load(Ordering::Acquire);
         if whole == CLOSED || slices == 0 {
             return whole;
+        }
+        if slices > MAX_SLICES {
+            // The owner's memory says what no owner writes: no range is good.
+            return 0;
         }
         let size = self.len as u64;
         let first = slice_rank(size, offset, slices);

@@ -157,6 +157,10 @@ struct ClientEntry {
     /// An admin unmounted one of its segments: its pings are answered NeedRemount until it
     /// remounts.
     must_remount: AtomicBool,
+    /// For a client that mounts with MountSlices (an incarnation per group's slice), the
+    /// segments of its last one: a served group that lacks one makes its pings answer
+    /// NeedRemount (see `lacks_segments_of`).
+    sliced: Mutex<Option<Vec<SegmentId>>>,
 }
 
 /// Ranges waiting to be freed because an old writer may still be writing into them (a write
@@ -200,6 +204,10 @@ pub struct Master {
     /// as the writers may still be copying into the same memory. (segment -> offset, bytes,
     /// release time.)
     orphaned: Mutex<HashMap<SegmentId, Vec<OrphanedRange>>>,
+    /// Held while clients' segments are mounted in, or dropped from, the groups this master
+    /// serves: a MountSlices' check of what each group holds and its mounts see no expiry or
+    /// unmount between them.
+    mounting: Mutex<()>,
     last_abandon_scan: AtomicU64,
     /// When the tasks were last checked for timeouts (clock ms).
     last_task_scan: AtomicU64,
@@ -250,6 +258,7 @@ impl Master {
             clients: RwLock::new(HashMap::new()),
             deferred: Mutex::new(Vec::new()),
             orphaned: Mutex::new(HashMap::new()),
+            mounting: Mutex::new(()),
             last_abandon_scan: AtomicU64::new(0),
             last_task_scan: AtomicU64::new(0),
             evictor: Evictor::default(),
@@ -434,16 +443,14 @@ impl Master {
         PingReply { status, master_instance: self.instance }
     }
 
-    /// Whether a group this master serves lacks a segment the client has mounted in another
-    /// (the group came from a master that had dropped it, or a mount reached some groups
-    /// only): the client mounts its segments again, and MountSlices fills the gap. Only where
-    /// segments keep an incarnation per slice, so that the remount costs no other group.
+    /// Whether a group this master serves lacks a segment of the client's last MountSlices (the
+    /// group came from a master that had dropped it): the client mounts its segments again,
+    /// and MountSlices fills the gap. Only for clients that mount with MountSlices, so that
+    /// the remount costs no other group.
     fn lacks_segments_of(&self, c: &ClientEntry) -> bool {
-        if !(2..=MAX_SLICES).contains(&self.cfg.group_count) {
-            return false;
-        }
-        let segments = c.segments.lock();
-        !segments.is_empty() && self.serving().any(|g| segments.iter().any(|&id| g.segments.get(id).is_none()))
+        let sliced = c.sliced.lock();
+        let Some(segments) = sliced.as_ref() else { return false };
+        segments.iter().any(|&id| self.serving().any(|g| g.segments.get(id).is_none()))
     }
 
     fn register_client(&self, client: ClientId) -> Arc<ClientEntry> {
@@ -462,6 +469,7 @@ impl Master {
                     segments: Mutex::new(Vec::new()),
                     pending: Arc::new(AtomicU64::new(0)),
                     must_remount: AtomicBool::new(false),
+                    sliced: Mutex::new(None),
                 })
             })
             .clone()
@@ -470,8 +478,10 @@ impl Master {
     /// Mounts a segment for `client` (idempotent) in every group this master serves, and
     /// registers the client.
     pub fn mount_segment(&self, client: ClientId, desc: SegmentDesc) -> WireResult<()> {
+        let _mounting = self.mounting.lock();
         let incarnation = desc.incarnation;
-        self.mount_in_each(client, desc, |_| incarnation)
+        let serving: Vec<&Group> = self.serving().collect();
+        self.mount_in_each(client, desc, &serving, |_| incarnation)
     }
 
     /// Mounts `client`'s segments with an incarnation per group's slice (MountSlices) in every
@@ -489,6 +499,9 @@ impl Master {
         if segments.iter().any(|s| s.slices.len() != groups) {
             return Err(ErrorCode::INVALID_PARAMS);
         }
+        // The check and the mounts see one set of groups, and no expiry or unmount between
+        // them: a group that passed the check still holds what it was checked for.
+        let _mounting = self.mounting.lock();
         let serving: Vec<&Group> = self.serving().collect();
         let mut stale: Vec<u32> = Vec::new();
         for s in &segments {
@@ -503,16 +516,26 @@ impl Master {
             stale.dedup();
             return Ok(Err(stale));
         }
-        self.register_client(client).must_remount.store(false, Ordering::Relaxed);
+        let entry = self.register_client(client);
+        entry.must_remount.store(false, Ordering::Relaxed);
+        let ids: Vec<SegmentId> = segments.iter().map(|s| s.desc.id).collect();
         for s in segments {
             let slices = s.slices;
-            self.mount_in_each(client, s.desc, |rank| slices[rank as usize].incarnation)?;
+            self.mount_in_each(client, s.desc, &serving, |rank| slices[rank as usize].incarnation)?;
         }
+        *entry.sliced.lock() = Some(ids);
         Ok(Ok(serving.iter().map(|g| g.rank()).collect()))
     }
 
-    /// Mounts `desc` in every group this master serves, under `incarnation(rank)` in each.
-    fn mount_in_each(&self, client: ClientId, desc: SegmentDesc, incarnation: impl Fn(u32) -> u32) -> WireResult<()> {
+    /// Mounts `desc` in each of `groups` (those this master serves), under `incarnation(rank)`
+    /// in each. The caller holds `mounting`.
+    fn mount_in_each(
+        &self,
+        client: ClientId,
+        desc: SegmentDesc,
+        groups: &[&Group],
+        incarnation: impl Fn(u32) -> u32,
+    ) -> WireResult<()> {
         let (id, host) = (desc.id, desc.host.clone());
         // Caps first, so that a refused mount changes nothing: a huge segment would inflate the
         // capacity eviction is measured against; many segments, the master's tables.
@@ -526,7 +549,7 @@ impl Master {
         }
         // Every group's table holds the same segments (natively mounted ones, at least), so a
         // mount one refuses (another client's id, overlapping memory) the first refuses.
-        for group in self.serving() {
+        for group in groups {
             let desc = SegmentDesc { incarnation: incarnation(group.rank()), ..desc.clone() };
             self.mount_in(group, client, &desc)?;
         }
@@ -633,6 +656,12 @@ impl Master {
     /// Unmounts a segment and drops its replicas; unmounting an unknown segment succeeds.
     /// Runs the sweep before returning: call from a thread that may block.
     pub fn unmount_segment(&self, client: ClientId, id: SegmentId) -> WireResult<()> {
+        let _mounting = self.mounting.lock();
+        if let Some(c) = self.clients.read().get(&client) {
+            if let Some(list) = c.sliced.lock().as_mut() {
+                list.retain(|s| *s != id);
+            }
+        }
         match self.mounted(id) {
             None => return Ok(()),
             Some(seg) if seg.client != client => return Err(ErrorCode::ILLEGAL_CLIENT),
@@ -1852,6 +1881,7 @@ impl Master {
                 self.fail_tasks_of(id);
                 tracing::info!(client = %id, "client expired; unmounting its segments");
                 let segments: Vec<SegmentId> = entry.segments.lock().drain(..).collect();
+                let _mounting = self.mounting.lock();
                 for group in self.serving() {
                     for &segment in &segments {
                         if group.segments.get(segment).is_some() {
