@@ -40,6 +40,8 @@ pub enum RecordKind {
     ClusterMeta = 6,
     /// An operator's request to move a group to another master (online reshard).
     ReshardIntent = 7,
+    /// A VSegment's immutable layout (`vsegment::VSegmentView`).
+    VSegmentView = 8,
 }
 
 /// Why bytes could not be opened as the record asked for.

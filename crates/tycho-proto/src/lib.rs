@@ -16,6 +16,7 @@ mod error;
 pub mod frame;
 mod message;
 mod types;
+pub mod vsegment;
 
 pub use error::{ErrorCode, RetryClass, WireResult};
 pub use message::*;
