@@ -172,6 +172,10 @@ impl Access {
             post(endpoint, self, None, "/v3/auth/authenticate", &body).map_err(|e| format!("login as {user}: {e}"))?;
         let v: serde_json::Value = serde_json::from_slice(&answer).map_err(|e| format!("login answer: {e}"))?;
         let token = v.get("token").and_then(|t| t.as_str()).ok_or("the login answer has no token")?;
+        // It goes into a header: nothing but visible ASCII.
+        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the login answer's token is not a header value".into());
+        }
         Ok(Some(token.to_string()))
     }
 }
@@ -213,12 +217,9 @@ fn tls_config(ca: &str, cert: Option<String>, key: Option<String>) -> Result<rus
 /// One HTTP/1.0 POST of a JSON body (over TLS when `access` says so, with `token` when logged
 /// in); the answer's body.
 fn post(endpoint: &str, access: &Access, token: Option<&str>, path: &str, body: &str) -> Result<Vec<u8>, String> {
-    let addr = endpoint
-        .to_socket_addrs()
-        .map_err(|e| e.to_string())?
-        .next()
-        .ok_or_else(|| "the name resolves to no address".to_string())?;
-    let mut s = TcpStream::connect_timeout(&addr, ENDPOINT_TIMEOUT).map_err(|e| e.to_string())?;
+    // The whole exchange, however slowly the other side trickles its answer.
+    let deadline = std::time::Instant::now() + 2 * ENDPOINT_TIMEOUT;
+    let mut s = connect(endpoint)?;
     s.set_read_timeout(Some(ENDPOINT_TIMEOUT)).map_err(|e| e.to_string())?;
     s.set_write_timeout(Some(ENDPOINT_TIMEOUT)).map_err(|e| e.to_string())?;
     let auth = token.map(|t| format!("Authorization: {t}\r\n")).unwrap_or_default();
@@ -230,7 +231,7 @@ fn post(endpoint: &str, access: &Access, token: Option<&str>, path: &str, body: 
     match &access.tls {
         None => {
             s.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
-            s.take(MAX_ANSWER).read_to_end(&mut answer).map_err(|e| e.to_string())?;
+            read_answer(&mut s, &mut answer, deadline).map_err(|e| e.to_string())?;
         }
         Some(config) => {
             let host = endpoint.rsplit_once(':').map_or(endpoint, |(h, _)| h).trim_matches(['[', ']']);
@@ -240,11 +241,17 @@ fn post(endpoint: &str, access: &Access, token: Option<&str>, path: &str, body: 
             let mut tls = rustls::StreamOwned::new(conn, s);
             let tls_error =
                 |e: std::io::Error| match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
-                    Some(why) => format!("TLS: {why} (is {ETCD_CA_ENV} the CA that signed etcd's certificate?)"),
+                    Some(why @ rustls::Error::InvalidCertificate(_)) => {
+                        format!("TLS: {why} (is {ETCD_CA_ENV} the CA that signed etcd's certificate?)")
+                    }
+                    Some(why @ rustls::Error::AlertReceived(_)) => {
+                        format!("TLS: {why} (did etcd refuse {ETCD_CERT_ENV} / {ETCD_KEY_ENV}?)")
+                    }
+                    Some(why) => format!("TLS: {why}"),
                     None => e.to_string(),
                 };
             tls.write_all(request.as_bytes()).map_err(tls_error)?;
-            match (&mut tls).take(MAX_ANSWER).read_to_end(&mut answer) {
+            match read_answer(&mut tls, &mut answer, deadline) {
                 Ok(_) => {}
                 // A server that closes without a TLS close_notify: the answer is checked below
                 // (its status and JSON), so a cut one is refused there.
@@ -266,6 +273,36 @@ fn post(endpoint: &str, access: &Access, token: Option<&str>, path: &str, body: 
         return unchunk(&body);
     }
     Ok(body)
+}
+
+/// A TCP connection to `endpoint`: each address its name resolves to in turn.
+fn connect(endpoint: &str) -> Result<TcpStream, String> {
+    let mut last = "the name resolves to no address".to_string();
+    for addr in endpoint.to_socket_addrs().map_err(|e| e.to_string())? {
+        match TcpStream::connect_timeout(&addr, ENDPOINT_TIMEOUT) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = format!("{addr}: {e}"),
+        }
+    }
+    Err(last)
+}
+
+/// Reads `from` to its end, at most [`MAX_ANSWER`] bytes, by `deadline`.
+fn read_answer(from: &mut impl Read, answer: &mut Vec<u8>, deadline: std::time::Instant) -> std::io::Result<()> {
+    let mut buf = [0u8; 16 << 10];
+    loop {
+        if std::time::Instant::now() > deadline {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "etcd's answer took too long"));
+        }
+        let n = from.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if answer.len() + n > MAX_ANSWER as usize {
+            return Err(std::io::Error::other("etcd's answer is too large"));
+        }
+        answer.extend_from_slice(&buf[..n]);
+    }
 }
 
 /// Joins the chunks of a chunked HTTP body.

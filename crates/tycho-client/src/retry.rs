@@ -44,6 +44,9 @@ pub fn is_idempotent(req: &Request) -> bool {
             // their timeout).
             | Request::CreateTask(_)
             | Request::FetchTasks { .. }
+            // Its fresh slices are fresh once: sent again, the master could meanwhile have
+            // dropped what the first one mounted (the next offer says they are not fresh).
+            | Request::MountSlices { .. }
     )
 }
 

@@ -27,6 +27,10 @@ pub const VSEGMENT_VIEW_VERSION: u16 = 1;
 /// Most members a VSegment may have.
 pub const MAX_MEMBERS: usize = 64;
 
+/// Most pieces one expansion may make (a range of 64 GiB in 64 KiB stripes): a range that
+/// would make more is refused rather than listed.
+pub const MAX_PIECES: u64 = 1 << 20;
+
 /// How logical bytes are laid over the members. Only round-robin exists; a view of an algorithm
 /// this build does not know is refused when read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +76,14 @@ pub enum VSegmentError {
     /// The layout breaks a rule of views.
     #[error("invalid VSegment layout: {0}")]
     Invalid(String),
+    /// A range that would expand into more than [`MAX_PIECES`] pieces.
+    #[error("a range of {len} bytes in stripes of {stripe_size} makes more than {MAX_PIECES} pieces")]
+    TooManyPieces {
+        /// The range's length.
+        len: u64,
+        /// The VSegment's stripe size.
+        stripe_size: u64,
+    },
     /// A logical range outside the VSegment.
     #[error("logical range {offset}+{len} outside a VSegment of {capacity} bytes")]
     OutOfRange {
@@ -163,15 +175,17 @@ impl VSegmentView {
     }
 
     /// Where logical byte `l` lives: its member and the offset in that member's segment.
+    /// (`None` past the end, and for a view built without [`VSegmentView::new`] or `decode`
+    /// that breaks the rules so that no offset can be computed.)
     pub fn locate(&self, l: u64) -> Option<(usize, u64)> {
-        if l >= self.logical_capacity {
+        if l >= self.logical_capacity || self.stripe_size == 0 || self.members.is_empty() {
             return None;
         }
         let n = self.members.len() as u64;
         let stripe = l / self.stripe_size;
         let member = (stripe % n) as usize;
-        let offset = self.members[member].base_offset + (stripe / n) * self.stripe_size + l % self.stripe_size;
-        Some((member, offset))
+        let within = (stripe / n).checked_mul(self.stripe_size)?.checked_add(l % self.stripe_size)?;
+        Some((member, self.members[member].base_offset.checked_add(within)?))
     }
 
     /// The pieces of the logical range `[offset, offset + len)`, in logical order, split at
@@ -179,7 +193,15 @@ impl VSegmentView {
     pub fn expand(&self, offset: u64, len: u64) -> Result<Vec<Piece>, VSegmentError> {
         let out = || VSegmentError::OutOfRange { offset, len, capacity: self.logical_capacity };
         let end = offset.checked_add(len).filter(|&e| e <= self.logical_capacity).ok_or_else(out)?;
-        let mut pieces = Vec::with_capacity(len.div_ceil(self.stripe_size) as usize + 1);
+        if self.stripe_size == 0 {
+            return Err(invalid("a stripe size of 0"));
+        }
+        // One piece per stripe the range touches.
+        let count = if len == 0 { 0 } else { (end - 1) / self.stripe_size - offset / self.stripe_size + 1 };
+        if count > MAX_PIECES {
+            return Err(VSegmentError::TooManyPieces { len, stripe_size: self.stripe_size });
+        }
+        let mut pieces = Vec::with_capacity(count.min(1024) as usize);
         let mut at = offset;
         while at < end {
             let stripe_end = (at / self.stripe_size + 1) * self.stripe_size;
@@ -306,6 +328,17 @@ mod tests {
             assert_eq!(got, want, "range {offset}+{len}");
         }
         assert_eq!(v.expand(5, 0).unwrap(), vec![]);
+        // A range that would make too many pieces is refused, not listed.
+        let wide = VSegmentView::new(1, 0, 1, vec![extent(1, 0, 1 << 40), extent(2, 0, 1 << 40)]).unwrap();
+        assert_eq!(wide.expand(0, 1 << 41), Err(VSegmentError::TooManyPieces { len: 1 << 41, stripe_size: 1 }));
+        assert_eq!(wide.expand(0, MAX_PIECES).unwrap().len(), MAX_PIECES as usize);
+        // A view made without the checks cannot make locate or expand panic.
+        let unchecked = VSegmentView { stripe_size: 0, ..three() };
+        assert_eq!(unchecked.locate(1), None);
+        assert!(unchecked.expand(0, 4).is_err());
+        let no_members = VSegmentView { members: Vec::new(), ..three() };
+        assert_eq!(no_members.locate(1), None);
+        assert!(no_members.expand(0, 4).is_err());
         for (offset, len) in [(0, 37), (36, 1), (35, 2), (u64::MAX, 2)] {
             assert_eq!(v.expand(offset, len), Err(VSegmentError::OutOfRange { offset, len, capacity: 36 }));
         }

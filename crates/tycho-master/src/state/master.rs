@@ -1868,6 +1868,10 @@ impl Master {
             return;
         }
         for id in silent {
+            // Taken before the client is forgotten: a remount that the forgetting provokes
+            // (its next ping is answered NeedRemount) waits for this expiry's unmounts, instead
+            // of mounting in between and having them undo it.
+            let _mounting = self.mounting.lock();
             let entry = {
                 let mut clients = self.clients.write();
                 // It may have pinged since the read above.
@@ -1881,7 +1885,6 @@ impl Master {
                 self.fail_tasks_of(id);
                 tracing::info!(client = %id, "client expired; unmounting its segments");
                 let segments: Vec<SegmentId> = entry.segments.lock().drain(..).collect();
-                let _mounting = self.mounting.lock();
                 for group in self.serving() {
                     for &segment in &segments {
                         if group.segments.get(segment).is_some() {
