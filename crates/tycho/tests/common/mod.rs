@@ -71,8 +71,36 @@ pub fn http_call(http: &str, method: &str, path: &str, bearer: Option<&str>, bod
         body.len()
     )
     .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        let out = String::from_utf8_lossy(&raw);
+        return (out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), String::new());
+    };
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = &raw[split + 4..];
+    (status, String::from_utf8_lossy(&if chunked { dechunk(body) } else { body.to_vec() }).into_owned())
+}
+
+/// The body of a chunked HTTP/1.1 answer (a long page, such as etcd's `/metrics`, comes in
+/// chunks whose size lines may fall in the middle of one of its lines).
+#[allow(dead_code)]
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let line = String::from_utf8_lossy(&rest[..eol]);
+        let size = usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        let after = &rest[eol + 2..];
+        body.extend_from_slice(&after[..size.min(after.len())]);
+        if size == 0 || after.len() < size {
+            break;
+        }
+        rest = after[size..].strip_prefix(b"\r\n").unwrap_or(&after[size..]);
+    }
+    body
 }
