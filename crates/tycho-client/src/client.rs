@@ -1,6 +1,6 @@
 //! The store client.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use tycho_proto::auth::handshake::Identity;
+use tycho_proto::quota::{check_stable_name, stable_segment_id, Medium};
 use tycho_proto::*;
 use tycho_routing::RouteCache;
 use tycho_rpc::{BlockingClient, ClientConfig as RpcConfig};
@@ -76,12 +77,14 @@ struct Segment {
     /// In a cluster of several groups: which slices were offered to a master under their
     /// current incarnations (see [`Inner::mount_slices_at`]).
     book: SliceBook,
+    /// Its stable name and medium, for a stable segment.
+    stable: Option<(String, Medium)>,
 }
 
 impl Segment {
     /// A segment not mounted anywhere yet.
     fn new(desc: SegmentDesc, memory: Arc<Mapping>) -> Segment {
-        Segment { desc, memory, book: SliceBook::default() }
+        Segment { desc, memory, book: SliceBook::default(), stable: None }
     }
 
     /// Gives the segment an incarnation per slice of `groups` (a new one for all of them) unless
@@ -102,6 +105,32 @@ impl Segment {
         let slices = self.book.offer_once(|r| memory.slice_incarnation(r));
         SlicedSegment { desc: SegmentDesc { incarnation: self.memory.incarnation(), ..self.desc.clone() }, slices }
     }
+}
+
+/// The last incarnation of each stable segment this process mounted and let go, by name.
+static STABLE_REACHED: Mutex<BTreeMap<String, u32>> = Mutex::new(BTreeMap::new());
+
+impl Drop for Segment {
+    /// A stable segment's name may be mounted again by this process: its next memory starts
+    /// above what this one reached.
+    fn drop(&mut self) {
+        if let Some((name, _)) = &self.stable {
+            let mut reached = STABLE_REACHED.lock();
+            let at = reached.entry(name.clone()).or_insert(0);
+            *at = (*at).max(self.desc.incarnation);
+        }
+    }
+}
+
+/// Where the incarnations of a stable segment's new memory start: above any this process
+/// reached with the name before, and no lower than the clock in seconds, so that a restart does
+/// not repeat the incarnations its earlier run handed out (a run bumps them once per remount,
+/// far less often than once a second). Readers check ranges against incarnations, and the
+/// masters' generations start over with a new mount.
+fn stable_incarnation_start(name: &str) -> u32 {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
+    let before = STABLE_REACHED.lock().get(name).copied().unwrap_or(0);
+    (secs as u32).max(before.saturating_add(1)).clamp(1, u32::MAX - 1)
 }
 
 /// A 64-bit mix (splitmix64's finalizer): every input bit moves every output bit.
@@ -363,8 +392,15 @@ impl Client {
                 tracing::error!(error = %e, "cannot create the segment");
                 ErrorCode::INTERNAL_ERROR
             })?);
+            let id = match &cfg.stable_segment {
+                Some(name) => {
+                    check_stable_name(name).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+                    stable_segment_id(name)
+                }
+                None => SegmentId(rand::random()),
+            };
             let desc = SegmentDesc {
-                id: SegmentId(rand::random()),
+                id,
                 name: hostname.clone(),
                 base: memory.base(),
                 size: cfg.segment_size,
@@ -372,8 +408,13 @@ impl Client {
                 host: cfg.host_id.clone(),
                 incarnation: 0,
             };
+            if let Some(name) = &cfg.stable_segment {
+                memory.start_incarnations_at(stable_incarnation_start(name));
+            }
             registry.register(desc.id, memory.clone());
-            segments.push(Segment::new(desc, memory));
+            let mut segment = Segment::new(desc, memory);
+            segment.stable = cfg.stable_segment.clone().map(|name| (name, Medium::Dram));
+            segments.push(segment);
         }
         let limits = ServerLimits {
             idle_timeout: cfg.transfer_idle_timeout,
@@ -423,7 +464,19 @@ impl Client {
         }
         let heartbeat_thread = Arc::new(Mutex::new(Some(thread)));
         let close = Arc::new(CloseOnDrop { inner: inner.clone(), heartbeat_thread: heartbeat_thread.clone() });
-        Ok(Client { inner, heartbeat_thread, _close_on_drop: close })
+        let client = Client { inner, heartbeat_thread, _close_on_drop: close };
+        // A stable segment is named once it is mounted; a client whose name is refused does
+        // not start (closed, its segment unmounted).
+        let stable: Vec<(SegmentId, String, Medium)> = (client.inner.segments.lock().iter())
+            .filter_map(|s| s.stable.clone().map(|(name, medium)| (s.desc.id, name, medium)))
+            .collect();
+        for (id, name, medium) in stable {
+            if let Err(e) = client.inner.name_stable(id, &name, medium) {
+                let _ = client.close();
+                return Err(e);
+            }
+        }
+        Ok(client)
     }
 
     /// This client's id.
@@ -462,13 +515,51 @@ impl Client {
     /// here. Fails with the master's error (RESOURCE_LIMIT past the master's caps), leaving
     /// nothing mounted.
     pub fn mount_segment(&self, memory: Arc<Mapping>) -> Result<SegmentDesc, ErrorCode> {
+        self.mount(memory, None)
+    }
+
+    /// [`Client::mount_segment`] as the stable segment `name` on `medium`: its id is derived
+    /// from the name (the same after a restart), and the cluster keeps its descriptor, so that
+    /// VSegment extents may name it (docs/vsegment.md). Fails INVALID_PARAMS for a name that is
+    /// not valid ([`tycho_proto::quota::check_stable_name`]), SEGMENT_ALREADY_EXISTS while a
+    /// segment of that name is mounted (by this process, or by one that died and has not
+    /// expired yet), or with the error of storing the descriptor, leaving nothing mounted.
+    pub fn mount_stable_segment(
+        &self,
+        memory: Arc<Mapping>,
+        name: &str,
+        medium: Medium,
+    ) -> Result<SegmentDesc, ErrorCode> {
+        check_stable_name(name).map_err(|_| ErrorCode::INVALID_PARAMS)?;
+        let desc = self.mount(memory, Some((name.to_owned(), medium)))?;
+        if let Err(e) = self.inner.name_stable(desc.id, name, medium) {
+            if let Err(u) = self.inner.unmount(desc.id) {
+                // It serves nothing from here on; a master that kept it drops it at expiry.
+                tracing::warn!(segment = name, error = %u, "could not unmount a stable segment whose naming failed");
+            }
+            return Err(e);
+        }
+        Ok(desc)
+    }
+
+    fn mount(&self, memory: Arc<Mapping>, stable: Option<(String, Medium)>) -> Result<SegmentDesc, ErrorCode> {
         let inner = &self.inner;
         let _mounting = inner.mounts.lock();
         if self.is_closed() {
             return Err(ErrorCode::INVALID_PARAMS);
         }
+        let id = match &stable {
+            Some((name, _)) => {
+                memory.start_incarnations_at(stable_incarnation_start(name));
+                stable_segment_id(name)
+            }
+            None => SegmentId(rand::random()),
+        };
+        if inner.segments.lock().iter().any(|s| s.desc.id == id) {
+            return Err(ErrorCode::SEGMENT_ALREADY_EXISTS);
+        }
         let desc = SegmentDesc {
-            id: SegmentId(rand::random()),
+            id,
             name: inner.hostname.clone(),
             base: memory.base(),
             size: memory.len() as u64,
@@ -481,6 +572,7 @@ impl Client {
         // master forgot this client) carries it too; the mount of the same incarnation is
         // idempotent.
         let mut segment = Segment::new(desc.clone(), memory);
+        segment.stable = stable;
         if let Some(groups) = inner.sliced_groups() {
             segment.slice(groups);
         }
@@ -2003,6 +2095,28 @@ impl Inner {
             segs.iter().map(|s| s.desc.clone()).collect()
         };
         self.call(&Request::ReMountSegment { client: self.id, segments }).map(|_| ())
+    }
+
+    /// Names segment `id` the stable segment `name` at every primary; done once one of them
+    /// stored its descriptor (each stores the same one).
+    fn name_stable(&self, id: SegmentId, name: &str, medium: Medium) -> Result<(), ErrorCode> {
+        let req = Request::StableSegment { client: self.id, segment: id, name: name.to_owned(), medium };
+        let answers = if self.routes.read().partitioned() {
+            self.call_each_primary(&req)
+        } else {
+            vec![(self.conn("").addr().to_string(), self.call_seeds(&req))]
+        };
+        let mut first_error = None;
+        for (owner, answer) in answers {
+            match answer {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(master = %owner, error = %e, segment = name, "a primary did not store the stable segment's descriptor");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_error.unwrap_or(ErrorCode::RPC_FAIL))
     }
 
     /// The cluster's group count when this client's segments keep an incarnation per group's

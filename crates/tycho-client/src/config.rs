@@ -43,6 +43,10 @@ pub struct ClientConfig {
     pub host_id: String,
     /// Bytes of memory this client contributes to the store (0: contributes none).
     pub segment_size: u64,
+    /// The stable name of that segment (`tycho node --stable-id`): its id is derived from the
+    /// name, so that it is the same segment after a restart, one VSegment extents may name
+    /// (docs/vsegment.md). `None`: a segment of a fresh random id.
+    pub stable_segment: Option<String>,
     /// Largest value `put`/`get` of caller memory handle (0: this client cannot put).
     /// Zero-copy calls on registered buffers are not bounded by it.
     pub staging_buffer_size: u64,
@@ -108,6 +112,7 @@ impl ClientConfig {
             local_hostname: "127.0.0.1".into(),
             host_id: default_host_id(),
             segment_size: 0,
+            stable_segment: None,
             staging_buffer_size: 64 << 20,
             protocol: Protocol::Auto,
             tenant: String::new(),

@@ -9,7 +9,7 @@ mod log;
 mod serve;
 mod state;
 
-pub use cluster::{compaction, cvm, ha, ownership, reshard, snapshot_peers, standby};
+pub use cluster::{compaction, cvm, ha, ownership, reshard, segments, snapshot_peers, standby};
 pub use log::{commit, oplog, record, snapshot};
 pub use state::{heat, policy, task};
 

@@ -2902,3 +2902,32 @@ fn reads_wait_for_the_records_that_changed_what_they_see() {
     assert_eq!(exists(m, "seen"), Ok(false));
     assert!(Master::take_logged().is_empty());
 }
+
+/// Issue 48: a stable segment's descriptor is what its owner mounted, under a name whose id it
+/// is; a forged name, another client's segment, or one not mounted are refused.
+#[test]
+fn a_stable_segments_descriptor_comes_from_its_mount() {
+    use tycho_proto::quota::{stable_segment_id, Medium};
+    let e = Env::new();
+    let m = &e.m;
+    let id = stable_segment_id("node-7");
+    let d = SegmentDesc { id, ..seg_desc(7, 4 * MIB) };
+    m.mount_segment(A, d.clone()).unwrap();
+    let got = m.stable_descriptor(A, id, "node-7", Medium::Dram).unwrap();
+    assert_eq!(
+        (got.name.as_str(), got.host, got.size, got.endpoint, got.medium),
+        ("node-7", d.host, d.size, d.endpoint, Medium::Dram)
+    );
+    assert_eq!(m.stable_descriptor(A, id, "node-8", Medium::Dram), Err(ErrorCode::INVALID_PARAMS), "another name");
+    assert_eq!(m.stable_descriptor(A, id, "bad name", Medium::Dram), Err(ErrorCode::INVALID_PARAMS));
+    assert_eq!(m.stable_descriptor(B, id, "node-7", Medium::Dram), Err(ErrorCode::SEGMENT_NOT_FOUND), "not B's");
+    let other = stable_segment_id("node-9");
+    assert_eq!(m.stable_descriptor(A, other, "node-9", Medium::Dram), Err(ErrorCode::SEGMENT_NOT_FOUND));
+    m.unmount_segment(A, id).unwrap();
+    assert_eq!(m.stable_descriptor(A, id, "node-7", Medium::Dram), Err(ErrorCode::SEGMENT_NOT_FOUND), "unmounted");
+    assert!(m.segment_directory().is_none(), "a master alone stores no descriptor");
+    // A descriptor a reader would refuse is not made (no host).
+    let hostless = stable_segment_id("hostless");
+    m.mount_segment(A, SegmentDesc { id: hostless, host: String::new(), ..seg_desc(8, 4 * MIB) }).unwrap();
+    assert_eq!(m.stable_descriptor(A, hostless, "hostless", Medium::Dram), Err(ErrorCode::INVALID_PARAMS));
+}

@@ -42,6 +42,10 @@ pub enum RecordKind {
     ReshardIntent = 7,
     /// A VSegment's immutable layout (`vsegment::VSegmentView`).
     VSegmentView = 8,
+    /// A stable segment's descriptor (`quota::StableSegment`).
+    SegmentDescriptor = 9,
+    /// The cluster's static VSegment quota (`quota::PartitionQuota`).
+    PartitionQuota = 10,
 }
 
 /// Why bytes could not be opened as the record asked for.

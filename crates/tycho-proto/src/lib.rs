@@ -5,6 +5,7 @@
 //! - [`Request`] / [`Response`]: every master RPC.
 //! - [`auth`]: the cluster secret, the connection greeting and data-path capabilities.
 //! - [`envelope`]: the versioned, checksummed envelope of persisted and replicated records.
+//! - [`quota`]: stable segments and the static per-group VSegment quota.
 //! - [`frame`]: the length-prefixed frame that carries them, with a decoder that rejects
 //!   oversized, truncated and malformed input with an error.
 
@@ -15,6 +16,7 @@ pub mod envelope;
 mod error;
 pub mod frame;
 mod message;
+pub mod quota;
 mod types;
 pub mod vsegment;
 

@@ -330,6 +330,21 @@ pub enum Request {
         /// Its segments.
         segments: Vec<SlicedSegment>,
     },
+    /// Name one of the caller's mounted segments as a stable segment, one that keeps its id
+    /// across restarts of its owner and may hold VSegment extents (docs/vsegment.md). The
+    /// master checks that `segment` is the stable id of `name` and that the caller has it
+    /// mounted, and answers once the cluster's descriptor of it is stored; a master without a
+    /// coordination store answers Done and stores nothing.
+    StableSegment {
+        /// The owner.
+        client: ClientId,
+        /// The segment.
+        segment: SegmentId,
+        /// Its stable name.
+        name: String,
+        /// What its bytes live on.
+        medium: crate::quota::Medium,
+    },
 }
 
 /// Which snapshot file [`Request::SnapshotFile`] asks for: the snapshot's identity (as
@@ -729,6 +744,7 @@ impl Request {
         "copy_revoke",
         "snapshot_file",
         "mount_slices",
+        "stable_segment",
     ];
 
     /// The RPC's name, for metrics and logs.
@@ -779,6 +795,7 @@ impl Request {
             Request::CopyRevoke(_) => 37,
             Request::SnapshotFile(_) => 38,
             Request::MountSlices { .. } => 39,
+            Request::StableSegment { .. } => 40,
         }
     }
 
@@ -789,6 +806,7 @@ impl Request {
             | Request::MountSegment { client, .. }
             | Request::ReMountSegment { client, .. }
             | Request::MountSlices { client, .. }
+            | Request::StableSegment { client, .. }
             | Request::UnmountSegment { client, .. } => Some(*client),
             Request::PutStart(r) | Request::UpsertStart(r) => Some(r.client),
             Request::PutEnd(r) | Request::PutRevoke(r) | Request::UpsertEnd(r) | Request::UpsertRevoke(r) => {
@@ -938,8 +956,13 @@ mod tests {
             file: "manifest".into(),
         });
         assert_eq!(last.name(), "snapshot_file");
-        let last = Request::MountSlices { client: ClientId(1), segments: Vec::new() };
-        assert_eq!(last.name(), "mount_slices");
+        let last = Request::StableSegment {
+            client: ClientId(1),
+            segment: SegmentId(2),
+            name: "n".into(),
+            medium: crate::quota::Medium::Dram,
+        };
+        assert_eq!(last.name(), "stable_segment");
         assert_eq!(Request::NAMES.len(), last.index() + 1);
         let mut sorted = Request::NAMES.to_vec();
         sorted.sort();

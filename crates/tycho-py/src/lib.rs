@@ -616,8 +616,11 @@ impl Store {
     /// more segment of this store: what the store places there is written into the file. The
     /// file is opened here, by this process, and never shared: peers on this host reach it over
     /// the transfer server, not by mapping it (see docs/python.md). Returns
-    /// `{"ret": 0 or a negative code, "segment_ids": [id]}`.
-    #[pyo3(signature = (path, size, offset = 0, protocol = "tcp", location = ""))]
+    /// `{"ret": 0 or a negative code, "segment_ids": [id]}`. With `stable_id` (a Tycho
+    /// addition), the segment is the stable segment of that name, of medium `file`: the same
+    /// id after a restart, one VSegment extents may name (docs/vsegment.md).
+    #[pyo3(signature = (path, size, offset = 0, protocol = "tcp", location = "", stable_id = None))]
+    #[allow(clippy::too_many_arguments)]
     fn mount_segment<'py>(
         &self,
         py: Python<'py>,
@@ -626,6 +629,7 @@ impl Store {
         offset: u64,
         protocol: &str,
         location: &str,
+        stable_id: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = (protocol, location);
         let result = self.client().and_then(|c| {
@@ -640,21 +644,27 @@ impl Store {
                         eprintln!("tycho: mount_segment: {path}: {e}");
                         ErrorCode::INTERNAL_ERROR
                     })?;
-                c.mount_segment(std::sync::Arc::new(memory))
+                let memory = std::sync::Arc::new(memory);
+                match &stable_id {
+                    Some(name) => c.mount_stable_segment(memory, name, tycho_proto::quota::Medium::File),
+                    None => c.mount_segment(memory),
+                }
             })
         });
         mount_answer(py, result, false)
     }
 
     /// Allocates `size` bytes of shared memory and mounts them as one more segment of this
-    /// store. Returns `{"ret", "segment_ids", "allocated_size"}`.
-    #[pyo3(signature = (size, protocol = "tcp", location = ""))]
+    /// store. Returns `{"ret", "segment_ids", "allocated_size"}`. With `stable_id` (a Tycho
+    /// addition), the segment is the stable segment of that name, of medium `dram`.
+    #[pyo3(signature = (size, protocol = "tcp", location = "", stable_id = None))]
     fn allocate_and_mount_segment<'py>(
         &self,
         py: Python<'py>,
         size: u64,
         protocol: &str,
         location: &str,
+        stable_id: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = (protocol, location);
         let result = self.client().and_then(|c| {
@@ -664,7 +674,11 @@ impl Store {
                     eprintln!("tycho: allocate_and_mount_segment: {e}");
                     ErrorCode::INTERNAL_ERROR
                 })?;
-                c.mount_segment(std::sync::Arc::new(memory))
+                let memory = std::sync::Arc::new(memory);
+                match &stable_id {
+                    Some(name) => c.mount_stable_segment(memory, name, tycho_proto::quota::Medium::Dram),
+                    None => c.mount_segment(memory),
+                }
             })
         });
         mount_answer(py, result, true)

@@ -3,6 +3,7 @@ backed), the dummy client attached to a real `tycho node`, host memory, buffer p
 torch-free tensor header."""
 
 import ctypes
+import hashlib
 import os
 import socket
 import struct
@@ -65,6 +66,31 @@ def test_allocated_segments_take_objects_and_unmount(make_store):
     bad = s.allocate_and_mount_segment(0)
     assert bad == {"ret": -1, "segment_ids": [], "allocated_size": 0}
     assert s.unmount_segment([]) == 0
+
+
+def _stable_id(name):
+    digest = hashlib.sha256(b"tycho stable segment v1\0" + name.encode()).digest()
+    return f"{int.from_bytes(digest[:16], 'little'):032x}"
+
+
+def test_a_stable_segment_keeps_its_id_across_stores(make_store, tmp_path):
+    first = make_store(segment=0)
+    r = first.allocate_and_mount_segment(8 << 20, stable_id="py-node-1.dram")
+    assert r["ret"] == 0 and r["segment_ids"] == [_stable_id("py-node-1.dram")]
+    # The same name again while it is mounted: -102, nothing more mounted.
+    assert first.allocate_and_mount_segment(8 << 20, stable_id="py-node-1.dram")["ret"] == -102
+    assert first.allocate_and_mount_segment(8 << 20, stable_id="no spaces")["ret"] == -600
+    assert first.put("on-stable", b"s" * 100) == 0 and first.get("on-stable") == b"s" * 100
+    assert first.unmount_segment(r["segment_ids"]) == 0
+    # Another process-like store mounts the same name: the same segment id, empty.
+    second = make_store(segment=0)
+    path = tmp_path / "stable.bin"
+    with open(path, "wb") as f:
+        f.truncate(8 << 20)
+    m = second.mount_segment(str(path), 8 << 20, 0, "tcp", "", stable_id="py-node-1.dram")
+    assert m == {"ret": 0, "segment_ids": [_stable_id("py-node-1.dram")]}
+    assert second.is_exist("on-stable") == 0
+    assert second.unmount_segment(m["segment_ids"]) == 0
 
 
 def test_a_segment_over_a_file_stores_into_the_file(make_store, tmp_path):

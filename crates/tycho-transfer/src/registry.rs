@@ -18,11 +18,15 @@ pub struct SegmentRegistry {
     served: std::sync::atomic::AtomicU64,
     /// The cap on the bytes per second the transfer server sends for reads, if any.
     pace: Option<Pacer>,
+    /// The same cap on the bytes per second it takes in for writes (a link's two directions
+    /// are capped apart, as a network card's are).
+    pace_in: Option<Pacer>,
 }
 
-/// Spaces reads out so that the bytes sent stay at or below a rate: each read takes the next
-/// free slot of its length, and its sender waits for the slot's end. (A benchmark's stand-in
-/// for a node whose network is the bottleneck: `tycho node --max-serve-rate`.)
+/// Spaces transfers out so that the bytes moved one way stay at or below a rate: each takes
+/// the next free slot of its length and waits for the slot's end before its bytes move. (A
+/// benchmark's stand-in for a node whose network is the bottleneck: `tycho node
+/// --max-serve-rate`.)
 struct Pacer {
     bytes_per_sec: u64,
     next_free: parking_lot::Mutex<Option<std::time::Instant>>,
@@ -41,24 +45,37 @@ impl Pacer {
     }
 }
 
+/// Waits for the slot of `len` bytes under `pacer` (at once without one).
+fn wait_for_slot(pacer: Option<&Pacer>, len: u64) {
+    if let Some(p) = pacer {
+        let wait = p.reserve(len);
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+    }
+}
+
 impl SegmentRegistry {
-    /// A registry whose transfer server sends read bytes at no more than `bytes_per_sec`
-    /// (none: no cap).
+    /// A registry whose transfer server sends read bytes at no more than `bytes_per_sec`, and
+    /// takes in written bytes at no more than as many (none: no cap).
     pub fn with_serve_rate(bytes_per_sec: Option<u64>) -> SegmentRegistry {
-        let pace = bytes_per_sec
-            .filter(|r| *r > 0)
-            .map(|bytes_per_sec| Pacer { bytes_per_sec, next_free: parking_lot::Mutex::new(None) });
-        SegmentRegistry { pace, ..SegmentRegistry::default() }
+        let pacer = || {
+            bytes_per_sec
+                .filter(|r| *r > 0)
+                .map(|bytes_per_sec| Pacer { bytes_per_sec, next_free: parking_lot::Mutex::new(None) })
+        };
+        SegmentRegistry { pace: pacer(), pace_in: pacer(), ..SegmentRegistry::default() }
     }
 
     /// Waits for the slot of a read of `len` bytes under the serving cap (at once without one).
     pub(crate) fn pace_read(&self, len: u64) {
-        if let Some(p) = &self.pace {
-            let wait = p.reserve(len);
-            if !wait.is_zero() {
-                std::thread::sleep(wait);
-            }
-        }
+        wait_for_slot(self.pace.as_ref(), len);
+    }
+
+    /// Waits for the slot of a write of `len` bytes under the cap on what the server takes in
+    /// (at once without one), before its bytes are read off the connection.
+    pub(crate) fn pace_write(&self, len: u64) {
+        wait_for_slot(self.pace_in.as_ref(), len);
     }
 
     /// Starts serving `mapping` as `id`.
@@ -104,6 +121,12 @@ mod tests {
         *p.next_free.lock() = Some(std::time::Instant::now() - Duration::from_secs(5));
         let after = p.reserve(100);
         assert!(after <= Duration::from_millis(100) && after > Duration::from_millis(50), "{after:?}");
-        assert!(SegmentRegistry::with_serve_rate(Some(0)).pace.is_none(), "a rate of 0 is no cap");
+        let none = SegmentRegistry::with_serve_rate(Some(0));
+        assert!(none.pace.is_none() && none.pace_in.is_none(), "a rate of 0 is no cap");
+        // Reads and writes have a slot line each: a write does not wait behind a read.
+        let r = SegmentRegistry::with_serve_rate(Some(1000));
+        let read = r.pace.as_ref().unwrap().reserve(500);
+        let write = r.pace_in.as_ref().unwrap().reserve(500);
+        assert!(read > Duration::from_millis(450) && write <= Duration::from_millis(500), "{read:?} {write:?}");
     }
 }

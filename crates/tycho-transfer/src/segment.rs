@@ -421,6 +421,17 @@ impl Mapping {
         self.header().incarnation.load(Ordering::Acquire)
     }
 
+    /// Starts the incarnations of memory never mounted (incarnation 0) at `first` rather than
+    /// at 1: a stable segment's id outlives its process, and a new process's incarnations must
+    /// not repeat those its earlier run handed out (readers check ranges against them). False,
+    /// and nothing changed, for memory mounted before or a `first` of 0 or CLOSED.
+    pub fn start_incarnations_at(&self, first: u32) -> bool {
+        if first == 0 || first == CLOSED {
+            return false;
+        }
+        self.header().incarnation.compare_exchange(0, first - 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
     /// A new incarnation from the counter (never 0 nor CLOSED).
     fn next_incarnation(&self) -> u32 {
         let h = &self.header().incarnation;
@@ -764,6 +775,16 @@ mod tests {
         assert!(reader.peer_still_open());
         drop(m);
         assert!(!reader.peer_still_open());
+    }
+
+    #[test]
+    fn a_stable_segments_incarnations_start_where_it_says_once() {
+        let m = Mapping::create("t", 1 << 20).unwrap();
+        assert!(!m.start_incarnations_at(0) && !m.start_incarnations_at(CLOSED));
+        assert!(m.start_incarnations_at(1_700_000_000));
+        assert_eq!(m.bump_incarnation(), 1_700_000_000);
+        assert!(!m.start_incarnations_at(5), "memory mounted before keeps its counter");
+        assert_eq!(m.bump_incarnation(), 1_700_000_001);
     }
 
     #[test]

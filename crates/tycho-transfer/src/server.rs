@@ -606,6 +606,7 @@ fn serve_requests(
                     answer(&mut stream, keys.as_mut(), Err(e.code()))?;
                     continue;
                 }
+                registry.pace_write(req.len);
                 // SAFETY: checked range; the master gives it to exactly one writer at a time.
                 let dst = unsafe { m.slice_mut(req.offset, len)? };
                 match keys.as_mut() {

@@ -8,6 +8,7 @@ mod master_cmd;
 mod mooncake_flags;
 mod node;
 mod objects;
+mod quota;
 mod security;
 
 use clap::{Parser, Subcommand};
@@ -62,6 +63,9 @@ enum Command {
     Reshard(admin::ReshardArgs),
     /// Print the admin token of the cluster secret, for the admin HTTP server's listings.
     AdminToken(admin::TokenArgs),
+    /// Plan the static VSegment quota once: divide the stable segments' space between the KVPT
+    /// groups and publish it (docs/vsegment.md).
+    PlanQuota(quota::PlanQuotaArgs),
     /// Defragment the etcd cluster's members one at a time, reporting each one's stall (opt-in;
     /// see docs/ha.md).
     EtcdDefrag(admin::DefragArgs),
@@ -99,6 +103,7 @@ fn main() {
         Command::Bench(b) => bench::run(b),
         Command::AdminToken(a) => admin::admin_token(a),
         Command::EtcdDefrag(a) => admin::etcd_defrag(a),
+        Command::PlanQuota(a) => quota::plan_quota(a),
         Command::Stat(t) => admin::stat(t),
         Command::Ls(a) => admin::ls(a),
         Command::Exist(a) => admin::exist(a),

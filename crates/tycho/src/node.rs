@@ -18,11 +18,19 @@ pub struct NodeArgs {
     /// Identity of this machine (default: /etc/machine-id); same-host peers use shared memory.
     #[arg(long = "host-id")]
     pub host_id: Option<String>,
+    /// A stable name for this node's segment (letters, digits, `.`, `_`, `-`, `:`): its id is
+    /// derived from the name, so that it is the same segment after a restart, and the cluster
+    /// keeps a descriptor of it, so that `tycho plan-quota` can give VSegment extents on it
+    /// (docs/vsegment.md). A node restarted under its name waits for its earlier run to
+    /// expire from the masters (at most a minute) before it mounts again, empty.
+    #[arg(long = "stable-id", value_name = "NAME", value_parser = stable_name)]
+    pub stable_id: Option<String>,
     /// auto (shared memory on the same host, else TCP) or tcp.
     #[arg(long, default_value = "auto")]
     pub protocol: Protocol,
-    /// Most bytes per second the node sends for reads over TCP, e.g. 200MB (default: no cap).
-    /// For benchmarks that need one node to be the bottleneck (`tycho bench hot`).
+    /// Most bytes per second the node sends for reads over TCP, e.g. 200MB, and most it takes
+    /// in for writes (each direction capped apart; default: no cap). For benchmarks that need
+    /// one node to be the bottleneck (`tycho bench hot`).
     #[arg(long = "max-serve-rate", value_parser = parse_size)]
     pub max_serve_rate: Option<u64>,
     /// Seconds a peer's transfer connection may sit without a request before the node closes
@@ -61,6 +69,10 @@ impl NodeArgs {
         let mut cfg = ClientConfig::new(&self.master);
         cfg.auth = self.security.client_auth()?;
         cfg.segment_size = self.segment_size;
+        cfg.stable_segment = self.stable_id.clone();
+        if self.stable_id.is_some() && self.segment_size == 0 {
+            return Err("--stable-id names the node's segment: give it a --segment-size above 0".into());
+        }
         cfg.local_hostname = self.local_hostname.clone();
         if let Some(h) = &self.host_id {
             cfg.host_id = h.clone();
@@ -90,7 +102,7 @@ pub fn run(args: NodeArgs) -> i32 {
             return 2;
         }
     };
-    let client = match Client::connect(cfg) {
+    let client = match connect(cfg, args.stable_id.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: cannot start the node against {}: {e}: {}", args.master, e.hint());
@@ -108,6 +120,9 @@ pub fn run(args: NodeArgs) -> i32 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let signals = rt.block_on(async { Signals::install() });
     println!("tycho node serving {} bytes at {} (master {})", args.segment_size, client.hostname(), args.master);
+    if let (Some(name), Some(seg)) = (&args.stable_id, client.segments().first()) {
+        println!("tycho node: stable segment {name} (id {})", seg.id);
+    }
     if let Some((_, port)) = &attach {
         println!("tycho node: processes of this user attach with setup_dummy(..., \"127.0.0.1:{port}\")");
     }
@@ -121,6 +136,40 @@ pub fn run(args: NodeArgs) -> i32 {
         Err(e) => {
             eprintln!("error: unmount failed: {e}");
             1
+        }
+    }
+}
+
+/// A `--stable-id` that may name a stable segment.
+fn stable_name(s: &str) -> Result<String, String> {
+    tycho_proto::quota::check_stable_name(s).map(|()| s.to_owned()).map_err(|e| e.to_string())
+}
+
+/// How long a node of a stable segment waits for its earlier run's mount to expire (masters
+/// with a longer `--client-ttl` need the node started again once it expired).
+const STABLE_REMOUNT_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The node's client. A node of a stable segment that finds its segment mounted still (its
+/// earlier run died, and the masters have not expired it yet) tries again until that mount
+/// expires, within [`STABLE_REMOUNT_WAIT`].
+fn connect(cfg: ClientConfig, stable: Option<&str>) -> Result<Client, tycho_proto::ErrorCode> {
+    let deadline = std::time::Instant::now() + STABLE_REMOUNT_WAIT;
+    let mut said = false;
+    loop {
+        match Client::connect(cfg.clone()) {
+            Err(tycho_proto::ErrorCode::SEGMENT_ALREADY_EXISTS)
+                if stable.is_some() && std::time::Instant::now() < deadline =>
+            {
+                if !said {
+                    eprintln!(
+                        "tycho node: segment {} is still mounted by an earlier run; waiting for it to expire",
+                        stable.unwrap_or_default()
+                    );
+                    said = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(250));
+            }
+            other => return other,
         }
     }
 }

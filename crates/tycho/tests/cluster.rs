@@ -1406,3 +1406,115 @@ fn a_flood_of_group_listings_reads_etcd_a_bounded_number_of_times() {
     assert!(reads < 400.0 * 64.0 / 4.0, "{reads} etcd reads for 400 listings of 64 groups");
     eprintln!("400 listings of 64 groups: {reads} etcd reads");
 }
+
+// ---- stable segments and the VSegment quota (issue 48) ------------------------------------------
+
+/// The stable segments' descriptors the cluster `c` keeps in etcd.
+fn stable_segments(c: &Cluster) -> Vec<tycho_proto::quota::StableSegment> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let store = tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new([c.etcd.endpoint()])).await.unwrap();
+        tycho_master::segments::list_segments(&store, &tycho_master::ownership::ClusterKeys::new(c.name)).await.unwrap()
+    })
+}
+
+/// The quota published for the cluster `c`, if any.
+fn published_quota(c: &Cluster) -> Option<tycho_proto::quota::PartitionQuota> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let store = tycho_meta::EtcdStore::connect(tycho_meta::EtcdOptions::new([c.etcd.endpoint()])).await.unwrap();
+        let keys = tycho_master::ownership::ClusterKeys::new(c.name);
+        tycho_master::segments::read_quota(&store, &keys).await.unwrap().map(|(q, _)| q)
+    })
+}
+
+/// Issue 48: nodes started with `--stable-id` on four hosts are described in etcd (host, size,
+/// medium, endpoint). `tycho plan-quota --dry-run` prints the plan and publishes nothing; a
+/// profile no group could build a VSegment of is refused with its cause; the plan is published
+/// once (every group's extents on distinct hosts, in bounds, apart), and a second plan is
+/// refused. A node killed and restarted under its name mounts the same segment id again once
+/// its earlier run expired.
+#[test]
+fn stable_segments_are_described_and_plan_quota_publishes_one_plan() {
+    let _one = serial();
+    let c = Cluster::new("quota");
+    let m = c.master("primary of groups 0", &["--kvpt-groups", "2", "--client-ttl", "2"]);
+    let secret = c.secret.to_str().unwrap().to_owned();
+    let start = |i: usize| {
+        let (name, host) = (format!("n{i}"), format!("host-{i}"));
+        let extra = ["--secret-file", &secret, "--stable-id", &name, "--host-id", &host];
+        let mut node = NodeProc::start_env(TYCHO, &m.rpc, "64MB", &extra, &[]);
+        let line = node.proc.wait_line("tycho node: stable segment", ROLE_WAIT).unwrap();
+        (node, line)
+    };
+    let mut nodes: Vec<(NodeProc, String)> = (0..4).map(start).collect();
+    let described = stable_segments(&c);
+    assert_eq!(described.len(), 4, "{described:?}");
+    for (i, (node, line)) in nodes.iter().enumerate() {
+        let d = described.iter().find(|d| d.name == format!("n{i}")).expect("a descriptor per node");
+        assert_eq!(d.id, tycho_proto::quota::stable_segment_id(&d.name));
+        assert!(line.contains(&d.id.to_string()), "{line}");
+        assert_eq!(
+            (d.host.as_str(), d.size, d.medium),
+            (format!("host-{i}").as_str(), 64 << 20, tycho_proto::quota::Medium::Dram)
+        );
+        assert_eq!(d.endpoint, node.hostname);
+    }
+    let endpoint = c.etcd.endpoint();
+    let plan = |extra: &[&str]| {
+        let out = std::process::Command::new(TYCHO)
+            .args(["plan-quota", "--etcd-endpoints", &endpoint, "--cluster-name", c.name])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let profile = "p:members=2,extent=8MiB,stripe=1MiB,medium=dram,per-segment=2";
+    let (ok, said, err) = plan(&["--profile", profile, "--dry-run"]);
+    assert!(ok, "{said}{err}");
+    assert!(said.contains("profile p: 2 members x 8 MiB extents, 1 MiB stripes, dram, 2 per segment"), "{said}");
+    assert!(said.contains("dry run: nothing published"), "{said}");
+    assert_eq!(published_quota(&c), None, "a dry run published");
+    // Five members on four hosts: no group could build one.
+    let (ok, _, err) = plan(&["--profile", "q:members=5,extent=8MiB,stripe=1MiB"]);
+    assert!(!ok && err.contains("distinct hosts"), "{err}");
+    assert_eq!(published_quota(&c), None, "a refused plan published");
+    let (ok, said, err) = plan(&["--profile", profile]);
+    assert!(ok, "{said}{err}");
+    assert!(said.contains("published the quota of 2 groups over 4 stable segments"), "{said}");
+    let q = published_quota(&c).expect("published");
+    assert_eq!((q.groups, q.extents.len()), (2, 8));
+    for g in 0..2 {
+        let mine: Vec<_> = q.extents_of(g, 0).collect();
+        let hosts: std::collections::BTreeSet<_> =
+            mine.iter().map(|e| &described.iter().find(|d| d.id == e.segment).unwrap().host).collect();
+        assert_eq!((mine.len(), hosts.len()), (4, 4), "group {g}: {mine:?}");
+        assert!(mine.iter().all(|e| e.offset + e.len <= 64 << 20 && e.len == 8 << 20));
+    }
+    let (ok, _, err) = plan(&["--profile", profile]);
+    assert!(!ok && err.contains("published quota already"), "{err}");
+    assert_eq!(published_quota(&c), Some(q), "a second plan changed the first");
+    // A restart under the same name: the same segment, once the killed run expired.
+    let (mut first, line) = nodes.remove(0);
+    first.proc.signal(9);
+    let (mut again, said) = start(0);
+    assert_eq!(said, line, "a restarted node mounts the same stable segment");
+    let d = stable_segments(&c).into_iter().find(|d| d.name == "n0").unwrap();
+    assert_eq!(d.endpoint, again.hostname, "the descriptor follows the restarted node");
+    assert_ne!(again.hostname, first.hostname);
+    // A node on another host cannot take the name over once it is free: its node does not
+    // start, and the descriptor stays.
+    again.proc.signal(9);
+    let out = std::process::Command::new(TYCHO)
+        .args(["node", "--master", &m.rpc, "--segment-size", "64MB", "--local-hostname", "127.0.0.1:0", "--port", "0"])
+        .args(["--secret-file", &secret, "--stable-id", "n0", "--host-id", "elsewhere"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("INVALID_PARAMS"), "an n0 on another host started: {err}");
+    assert_eq!(stable_segments(&c).into_iter().find(|d| d.name == "n0").unwrap().host, "host-0");
+}

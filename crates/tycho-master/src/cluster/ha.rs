@@ -265,6 +265,10 @@ pub async fn run(
     stand_by_all(&master);
     status.send_replace(HaStatus::Starting);
     let keys = ClusterKeys::new(&cfg.cluster);
+    master.set_segment_directory(Arc::new(crate::cluster::segments::EtcdSegmentDirectory::new(
+        store.clone(),
+        keys.clone(),
+    )));
     let snaps =
         cfg.snapshots.as_ref().map(|s| Snapshots::new(store.clone(), s.files.clone(), keys.clone(), s.every_records));
     let mut roles: Vec<Roles> = (0..groups).map(|_| Roles::default()).collect();

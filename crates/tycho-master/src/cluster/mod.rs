@@ -8,11 +8,13 @@
 //!   promotion; [`reshard`]: operators' requests to move a group.
 //! - [`compaction`]: publishing snapshots and cutting the log behind them;
 //!   [`snapshot_peers`]: snapshots kept by each master and fetched from the others.
+//! - [`segments`]: stable segments' descriptors and the static VSegment quota.
 
 pub mod compaction;
 pub mod cvm;
 pub mod ha;
 pub mod ownership;
 pub mod reshard;
+pub mod segments;
 pub mod snapshot_peers;
 pub mod standby;

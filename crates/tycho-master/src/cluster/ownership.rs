@@ -70,6 +70,21 @@ impl ClusterKeys {
         format!("{}snapshots/", self.root).into_bytes()
     }
 
+    /// Stable segment `id`'s descriptor.
+    pub fn segment(&self, id: tycho_proto::SegmentId) -> Vec<u8> {
+        format!("{}segments/{id}", self.root).into_bytes()
+    }
+
+    /// Every stable segment's descriptor.
+    pub fn segments(&self) -> Vec<u8> {
+        format!("{}segments/", self.root).into_bytes()
+    }
+
+    /// The static VSegment quota, written once by `tycho plan-quota`.
+    pub fn quota(&self) -> Vec<u8> {
+        format!("{}vsegment/partition-quota/current", self.root).into_bytes()
+    }
+
     /// The cluster's name as it appears in keys.
     pub fn cluster(&self) -> &str {
         self.root.trim_start_matches("/tycho/").trim_end_matches('/')

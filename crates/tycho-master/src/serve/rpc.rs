@@ -463,6 +463,18 @@ impl MasterRpc {
             Request::UnmountSegment { client, segment } => {
                 return self.blocking(move |m| done(m.unmount_segment(client, segment)))
             }
+            Request::StableSegment { client, segment, name, medium } => {
+                match (m.stable_descriptor(client, segment, &name, medium), m.segment_directory()) {
+                    (Err(code), _) => Response::Error(code),
+                    (Ok(_), None) => Response::Done,
+                    (Ok(desc), Some(dir)) => {
+                        let stored = dir.store(desc);
+                        return Reply::Later(Box::pin(async move {
+                            stored.await.map_or_else(Response::Error, |()| Response::Done)
+                        }));
+                    }
+                }
+            }
             Request::Routes => Response::Routes(m.route_table()),
             Request::Register { tenant } => match m.register(&tenant) {
                 Ok((client, credential)) => Response::Registered { client, credential },

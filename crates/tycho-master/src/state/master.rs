@@ -24,10 +24,13 @@ mod apply;
 mod export;
 mod fanout;
 mod group;
+mod stable;
 mod tasks;
+
 pub use apply::{Logged, ReplayError};
 pub use fanout::{FanoutCounters, Suppressed};
 pub use group::Group;
+pub use stable::{SegmentDirectory, StoreFuture};
 
 /// Put (put-if-absent) or upsert (replace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +229,8 @@ pub struct Master {
     snapshot_files: std::sync::OnceLock<Arc<crate::log::snapshot::DirSnapshotStore>>,
     /// The address this master advertises to its cluster (set once it registers).
     advertised: std::sync::OnceLock<String>,
+    /// Where stable segments' descriptors go (set by a master of a cluster).
+    segment_directory: std::sync::OnceLock<Arc<dyn SegmentDirectory>>,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -268,6 +273,7 @@ impl Master {
             routes: RwLock::new(None),
             snapshot_files: std::sync::OnceLock::new(),
             advertised: std::sync::OnceLock::new(),
+            segment_directory: std::sync::OnceLock::new(),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
             heat,
