@@ -8,7 +8,8 @@ method of the store class, every public module name) and `tycho master`'s handli
 
 Each interpreter is asked for its own surface (`--dump`), so the two packages never share a
 process. Compared per method: parameter names in order, which have defaults, and default values
-where Mooncake's is a plain literal (its `ReplicateConfig` default object counts the same as
+where Mooncake's is a plain literal (Tycho's additions listed in `ADDED`, at the end and with
+defaults, are shown and set aside) (its `ReplicateConfig` default object counts the same as
 Tycho's `None`). Also compared: `ReplicateConfig()` field defaults and `SoftPinAction` values.
 """
 
@@ -26,6 +27,12 @@ DELIBERATE = {
     "load_tensor_from_safetensor": "Mooncake's required file_name follows a parameter with a default, which a "
                                    "Python signature cannot express; Tycho's defaults to None and raises "
                                    "TypeError when it is not given",
+}
+# Parameters Tycho adds after all of Mooncake's, each with a default (so every Mooncake call
+# stays valid), by method.
+ADDED = {
+    "allocate_and_mount_segment": {"stable_id"},
+    "mount_segment": {"stable_id"},
 }
 CONFIG_FIELDS = [
     "replica_num", "soft_pin_action", "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment",
@@ -224,6 +231,13 @@ def main():
     for name in sorted(got["mooncake"]["methods"]):
         mc = _normalise(got["mooncake"]["methods"][name])
         ty = _normalise(got["tycho"]["methods"].get(name))
+        added = []
+        if mc is not None and ty is not None and name in ADDED:
+            # Tycho's keyword-only additions at the end, with defaults: every Mooncake call
+            # stays valid. Only those listed in ADDED; compared without them.
+            added = [t for t in ty[len(mc):] if t[0] in ADDED[name] and t[1]]
+            if len(mc) + len(added) == len(ty):
+                ty = ty[: len(mc)]
         if mc is not None and ty is not None and len(mc) == len(ty):
             # Mooncake's unnamed parameters take any name in Tycho (Tycho's accept keywords too).
             ty = [(m[0], t[1], t[2]) if m[0] == "<positional>" else t for m, t in zip(mc, ty)]
@@ -231,6 +245,8 @@ def main():
         deliberate = not same and name in got["tycho"]["methods"] and name in DELIBERATE
         diffs += not same and not deliberate
         print(f"{name:<42} {'yes' if same else 'note' if deliberate else 'NO':<5} {_fmt(mc)}")
+        if same and added:
+            print(f"{'':<48} Tycho adds, with defaults: {', '.join(f'{a[0]}={a[2]}' for a in added)}")
         if not same:
             print(f"{'':<48} {_fmt(ty) if name in got['tycho']['methods'] else '(missing)'}")
             if deliberate:
