@@ -1431,9 +1431,11 @@ fn published_quota(c: &Cluster) -> Option<tycho_proto::quota::PartitionQuota> {
 /// Issue 48: nodes started with `--stable-id` on four hosts are described in etcd (host, size,
 /// medium, endpoint). `tycho plan-quota --dry-run` prints the plan and publishes nothing; a
 /// profile no group could build a VSegment of is refused with its cause; the plan is published
-/// once (every group's extents on distinct hosts, in bounds, apart), and a second plan is
-/// refused. A node killed and restarted under its name mounts the same segment id again once
-/// its earlier run expired.
+/// once (every group's extents on distinct hosts, in bounds, apart); the master sets its
+/// extents aside, and no replica lands in them while the store fills and evicts; a second plan
+/// is refused. A node killed and restarted under its name mounts the same segment id again once
+/// its earlier run expired, and its extents are set aside again; a node of that name on
+/// another host does not start.
 #[test]
 fn stable_segments_are_described_and_plan_quota_publishes_one_plan() {
     let _one = serial();
@@ -1495,6 +1497,48 @@ fn stable_segments_are_described_and_plan_quota_publishes_one_plan() {
         assert_eq!((mine.len(), hosts.len()), (4, 4), "group {g}: {mine:?}");
         assert!(mine.iter().all(|e| e.offset + e.len <= 64 << 20 && e.len == 8 << 20));
     }
+    // The master reads the plan and sets all of it aside from whole-segment replicas: 8
+    // extents of 8 MiB, nothing in them yet.
+    let fenced = |want: u64, what: &str| {
+        let deadline = Instant::now() + ROLE_WAIT;
+        while metric(&m, "tycho_master_vsegment_fenced_bytes") != want {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {} bytes set aside",
+                metric(&m, "tycho_master_vsegment_fenced_bytes")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    fenced(64 << 20, "the master never set the quota aside");
+    assert_eq!(metric(&m, "tycho_master_vsegment_quota_loaded"), 1);
+    // Replicas keep out of it, also once the store is full and evicts: 300 MiB of puts into
+    // 192 MiB of room.
+    let client = c.client(&m.rpc);
+    let value = vec![7u8; 1 << 20];
+    for i in 0..300 {
+        let key = format!("fill/{i}");
+        let deadline = Instant::now() + ROLE_WAIT;
+        while let Err(e) = client.put(&key, &value, &Default::default()) {
+            assert!(Instant::now() < deadline, "put {key}: {e:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let mut kept = 0;
+    for i in 0..300 {
+        let Ok(replicas) = client.replicas(&format!("fill/{i}")) else { continue };
+        kept += 1;
+        for r in replicas {
+            for e in q.extents.iter().filter(|e| e.segment == r.segment) {
+                assert!(
+                    r.offset + r.len <= e.offset || e.offset + e.len <= r.offset,
+                    "fill/{i} at {} in {e:?}",
+                    r.offset
+                );
+            }
+        }
+    }
+    assert!((100..300).contains(&kept), "{kept} of 300 objects kept: the store did not fill and evict");
     let (ok, _, err) = plan(&["--profile", profile]);
     assert!(!ok && err.contains("published quota already"), "{err}");
     assert_eq!(published_quota(&c), Some(q), "a second plan changed the first");
@@ -1505,6 +1549,8 @@ fn stable_segments_are_described_and_plan_quota_publishes_one_plan() {
     assert_eq!(said, line, "a restarted node mounts the same stable segment");
     let d = stable_segments(&c).into_iter().find(|d| d.name == "n0").unwrap();
     assert_eq!(d.endpoint, again.hostname, "the descriptor follows the restarted node");
+    // Its new mount is fenced as it comes: all of the quota set aside again.
+    fenced(64 << 20, "the restarted node's extents were not set aside");
     assert_ne!(again.hostname, first.hostname);
     // A node on another host cannot take the name over once it is free: its node does not
     // start, and the descriptor stays.

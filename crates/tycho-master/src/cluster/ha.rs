@@ -269,6 +269,7 @@ pub async fn run(
         store.clone(),
         keys.clone(),
     )));
+    let _quota = crate::cluster::segments::QuotaReader::start(master.clone(), store.clone(), keys.clone());
     let snaps =
         cfg.snapshots.as_ref().map(|s| Snapshots::new(store.clone(), s.files.clone(), keys.clone(), s.every_records));
     let mut roles: Vec<Roles> = (0..groups).map(|_| Roles::default()).collect();

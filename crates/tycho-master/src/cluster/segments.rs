@@ -91,6 +91,53 @@ async fn store_descriptor(store: &dyn MetaStore, key: &[u8], desc: &StableSegmen
     written.map(|_| ()).map_err(|e| Stored::Store(e.to_string()))
 }
 
+/// How often a master looks for the cluster's VSegment quota until it is published.
+const QUOTA_POLL: Duration = Duration::from_secs(1);
+
+/// Reads the cluster's VSegment quota into a master once it is published (then stops: a quota
+/// is immutable). Stops when dropped.
+pub struct QuotaReader(tokio::task::JoinHandle<()>);
+
+impl QuotaReader {
+    /// Starts looking for the quota of the cluster `keys` names, every [`QUOTA_POLL`].
+    pub fn start(
+        master: Arc<crate::state::master::Master>,
+        store: Arc<dyn MetaStore>,
+        keys: ClusterKeys,
+    ) -> QuotaReader {
+        QuotaReader(tokio::spawn(async move {
+            let mut warned = false;
+            loop {
+                match read_quota(&*store, &keys).await {
+                    Ok(Some((quota, _))) => {
+                        if master.set_quota(Arc::new(quota)) {
+                            tracing::info!(
+                                "read the VSegment quota: its extents are set aside from whole-segment replicas"
+                            );
+                        }
+                        return;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        // A damaged quota stays damaged: said once, and looked at again.
+                        if !warned {
+                            tracing::error!(error = %e, "cannot read the VSegment quota");
+                            warned = true;
+                        }
+                    }
+                }
+                tokio::time::sleep(QUOTA_POLL).await;
+            }
+        }))
+    }
+}
+
+impl Drop for QuotaReader {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Why the cluster's stable segments or quota could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {

@@ -703,7 +703,27 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> HttpResponse {
     let segments = s.master.list_segments();
     let (total, used) = s.master.usage();
     simple(&mut out, "tycho_master_segments", "gauge", "Mounted segments.", segments.len() as f64);
-    simple(&mut out, "tycho_master_capacity_bytes", "gauge", "Sum of mounted segment sizes.", total as f64);
+    simple(
+        &mut out,
+        "tycho_master_capacity_bytes",
+        "gauge",
+        "Sum of mounted segment sizes, less the bytes set aside for VSegments.",
+        total as f64,
+    );
+    simple(
+        &mut out,
+        "tycho_master_vsegment_quota_loaded",
+        "gauge",
+        "1 once this master has read the cluster's published VSegment quota.",
+        if s.master.quota().is_some() { 1.0 } else { 0.0 },
+    );
+    simple(
+        &mut out,
+        "tycho_master_vsegment_fenced_bytes",
+        "gauge",
+        "Bytes of the VSegment quota's extents set aside from replicas in the groups this master serves.",
+        s.master.fenced_bytes() as f64,
+    );
     simple(&mut out, "tycho_master_allocated_bytes", "gauge", "Bytes allocated to replicas.", used as f64);
     family(&mut out, "tycho_master_segment_capacity_bytes", "gauge", "Size of each mounted segment.");
     for seg in &segments {

@@ -38,6 +38,9 @@ pub struct RangeAllocator {
     /// Held ranges by (until, end), to give them back once due.
     held_due: BTreeSet<(u64, u64)>,
     held_bytes: u64,
+    /// Ranges taken by [`RangeAllocator::take_unallocated`], by end (start as the value): never
+    /// free, and a free or hold over them is refused as over a free range.
+    fenced: BTreeMap<u64, u64>,
 }
 
 /// A freed range that only `tenant` may take until `until`.
@@ -63,6 +66,7 @@ impl RangeAllocator {
             held_fit: BTreeSet::new(),
             held_due: BTreeSet::new(),
             held_bytes: 0,
+            fenced: BTreeMap::new(),
         };
         if size > 0 {
             a.insert_free(0, size);
@@ -133,6 +137,52 @@ impl RangeAllocator {
             }
         }
         Some(want)
+    }
+
+    /// Takes every part of `[offset, end)` that is free or held, so that it is never handed
+    /// out (a fence: bytes set aside for VSegments); allocated parts stay allocated. Returns the
+    /// bytes taken. The range is clipped to the allocator; its ends must be whole units.
+    pub fn take_unallocated(&mut self, offset: u64, end: u64) -> u64 {
+        let end = end.min(self.size);
+        if offset >= end || !offset.is_multiple_of(self.unit) || !end.is_multiple_of(self.unit) {
+            return 0;
+        }
+        let mut taken = 0;
+        let mut frees: Vec<(u64, u64)> = Vec::new();
+        if let Some((&o, &l)) = self.by_offset.range(..=offset).next_back() {
+            if o + l > offset {
+                frees.push((o, l));
+            }
+        }
+        frees.extend(self.by_offset.range(offset + 1..end).map(|(&o, &l)| (o, l)));
+        for (o, l) in frees {
+            self.remove_free(o, l);
+            let (from, to) = (o.max(offset), (o + l).min(end));
+            if o < from {
+                self.insert_free(o, from - o);
+            }
+            if to < o + l {
+                self.insert_free(to, o + l - to);
+            }
+            taken += to - from;
+            self.fenced.insert(to, from);
+        }
+        let held: Vec<(u64, u64)> = (self.held.range(offset + 1..))
+            .take_while(|(&e, h)| e - h.len < end)
+            .map(|(&e, h)| (e, e - h.len))
+            .collect();
+        for (e, start) in held {
+            let (from, to) = (start.max(offset), e.min(end));
+            taken += to - from;
+            self.carve_held(e, offset, end);
+            self.fenced.insert(to, from);
+        }
+        taken
+    }
+
+    /// Whether any of `[offset, end)` was taken by [`RangeAllocator::take_unallocated`].
+    fn any_fenced(&self, offset: u64, end: u64) -> bool {
+        self.fenced.range(offset + 1..).next().is_some_and(|(_, &start)| start < end)
     }
 
     /// The held range that contains `at`: (start, end).
@@ -269,7 +319,7 @@ impl RangeAllocator {
             _ => return false,
         };
         let free_before = self.by_offset.range(..end).next_back().is_some_and(|(&o, &l)| o + l > offset);
-        !free_before && !self.any_held(offset, end)
+        !free_before && !self.any_held(offset, end) && !self.any_fenced(offset, end)
     }
 
     /// Adds a held range; with `merge`, joins held neighbours of the same tenant (the later
@@ -313,7 +363,7 @@ impl RangeAllocator {
             Some(e) if reserved > 0 && e <= self.size => e,
             _ => return false,
         };
-        if self.any_held(offset, end) {
+        if self.any_held(offset, end) || self.any_fenced(offset, end) {
             return false;
         }
         let prev = self.by_offset.range(..=offset).next_back().map(|(&o, &l)| (o, l));
@@ -354,6 +404,40 @@ impl RangeAllocator {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_fence_takes_what_is_free_or_held_and_leaves_what_is_allocated() {
+        let mut a = RangeAllocator::new(1 << 20, 64);
+        let (x, xr) = a.allocate(4096).unwrap(); // [0, 4096)
+        let (y, yr) = a.allocate(4096).unwrap(); // [4096, 8192)
+        let (z, zr) = a.allocate(4096).unwrap(); // [8192, 12288)
+        assert!(a.hold(y, yr, 7, 1_000, 0), "y freed, held for tenant 7");
+        // Fence [2048, 16384): x's and z's parts stay allocated; y's held range and the free
+        // [12288, 16384) are taken.
+        assert_eq!(a.take_unallocated(2048, 16384), 4096 + 4096);
+        a.check_held();
+        assert_eq!(a.held_bytes(), 0);
+        assert_eq!(a.free_bytes(), (1 << 20) - 16384);
+        // Nothing of the fence is handed out again, even to tenant 7.
+        for _ in 0..1000 {
+            match a.allocate_for(64, 7, 0) {
+                Some((o, _, _)) => assert!(o >= 16384, "allocated {o} inside the fence"),
+                None => break,
+            }
+        }
+        // Freeing x gives back its part outside the fence only once the caller fences again.
+        assert!(a.free(x, xr));
+        assert_eq!(a.take_unallocated(2048, 16384), 2048);
+        assert!(a.free(z, zr));
+        assert_eq!(a.take_unallocated(2048, 16384), 4096);
+        assert_eq!(a.take_unallocated(2048, 16384), 0, "all of it is taken");
+        // A second free (or hold) of a range now in the fence is refused, as over free space.
+        assert!(!a.free(z, zr) && !a.hold(y, yr, 7, 1_000, 0));
+        assert!(!a.free(x, xr), "x's part outside the fence is free already");
+        // Unaligned or empty ranges take nothing.
+        assert_eq!(a.take_unallocated(100, 200), 0);
+        assert_eq!(a.take_unallocated(5000, 5000), 0);
+    }
 
     #[test]
     fn fills_completely_with_small_values_and_merges_on_free() {

@@ -231,6 +231,11 @@ pub struct Master {
     advertised: std::sync::OnceLock<String>,
     /// Where stable segments' descriptors go (set by a master of a cluster).
     segment_directory: std::sync::OnceLock<Arc<dyn SegmentDirectory>>,
+    /// The cluster's published VSegment quota, once this master has read it.
+    quota: std::sync::OnceLock<Arc<tycho_proto::quota::PartitionQuota>>,
+    /// Held while the quota is taken, a group taken over, or a segment mounted in a served
+    /// group: each then sees what the others did, so no served slice misses its fences.
+    fencing: Mutex<()>,
     /// How many of its groups this master serves.
     serving_groups: std::sync::atomic::AtomicUsize,
     /// Background-work counters.
@@ -274,6 +279,8 @@ impl Master {
             snapshot_files: std::sync::OnceLock::new(),
             advertised: std::sync::OnceLock::new(),
             segment_directory: std::sync::OnceLock::new(),
+            quota: std::sync::OnceLock::new(),
+            fencing: Mutex::new(()),
             serving_groups: std::sync::atomic::AtomicUsize::new(count as usize),
             counters: Counters::default(),
             heat,
@@ -611,7 +618,12 @@ impl Master {
             let reserved = carried.iter().map(|&(o, l, until)| (o, l, self.unix_time(until))).collect();
             self.log_to(group, || Record::Mount { client, desc: logged, reserved })
         };
-        if self.apply_mount(group, client, desc.clone(), &carried, now, accepted)? {
+        // On the group's primary, the VSegment quota's extents are set aside as the segment
+        // mounts, before a replica can be placed there (under the fence lock, so that a quota
+        // or a take-over at the same moment sees this mount or is seen by it).
+        let _fencing = self.fencing.lock();
+        let fences = if group.is_serving() { self.quota_ranges(id) } else { Vec::new() };
+        if self.apply_mount(group, client, desc.clone(), &carried, &fences, now, accepted)? {
             self.sweep_dead_segments_of(group);
         }
         Ok(())
@@ -749,7 +761,7 @@ impl Master {
         let table = &self.group(group).ok_or(ErrorCode::KVPT_NOT_OWNED)?.segments;
         // A value no segment's slice could ever hold is refused outright: evicting would not
         // help.
-        if !table.live().iter().any(|s| s.slice_len() >= size) {
+        if !table.live().iter().any(|s| s.room() >= size) {
             return Err(ErrorCode::NO_AVAILABLE_HANDLE);
         }
         match table.place(size, p) {
@@ -1372,9 +1384,14 @@ impl Master {
             d.replicas.iter().for_each(|r| r.assume_granted_until(granted));
         }
         group.set_epoch(epoch);
+        // Its allocations are this master's from now on: they keep out of the VSegment quota,
+        // set aside before the group takes its first write.
+        let fencing = self.fencing.lock();
+        self.fence_group(group);
         if !group.set_serving(true) {
             self.serving_groups.fetch_add(1, Ordering::AcqRel);
         }
+        drop(fencing);
         group.set_installing(false);
         group.set_frozen(false);
         group.segments.set_standby_grants(0);

@@ -116,6 +116,12 @@ pub struct MountedSegment {
     len: u64,
     /// Over the slice, offsets relative to `base`.
     alloc: Mutex<RangeAllocator>,
+    /// Ranges of the slice set aside for VSegments (relative to `base`), set once on a group's
+    /// primary: nothing is allocated there, and parts in use when they were set aside are
+    /// taken as they are freed.
+    fences: std::sync::OnceLock<Box<[(u64, u64)]>>,
+    /// Bytes of the fences taken from the allocator so far (not counted in `used`).
+    fenced: AtomicU64,
 }
 
 pub use tycho_proto::slice_of;
@@ -143,7 +149,46 @@ impl MountedSegment {
             used: AtomicU64::new(0),
             stored: AtomicU64::new(0),
             next_gen: AtomicU32::new(1),
+            fences: std::sync::OnceLock::new(),
+            fenced: AtomicU64::new(0),
         }
+    }
+
+    /// Sets the ranges (segment offsets and lengths) that ordinary replicas must never take:
+    /// the parts of them inside this slice are taken from the allocator now where free, and
+    /// as they are freed otherwise. Once per mount; later calls change nothing. Returns the
+    /// bytes taken now.
+    pub fn fence(&self, ranges: &[(u64, u64)]) -> u64 {
+        let unit = segment_block_size(self.desc.size);
+        let (lo, hi) = (self.base, self.base + self.len);
+        let mine: Vec<(u64, u64)> = ranges
+            .iter()
+            .filter_map(|&(o, l)| {
+                // The part inside the slice, widened to whole blocks (a checked plan's extents
+                // are block-aligned already; the slice starts and ends on blocks).
+                let from = (o / unit * unit).max(lo);
+                let to = o.saturating_add(l).checked_next_multiple_of(unit).unwrap_or(u64::MAX).min(hi);
+                (from < to).then_some((from - lo, to - lo))
+            })
+            .collect();
+        if mine.is_empty() || self.fences.set(mine.into_boxed_slice()).is_err() || !self.is_alive() {
+            return 0;
+        }
+        let mut alloc = self.alloc.lock();
+        let taken: u64 =
+            self.fences.get().into_iter().flatten().map(|&(from, to)| alloc.take_unallocated(from, to)).sum();
+        self.fenced.fetch_add(taken, Ordering::Relaxed);
+        taken
+    }
+
+    /// Bytes of the slice set aside for VSegments and out of replicas' reach by now.
+    pub fn fenced(&self) -> u64 {
+        self.fenced.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the slice replicas may use: the slice less what is set aside for VSegments.
+    pub fn room(&self) -> u64 {
+        self.len.saturating_sub(self.fenced())
     }
 
     /// False once the segment is unmounted or its client expired; replicas on it are dead.
@@ -200,7 +245,7 @@ impl MountedSegment {
 
     /// Free fraction of the slice.
     fn free_ratio(&self) -> f64 {
-        1.0 - self.used() as f64 / self.len.max(1) as f64
+        1.0 - self.used() as f64 / self.room().max(1) as f64
     }
 
     /// A fresh generation; 0 is never used (it is what unwritten blocks hold).
@@ -281,16 +326,31 @@ impl MountedSegment {
         if !self.is_alive() {
             return;
         }
+        let mut taken = 0;
         let freed = match (self.local(a.offset, a.reserved), &self.holding) {
             (None, _) => false,
-            (Some(at), Some(h)) => {
-                let (until, now) = h.until(granted_until);
-                self.alloc.lock().hold(at, a.reserved, tenant, until, now)
+            (Some(at), holding) => {
+                let mut alloc = self.alloc.lock();
+                let freed = match holding {
+                    Some(h) => {
+                        let (until, now) = h.until(granted_until);
+                        alloc.hold(at, a.reserved, tenant, until, now)
+                    }
+                    None => alloc.free(at, a.reserved),
+                };
+                // What lies in a fence goes to the fence, not back to the replicas.
+                if let Some(fences) = self.fences.get().filter(|_| freed) {
+                    let end = at + a.reserved;
+                    for &(from, to) in fences.iter().filter(|&&(from, to)| from < end && at < to) {
+                        taken += alloc.take_unallocated(from.max(at), to.min(end));
+                    }
+                }
+                freed
             }
-            (Some(at), None) => self.alloc.lock().free(at, a.reserved),
         };
         if freed {
             self.used.fetch_sub(a.reserved, Ordering::Relaxed);
+            self.fenced.fetch_add(taken, Ordering::Relaxed);
             self.stored.fetch_sub(a.len, Ordering::Relaxed);
         } else {
             tracing::error!(segment = %self.desc.id, offset = a.offset, "refused to free a range that is not allocated");
@@ -486,7 +546,7 @@ impl SegmentTable {
         desc: SegmentDesc,
         reserve: &[(u64, u64)],
     ) -> WireResult<(Arc<MountedSegment>, Vec<Option<SegAlloc>>, bool)> {
-        self.mount_then(client, desc, reserve, || {})
+        self.mount_then(client, desc, reserve, &[], || {})
     }
 
     /// [`SegmentTable::mount`], calling `accepted` once the mount is certain to happen and before
@@ -498,6 +558,7 @@ impl SegmentTable {
         client: ClientId,
         desc: SegmentDesc,
         reserve: &[(u64, u64)],
+        fences: &[(u64, u64)],
         accepted: impl FnOnce(),
     ) -> WireResult<(Arc<MountedSegment>, Vec<Option<SegAlloc>>, bool)> {
         if desc.size == 0 || desc.base.checked_add(desc.size).is_none() || desc.endpoint.is_empty() {
@@ -539,6 +600,11 @@ impl SegmentTable {
         accepted();
         let seg = Arc::new(MountedSegment::new(desc, client, self.secret.as_deref(), self.holding.clone(), self.slice));
         let reserved = reserve.iter().map(|&(o, l)| seg.reserve(o, l)).collect();
+        // Set aside before anyone can place a replica here (a primary's mount once the
+        // VSegment quota is known).
+        if !fences.is_empty() {
+            seg.fence(fences);
+        }
         by_id.insert(seg.desc.id, seg.clone());
         self.publish(&by_id);
         Ok((seg, reserved, replaced))
@@ -589,13 +655,14 @@ impl SegmentTable {
     /// compares, so that rounding small values up to blocks does not start eviction early.
     pub fn stored_usage(&self) -> (u64, u64) {
         let live = self.live();
-        live.iter().fold((0, 0), |(t, u), s| (t + s.len, u + s.stored()))
+        live.iter().fold((0, 0), |(t, u), s| (t + s.room(), u + s.stored()))
     }
 
-    /// Sum of slice sizes and of used bytes over live segments.
+    /// Sum of slice sizes (less what is set aside for VSegments) and of used bytes over live
+    /// segments.
     pub fn usage(&self) -> (u64, u64) {
         let live = self.live();
-        live.iter().fold((0, 0), |(t, u), s| (t + s.len, u + s.used()))
+        live.iter().fold((0, 0), |(t, u), s| (t + s.room(), u + s.used()))
     }
 
     /// Places up to `p.replicas` replicas of `size` bytes on distinct segments, best effort.
@@ -745,6 +812,36 @@ mod tests {
         assert_eq!(t.place(10, &p).unwrap()[0].seg.desc.id, SegmentId(2));
         let p = random(1, &[]);
         assert_eq!(t.place(2 << 20, &p).err(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
+    }
+
+    #[test]
+    fn a_fenced_range_is_never_allocated_and_joins_the_fence_as_it_is_freed() {
+        let t = SegmentTable::default();
+        t.mount(ClientId(1), desc(1, "e:1", 0, 1 << 20), &[]).unwrap();
+        let seg = t.get(SegmentId(1)).unwrap();
+        let first = seg.allocate(64 << 10, 0).unwrap();
+        assert_eq!(first.offset, 0);
+        // Set aside [32 KiB, 544 KiB): the half of `first` inside stays allocated.
+        assert_eq!(seg.fence(&[(32 << 10, 512 << 10)]), 480 << 10);
+        assert_eq!((seg.fenced(), seg.room()), (480 << 10, (1 << 20) - (480 << 10)));
+        assert_eq!(seg.fence(&[(0, 1 << 20)]), 0, "set once");
+        let mut got = Vec::new();
+        while let Some(a) = seg.allocate(4096, 0) {
+            assert!(a.offset + a.reserved <= 32 << 10 || a.offset >= 544 << 10, "allocated {} in the fence", a.offset);
+            got.push(a);
+        }
+        assert_eq!(seg.used(), (64 << 10) + got.len() as u64 * 4096);
+        // Freeing `first` gives its part in the fence to the fence, the rest to replicas.
+        seg.free(first);
+        assert_eq!(seg.fenced(), 512 << 10);
+        assert_eq!(seg.allocate(64 << 10, 0), None, "only its 32 KiB outside the fence came back");
+        let back = seg.allocate(32 << 10, 0).unwrap();
+        assert_eq!(back.offset, 0);
+        // A range outside the slice sets nothing aside; one off the blocks, the blocks it
+        // touches.
+        let other = SegmentTable::default();
+        other.mount(ClientId(1), desc(2, "e:2", 0, 1 << 20), &[]).unwrap();
+        assert_eq!(other.get(SegmentId(2)).unwrap().fence(&[(2 << 20, 4096), (10, 60)]), 128);
     }
 
     #[test]

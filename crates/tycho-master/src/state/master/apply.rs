@@ -480,7 +480,7 @@ impl Master {
                 let reserved: Vec<(u64, u64, u64)> =
                     reserved.iter().map(|&(o, l, until)| (o, l, self.local_time(until))).collect();
                 let group = self.group(rank).ok_or(not_held)?;
-                self.apply_mount(group, *client, desc.clone(), &reserved, now, || {})
+                self.apply_mount(group, *client, desc.clone(), &reserved, &[], now, || {})
                     .map_err(|e| ReplayError::Mount(desc.id, e))?;
                 Ok(())
             }
@@ -594,20 +594,25 @@ impl Master {
     }
 
     /// A segment is mounted for `client` with `reserved` ranges (offset, bytes, until) taken
-    /// before anyone allocates; `accepted` runs once the mount is certain, before anyone can
-    /// allocate in it. Returns whether it replaced an earlier incarnation.
+    /// and `fences` (offset, bytes: the VSegment quota's, on a primary) set aside before anyone
+    /// allocates; `accepted` runs once the mount is certain, before anyone can allocate in it.
+    /// Returns whether it replaced an earlier incarnation.
+    // The ranges a mount starts with come in two kinds (carried reservations, quota fences)
+    // from two callers; a struct for them would only rename the arguments.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_mount(
         &self,
         group: &Group,
         client: ClientId,
         desc: tycho_proto::SegmentDesc,
         reserved: &[(u64, u64, u64)],
+        fences: &[(u64, u64)],
         now: u64,
         accepted: impl FnOnce(),
     ) -> Result<bool, ErrorCode> {
         let id = desc.id;
         let ranges: Vec<(u64, u64)> = reserved.iter().map(|&(o, l, _)| (o, l)).collect();
-        let (seg, got, replaced) = group.segments.mount_then(client, desc, &ranges, accepted)?;
+        let (seg, got, replaced) = group.segments.mount_then(client, desc, &ranges, fences, accepted)?;
         for (alloc, &(_, _, until)) in got.into_iter().zip(reserved) {
             if let Some(alloc) = alloc {
                 // A new incarnation: no capability of the old one works, so its tenant does not matter.

@@ -107,10 +107,10 @@ pub(crate) fn pick_target(
 ) -> Option<Arc<MountedSegment>> {
     let holds = |s: &MountedSegment| replicas.iter().any(|r| r.seg.desc.id == s.desc.id);
     let host_holds = |s: &MountedSegment| replicas.iter().any(|r| r.seg.is_alive() && r.seg.desc.host == s.desc.host);
-    let too_full = |s: &MountedSegment| (s.used() + size) as f64 > 0.85 * s.slice_len() as f64;
+    let too_full = |s: &MountedSegment| (s.used() + size) as f64 > 0.85 * s.room() as f64;
     segments
         .iter()
-        .filter(|s| s.is_alive() && !holds(s) && s.used().saturating_add(size) <= s.slice_len())
+        .filter(|s| s.is_alive() && !holds(s) && s.used().saturating_add(size) <= s.room())
         .min_by_key(|s| (host_holds(s), too_full(s), s.desc.id))
         .cloned()
 }
